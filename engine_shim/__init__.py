@@ -1,0 +1,1 @@
+"""Engine-side client of the sidecar (arrives with the sidecar issue)."""

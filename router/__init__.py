@@ -1,0 +1,1 @@
+"""Cluster KV-aware router (arrives with the router issue)."""

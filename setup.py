@@ -1,0 +1,14 @@
+"""Build the optional C accelerator; all package metadata lives in pyproject.toml."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "sidecar._blake2chain",
+            sources=["sidecar/_blake2chain.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        )
+    ]
+)

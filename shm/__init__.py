@@ -1,0 +1,1 @@
+"""CPU-tier block pool in POSIX shared memory (arrives with the sidecar issue)."""

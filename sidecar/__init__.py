@@ -1,0 +1,1 @@
+"""kvsidecar daemon: configuration, control plane, server loop, worker pools, CLI."""
