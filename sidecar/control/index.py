@@ -1,0 +1,365 @@
+"""RadixIndex: prefix index over chained block keys, for one tier.
+
+Nodes hold runs of blocks (keys and slots in numpy arrays) and split when a
+new sequence diverges inside a run. Matching walks one dict lookup and one
+vectorised comparison per node, never per block.
+
+Invariants (checked by the property tests):
+- a match returns the longest prefix of *ready* blocks; unready blocks are
+  in flight and never served;
+- an unready node has no children, so dropping it on failure orphans nothing;
+- `lock_count` of a node counts locks on it and on its descendants, so a
+  locked node and all its ancestors are never evicted;
+- only ready, unlocked leaves are eviction candidates, tracked incrementally
+  by the policy: O(log n) per evicted node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, SLOT_DTYPE, BlockKeys, SlotIds
+from sidecar.control.node import RadixNode
+from sidecar.control.policies import EvictionPolicy
+
+_EMPTY_SLOTS = SlotIds(np.empty(0, dtype=SLOT_DTYPE))
+
+
+class IndexConflict(ValueError):
+    """A request that would break an index invariant; the index is unchanged."""
+
+
+class MatchResult(NamedTuple):
+    num_blocks: int
+    """Leading blocks that are present and ready."""
+    slots: SlotIds
+    """Their slots, in order."""
+    node: RadixNode | None
+    """Deepest node holding a matched ready block (lock it to protect the prefix)."""
+    num_present: int
+    """Leading blocks present at all: ready ones plus any in flight after them."""
+    pending: RadixNode | None
+    """The unready node met after the ready prefix, if any."""
+
+
+class InsertResult(NamedTuple):
+    node: RadixNode | None
+    """The node holding the new blocks (None when nothing was new)."""
+    num_new: int
+
+
+class EvictedRun(NamedTuple):
+    key_bytes: bytes
+    """Evicted keys, 16 bytes each, back to back."""
+    slots: SlotIds
+    parent: RadixNode
+    """The node the run hung from; still in the index (possibly the root)."""
+
+
+class EvictResult(NamedTuple):
+    num_blocks: int
+    runs: list[EvictedRun]
+
+    @property
+    def slots(self) -> SlotIds:
+        if not self.runs:
+            return _EMPTY_SLOTS
+        return SlotIds(np.concatenate([r.slots for r in self.runs]))
+
+
+def _common_prefix(node_keys: bytes, query: bytes, pos: int) -> int:
+    """Leading keys of `node_keys` equal to the keys of `query` from key `pos`.
+
+    The caller found the node through its first key, so at least one matches.
+    A whole-node match (the common case) costs one bytes comparison.
+    """
+    start = pos * KEY_BYTES
+    segment = query[start : start + len(node_keys)]
+    if segment == node_keys:
+        return len(node_keys) // KEY_BYTES
+    n = len(segment) // KEY_BYTES
+    a = np.frombuffer(node_keys, dtype=np.uint64, count=2 * n)
+    b = np.frombuffer(segment, dtype=np.uint64)
+    diff = np.flatnonzero(a != b)
+    return n if diff.size == 0 else int(diff[0]) // 2
+
+
+class RadixIndex:
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        clock: Callable[[], float] = time.monotonic,
+        record_events: bool = False,
+    ) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._seq = 0
+        self.root = RadixNode(b"", _EMPTY_SLOTS, None, True, clock(), 0)
+        self.num_blocks = 0
+        self.num_nodes = 0
+        self._record_events = record_events
+        self._events: list[KVEvent] = []
+
+    # ---- lookup -----------------------------------------------------------
+
+    def match(self, keys: BlockKeys, *, touch: bool = False) -> MatchResult:
+        """Longest ready prefix of `keys`. With `touch`, counts a hit on every
+        matched node (recency, hit count), first splitting a node the match
+        ends inside so its unmatched tail is not refreshed; without `touch`,
+        changes nothing."""
+        kb = _key_bytes(keys)
+        node, pos = self.root, 0
+        deepest: RadixNode | None = None
+        runs: list[np.ndarray] = []
+        pending: RadixNode | None = None
+        num_present = 0
+        total = len(kb) // KEY_BYTES
+        while pos < total:
+            child = node.children.get(kb[pos * KEY_BYTES : (pos + 1) * KEY_BYTES])
+            if child is None:
+                break
+            m = _common_prefix(child.key_bytes, kb, pos)
+            if not child.ready:
+                pending, num_present = child, pos + m
+                break
+            if m < len(child):
+                if touch:  # split, so that the unmatched tail keeps its old recency
+                    child = self._split(child, m)
+                runs.append(child.slots[:m])
+                deepest, pos = child, pos + m
+                break
+            runs.append(child.slots)
+            deepest, pos = child, pos + m
+            node = child
+        if pending is None:
+            num_present = pos
+        if touch and deepest is not None:
+            self._touch_path(deepest)
+        slots = runs[0] if len(runs) == 1 else (np.concatenate(runs) if runs else _EMPTY_SLOTS)
+        return MatchResult(pos, SlotIds(slots), deepest, num_present, pending)
+
+    def _touch_path(self, node: RadixNode) -> None:
+        now = self._clock()
+        self._seq += 1
+        seq = self._seq
+        while node.parent is not None:
+            node.last_access = now
+            node.access_seq = seq
+            node.hit_count += 1
+            self.policy.on_hit(node)
+            if node.heap_token is not None:
+                self.policy.add(node)  # stats changed: refresh its priority
+            node = node.parent
+
+    def touch(self, node: RadixNode | None) -> None:
+        """Count a hit on `node` and its ancestors, as `match(touch=True)` does."""
+        if node is not None:
+            self._touch_path(node)
+
+    def path(self, node: RadixNode) -> tuple[BlockKeys, SlotIds]:
+        """Keys and slots of every block from the root down to the end of `node`."""
+        keys: list[bytes] = []
+        slots: list[np.ndarray] = []
+        while node.parent is not None:
+            keys.append(node.key_bytes)
+            slots.append(node.slots)
+            node = node.parent
+        flat = np.frombuffer(b"".join(reversed(keys)), dtype=KEY_DTYPE)
+        run = np.concatenate(slots[::-1]) if slots else _EMPTY_SLOTS
+        return BlockKeys(flat), SlotIds(run)
+
+    # ---- insert / ready / remove -------------------------------------------
+
+    def insert(self, keys: BlockKeys, slots: SlotIds, *, ready: bool = False) -> InsertResult:
+        """Add the last len(slots) keys, whose prefix keys[:-len(slots)] must be present.
+
+        The prefix must end in a ready node (an in-flight node gets no
+        children). Raises IndexConflict and changes nothing otherwise.
+        """
+        kb = _key_bytes(keys)
+        total, num_new = len(kb) // KEY_BYTES, len(slots)
+        if num_new > total:
+            raise IndexConflict(f"{num_new} slots for {total} keys")
+        node, pos, m = self._walk(kb)
+        if pos != total - num_new:
+            raise IndexConflict(
+                f"insert expects the first {total - num_new} keys present, found {pos}"
+            )
+        if num_new == 0:
+            return InsertResult(None, 0)
+        if not node.ready:
+            raise IndexConflict("cannot insert below a block that is still in flight")
+        if node.parent is not None and m < len(node):
+            node = self._split(node, m)
+        now = self._clock()
+        self._seq += 1
+        child = RadixNode(
+            kb[pos * KEY_BYTES :],
+            SlotIds(np.array(slots, dtype=SLOT_DTYPE)),
+            node,
+            ready,
+            now,
+            self._seq,
+        )
+        if node.heap_token is not None:
+            self.policy.discard(node)
+        node.children[child.first_key] = child
+        self.num_blocks += num_new
+        self.num_nodes += 1
+        self.policy.on_insert(child)
+        if ready:
+            self._became_ready(child)
+        return InsertResult(child, num_new)
+
+    def _walk(self, kb: bytes) -> tuple[RadixNode, int, int]:
+        """Deepest node matching the keys `kb` (ready or not), blocks matched
+        in all, and blocks matched inside that node."""
+        node, pos = self.root, 0
+        total = len(kb) // KEY_BYTES
+        while pos < total:
+            child = node.children.get(kb[pos * KEY_BYTES : (pos + 1) * KEY_BYTES])
+            if child is None:
+                break
+            m = _common_prefix(child.key_bytes, kb, pos)
+            node, pos = child, pos + m
+            if m < len(child):
+                return node, pos, m
+        return node, pos, len(node)
+
+    def _split(self, node: RadixNode, m: int) -> RadixNode:
+        """Cut `node` after its first m blocks; returns the new upper node."""
+        parent = node.parent
+        assert parent is not None and 0 < m < len(node)
+        cut = m * KEY_BYTES
+        upper = RadixNode(node.key_bytes[:cut], node.slots[:m], parent, node.ready, 0.0, 0)
+        upper.copy_stats_from(node)
+        upper.lock_count = node.lock_count
+        node.key_bytes, node.slots = node.key_bytes[cut:], node.slots[m:]
+        parent.children[upper.first_key] = upper
+        upper.children[node.first_key] = node
+        node.parent = upper
+        self.num_nodes += 1
+        self.policy.on_split(upper, node)
+        return upper
+
+    def set_ready(self, node: RadixNode) -> None:
+        """The node's data has landed: it becomes visible to matches."""
+        if node.ready:
+            raise IndexConflict("node is already ready")
+        node.ready = True
+        self._became_ready(node)
+
+    def _became_ready(self, node: RadixNode) -> None:
+        if self._record_events:
+            parent = node.parent
+            parent_key = None if parent is None or parent.parent is None else parent.last_key
+            self._events.append(BlockStored(node.keys, parent_key))
+        if node.evictable:
+            self.policy.add(node)
+
+    def discard(self, node: RadixNode) -> SlotIds:
+        """Drop an unready, unlocked node (its data never landed); returns its slots."""
+        if node.ready or node.lock_count or node.children or node.parent is None:
+            raise IndexConflict(f"only an unready, unlocked leaf can be discarded: {node}")
+        self._unlink(node)
+        return node.slots
+
+    def _unlink(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.first_key]
+        node.parent = None
+        self.num_blocks -= len(node)
+        self.num_nodes -= 1
+        self.policy.on_remove(node)
+        if parent.evictable:
+            self.policy.add(parent)
+
+    # ---- locks ----------------------------------------------------------------
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect node and its ancestors from eviction until `unlock(node)`."""
+        if node.heap_token is not None:
+            self.policy.discard(node)
+        cur: RadixNode | None = node
+        while cur is not None:
+            cur.lock_count += 1
+            cur = cur.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        if node.lock_count <= 0:
+            raise IndexConflict(f"unlock of an unlocked node: {node}")
+        cur: RadixNode | None = node
+        while cur is not None:
+            cur.lock_count -= 1
+            cur = cur.parent
+        if node.evictable:
+            self.policy.add(node)
+
+    # ---- eviction -------------------------------------------------------------
+
+    def evict(
+        self, num_blocks: int, on_run: Callable[[EvictedRun], None] | None = None
+    ) -> EvictResult:
+        """Evict at least `num_blocks` blocks if that many are evictable, whole
+        leaves first; the last victim is cut so the total is exactly
+        min(num_blocks, evictable). evict(0) does nothing.
+
+        `on_run` sees each run as it leaves, while its parent is still in the
+        index: `path(run.parent)` is its prefix, and locking the parent there
+        keeps the parent from being the next victim."""
+        runs: list[EvictedRun] = []
+        left = num_blocks
+        while left > 0:
+            victim = self.policy.pop()
+            if victim is None:
+                break
+            parent = victim.parent
+            assert parent is not None
+            if len(victim) > left:
+                keep = len(victim) - left
+                cut = keep * KEY_BYTES
+                runs.append(EvictedRun(victim.key_bytes[cut:], victim.slots[keep:], victim))
+                victim.key_bytes, victim.slots = victim.key_bytes[:cut], victim.slots[:keep]
+                self.num_blocks -= left
+                self.policy.on_truncate(victim, left)
+                self.policy.add(victim)
+                left = 0
+            else:
+                runs.append(EvictedRun(victim.key_bytes, victim.slots, parent))
+                left -= len(victim)
+                self._unlink(victim)
+            if self._record_events:
+                self._events.append(BlockRemoved(_as_keys(runs[-1].key_bytes)))
+            if on_run is not None:
+                on_run(runs[-1])
+        return EvictResult(num_blocks - left, runs)
+
+    def clear(self) -> SlotIds:
+        """Drop every ready, unlocked block; returns their slots. Pending or
+        locked nodes (and their ancestors) stay."""
+        result = self.evict(self.num_blocks)
+        if self._record_events and self.num_blocks == 0:
+            self._events.append(AllBlocksCleared())
+        return result.slots
+
+    # ---- events ---------------------------------------------------------------
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+
+def _key_bytes(keys: BlockKeys) -> bytes:
+    if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
+        raise TypeError(f"keys must be a 1-D numpy array of dtype {KEY_DTYPE}")
+    return keys.tobytes()
+
+
+def _as_keys(key_bytes: bytes) -> BlockKeys:
+    return BlockKeys(np.frombuffer(key_bytes, dtype=KEY_DTYPE))

@@ -1,0 +1,361 @@
+"""GlobalCacheEngine: GET and PUT plans across the CPU, SSD and remote tiers.
+
+GET(keys, gpu_blocks) loads the longest cached prefix. Fragment 1 is what the
+CPU tier holds (H2D). Past it, fragment 2 comes from SSD and fragment 3 from
+the remote tier, each staged into fresh CPU slots (DISK2H / REMOTE2H, then
+H2D). The staged blocks join the CPU index, unready until they land.
+
+PUT(keys, gpu_blocks) skips what the CPU tier has, stores the rest (D2H;
+the longest prefix that fits when space is short), then writes down to SSD
+and remote per the write policy:
+- write_through: every PUT also writes what the lower tier lacks;
+- write_through_selective: a block is written down once its CPU node has
+  been hit `write_through_min_hits` times (checked on GET);
+- write_back: a block is written down when it is evicted from the CPU tier;
+  its CPU slot is reused only after the write has landed.
+
+Every block a plan reads or writes stays locked until the plan ends; every
+block it inserts stays unready until its op completes. Failing or cancelling
+a plan drops what had not landed and releases the rest, so a half-written
+block is never visible and no slot leaks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+
+import numpy as np
+
+from sidecar.control.engine import CacheEngine
+from sidecar.control.graph import OpKind, TransferGraph, TransferOp
+from sidecar.control.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
+from sidecar.control.index import EvictedRun, MatchResult
+from sidecar.control.node import RadixNode
+from sidecar.control.plan import (
+    Plan,
+    PlanError,
+    PlanKind,
+    ReadyWait,
+    RunningPlan,
+    TierCounts,
+)
+
+
+class WritePolicy(enum.Enum):
+    WRITE_THROUGH = "write_through"
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"
+    WRITE_BACK = "write_back"
+
+
+_LOAD_OP = {"ssd": OpKind.DISK2H, "remote": OpKind.REMOTE2H}
+_STORE_OP = {"ssd": OpKind.H2DISK, "remote": OpKind.H2REMOTE}
+
+
+class GlobalCacheEngine:
+    def __init__(
+        self,
+        cpu: CacheEngine,
+        ssd: CacheEngine | None = None,
+        remote: CacheEngine | None = None,
+        write_policy: str | WritePolicy = WritePolicy.WRITE_THROUGH,
+        write_through_min_hits: int = 2,
+    ) -> None:
+        self.cpu = cpu
+        self.lower: dict[str, CacheEngine] = {}
+        if ssd is not None:
+            self.lower["ssd"] = ssd
+        if remote is not None:
+            self.lower["remote"] = remote
+        self.write_policy = WritePolicy(write_policy)
+        if write_through_min_hits < 1:
+            raise ValueError(f"write_through_min_hits must be >= 1, got {write_through_min_hits}")
+        self.write_through_min_hits = write_through_min_hits
+        self._runs: dict[int, RunningPlan] = {}
+        self._next_id = 1
+        self._background: list[Plan] = []
+        if self.write_policy is WritePolicy.WRITE_BACK and self.lower:
+            cpu.evict_hook = self._write_back
+
+    # ---- queries -------------------------------------------------------------
+
+    def lookup(self, keys: BlockKeys) -> TierCounts:
+        """Ready prefix length in each tier; changes nothing."""
+        lower = {name: tier.match(keys).num_blocks for name, tier in self.lower.items()}
+        cpu = self.cpu.match(keys).num_blocks
+        return TierCounts(cpu, lower.get("ssd", 0), lower.get("remote", 0))
+
+    @property
+    def num_active_plans(self) -> int:
+        return len(self._runs)
+
+    def drain_background(self) -> list[Plan]:
+        """Write-back plans created by CPU evictions, for the sidecar's pools."""
+        plans, self._background = self._background, []
+        return plans
+
+    # ---- GET ---------------------------------------------------------------------
+
+    def get(self, keys: BlockKeys, gpu_blocks: GpuBlockIds, skip: int = 0) -> Plan:
+        """Plan loading keys[skip:matched] into gpu_blocks[skip:matched].
+
+        The first `skip` blocks are already on the GPU; they are matched (a
+        prefix is only usable whole) but not copied.
+        """
+        n = _check_request(keys, gpu_blocks)
+        if not 0 <= skip <= n:
+            raise ValueError(f"skip must be in [0, {n}], got {skip}")
+        run, graph = self._start(PlanKind.GET)
+        cpu_m = self.cpu.match(keys, touch=True)
+        c = cpu_m.num_blocks
+        run.lock(self.cpu, cpu_m.node)
+        if skip < c:
+            graph.add(OpKind.H2D, cpu_m.slots[skip:c], gpu_blocks[skip:c])
+        counts = {"cpu": max(0, c - skip)}
+        if cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
+            counts.update(self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip))
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and cpu_m.node is not None:
+            hot = self._hot_prefix(cpu_m.node, c)
+            self._write_down(run, graph, keys[:hot], cpu_m.slots[:hot], None, 0)
+        hits = TierCounts(counts["cpu"], counts.get("ssd", 0), counts.get("remote", 0))
+        return self._launch(run, graph, hit_blocks=hits)
+
+    def _stage_from_lower(
+        self,
+        run: RunningPlan,
+        graph: TransferGraph,
+        keys: BlockKeys,
+        gpu_blocks: GpuBlockIds,
+        cpu_m: MatchResult,
+        skip: int,
+    ) -> dict[str, int]:
+        """Fragments 2 and 3: lower-tier blocks past the CPU prefix, staged
+        through one new CPU node that becomes ready when every load landed."""
+        c = cpu_m.num_blocks
+        frags: list[tuple[str, MatchResult, int, int]] = []
+        end = c
+        for name, tier in self.lower.items():
+            m = tier.match(keys)
+            if m.num_blocks > end:
+                frags.append((name, m, end, m.num_blocks))
+                end = m.num_blocks
+        if not frags:
+            return {}
+        # Lock the sources first: the CPU allocation may evict, and under
+        # write-back that writes to the lower tiers, which may evict in turn.
+        for name, m, _, _ in frags:
+            run.lock(self.lower[name], m.node)
+        slots = self.cpu.allocate(end - c)  # the CPU prefix is locked by now
+        end = c + slots.size
+        if slots.size == 0:
+            return {}
+        node = self.cpu.insert(BlockKeys(keys[:end]), slots).node
+        assert node is not None
+        run.inserted.append((self.cpu, node))
+        run.lock(self.cpu, node)
+        wait = ReadyWait(self.cpu, node, set())
+        run.waits.append(wait)
+        counts: dict[str, int] = {}
+        for name, m, start, stop in frags:
+            stop = min(stop, end)
+            if start >= stop:
+                break
+            tier = self.lower[name]
+            tier.index.touch(m.node)
+            dst = slots[start - c : stop - c]
+            load = graph.add(_LOAD_OP[name], m.slots[start:stop], dst)
+            wait.ops.add(load)
+            lo = max(start, skip)
+            if lo < stop:
+                graph.add(OpKind.H2D, slots[lo - c : stop - c], gpu_blocks[lo:stop], (load,))
+            counts[name] = max(0, stop - lo)
+        return counts
+
+    def _hot_prefix(self, node: RadixNode, matched: int) -> int:
+        """Blocks of the matched CPU prefix whose nodes have enough hits.
+
+        Hit counts never grow down a path (a hit on a node is a hit on its
+        ancestors), so the hot blocks are a prefix: find its deepest node.
+        """
+        if node.hit_count >= self.write_through_min_hits:
+            return matched
+        end = _depth_above(node)
+        cur = node.parent
+        while cur is not None and cur.parent is not None:
+            if cur.hit_count >= self.write_through_min_hits:
+                return end
+            end -= len(cur)
+            cur = cur.parent
+        return 0
+
+    # ---- PUT ---------------------------------------------------------------------
+
+    def put(self, keys: BlockKeys, gpu_blocks: GpuBlockIds) -> Plan:
+        """Plan saving keys (from gpu_blocks) to the CPU tier and, per the
+        write policy, below it. Blocks another plan is already saving are
+        left to it."""
+        n = _check_request(keys, gpu_blocks)
+        run, graph = self._start(PlanKind.PUT)
+        m = self.cpu.match(keys)
+        c = m.num_blocks
+        run.lock(self.cpu, m.node)
+        cpu_slots = m.slots
+        d2h = None
+        stored = 0
+        if m.num_present == c and c < n:
+            slots = self.cpu.allocate(n - c)
+            stored = slots.size
+            if stored:
+                node = self.cpu.insert(BlockKeys(keys[: c + stored]), slots).node
+                assert node is not None
+                run.inserted.append((self.cpu, node))
+                run.lock(self.cpu, node)
+                d2h = graph.add(OpKind.D2H, gpu_blocks[c : c + stored], slots)
+                run.waits.append(ReadyWait(self.cpu, node, {d2h}))
+                cpu_slots = np.concatenate([m.slots, slots])
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            self._write_down(run, graph, keys[: c + stored], cpu_slots, d2h, c)
+        return self._launch(run, graph, skipped_blocks=c, stored_blocks=stored)
+
+    def _write_down(
+        self,
+        run: RunningPlan,
+        graph: TransferGraph,
+        keys: np.ndarray,
+        cpu_slots: np.ndarray,
+        after: int | None,
+        after_from: int,
+    ) -> None:
+        """Copy the blocks of `keys` each lower tier lacks from `cpu_slots`.
+
+        The CPU blocks must be locked by `run`. Blocks at or past `after_from`
+        are still landing by op `after`, so their writes depend on it.
+        """
+        n = len(keys)
+        for name, tier in self.lower.items():
+            m = tier.match(BlockKeys(keys))
+            t = m.num_blocks
+            if t >= n or m.num_present > t:
+                continue
+            run.lock(tier, m.node)
+            slots = tier.allocate(n - t)
+            if slots.size == 0:
+                continue
+            end = t + slots.size
+            node = tier.insert(BlockKeys(keys[:end]), slots).node
+            assert node is not None
+            run.inserted.append((tier, node))
+            deps = (after,) if after is not None and end > after_from else ()
+            op = graph.add(_STORE_OP[name], cpu_slots[t:end], slots, deps)
+            run.waits.append(ReadyWait(tier, node, {op}))
+
+    # ---- write-back ------------------------------------------------------------
+
+    def _write_back(self, evicted: EvictedRun) -> np.ndarray:
+        """CPU eviction hook, once per evicted run: write the blocks the lower
+        tiers lack in a background plan. Returns the run's CPU slots, kept
+        until the write lands (empty when nothing needed writing). The plan
+        locks the run's parent, whose blocks the write may read too, so the
+        same eviction cannot take it next."""
+        run, graph = self._start(PlanKind.WRITE_BACK)
+        parent = evicted.parent
+        above_keys, above_slots = self.cpu.index.path(parent)
+        keys = np.concatenate([above_keys, np.frombuffer(evicted.key_bytes, dtype=KEY_DTYPE)])
+        slots = np.concatenate([above_slots, evicted.slots])
+        run.lock(self.cpu, parent if parent.parent is not None else None)
+        self._write_down(run, graph, keys, slots, None, 0)
+        kept = evicted.slots if graph.ops else evicted.slots[:0]
+        if kept.size:
+            run.held.append((self.cpu, kept))
+        plan = self._launch(run, graph)
+        if graph.ops:
+            self._background.append(plan)
+        return kept
+
+    # ---- completion ------------------------------------------------------------
+
+    def complete(self, plan_id: int, op_id: int) -> bool:
+        """Op `op_id` of the plan is done; returns True when the plan ended.
+
+        An unknown plan or op, an op done twice, or an op whose dependencies
+        are not done raises PlanError and changes nothing.
+        """
+        run = self._run(plan_id)
+        op = self._op(run, op_id)
+        missing = [d for d in op.deps if d not in run.done]
+        if missing:
+            raise PlanError(f"plan {plan_id}: op {op_id} completed before its deps {missing}")
+        run.mark_done(op_id)
+        if len(run.done) == len(run.plan.graph.ops):
+            del self._runs[plan_id]
+            run.release()
+            return True
+        return False
+
+    def fail(self, plan_id: int, op_id: int) -> None:
+        """Op `op_id` failed: the plan ends; what had not landed is dropped."""
+        run = self._run(plan_id)
+        self._op(run, op_id)
+        self.cancel(plan_id)
+
+    def cancel(self, plan_id: int) -> None:
+        run = self._run(plan_id)
+        del self._runs[plan_id]
+        run.release()
+
+    def active_plan_ids(self) -> Iterator[int]:
+        return iter(list(self._runs))
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _start(self, kind: PlanKind) -> tuple[RunningPlan, TransferGraph]:
+        graph = TransferGraph()
+        run = RunningPlan(Plan(self._next_id, kind, graph))
+        self._next_id += 1
+        return run, graph
+
+    def _launch(self, run: RunningPlan, graph: TransferGraph, **fields: object) -> Plan:
+        plan = Plan(run.plan.plan_id, run.plan.kind, graph, **fields)  # type: ignore[arg-type]
+        run.plan = plan
+        if graph.ops:
+            self._runs[plan.plan_id] = run
+        else:
+            run.release()
+        return plan
+
+    def _run(self, plan_id: int) -> RunningPlan:
+        run = self._runs.get(plan_id)
+        if run is None:
+            raise PlanError(f"no plan {plan_id} in flight")
+        return run
+
+    @staticmethod
+    def _op(run: RunningPlan, op_id: int) -> TransferOp:
+        ops = run.plan.graph.ops
+        if not 0 <= op_id < len(ops):
+            raise PlanError(f"plan {run.plan.plan_id} has no op {op_id}")
+        if op_id in run.done:
+            raise PlanError(f"plan {run.plan.plan_id}: op {op_id} already completed")
+        return ops[op_id]
+
+
+def _depth_above(node: RadixNode) -> int:
+    depth = 0
+    cur = node.parent
+    while cur is not None and cur.parent is not None:
+        depth += len(cur)
+        cur = cur.parent
+    return depth
+
+
+def _check_request(keys: BlockKeys, gpu_blocks: np.ndarray) -> int:
+    if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
+        raise TypeError(f"keys must be a 1-D numpy array of dtype {KEY_DTYPE}")
+    gpu = np.asarray(gpu_blocks)
+    if gpu.ndim != 1 or gpu.dtype.kind not in "iu":
+        raise TypeError(f"gpu_blocks must be a 1-D integer array, got {gpu.dtype} {gpu.shape}")
+    if gpu.size != keys.size:
+        raise ValueError(f"{keys.size} keys but {gpu.size} gpu blocks")
+    if gpu.size and gpu.min() < 0:
+        raise ValueError("gpu block ids must be >= 0")
+    return int(keys.size)

@@ -1,0 +1,166 @@
+"""Eviction policies: which unlocked, ready leaf of a radix index goes first.
+
+A policy holds the *candidate set*: the nodes that are evictable right now
+(ready, unlocked, no children). The index keeps it current through `add` and
+`discard` as nodes change, so choosing a victim never scans or sorts the
+tree: every policy here costs O(log n) per evicted node.
+
+Names and semantics follow FlexKV, so its configs carry over:
+
+| name   | evicts first                                   |
+|--------|------------------------------------------------|
+| lru    | least recently used (+ `hit_reward_seconds`)   |
+| lfu    | fewest hits, ties by least recently used       |
+| fifo   | oldest inserted                                |
+| mru    | most recently used                             |
+| filo   | newest inserted                                |
+| s3fifo | S3-FIFO: small / main FIFO queues with a ghost |
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from sidecar.control.node import RadixNode
+
+
+class EvictionPolicy(ABC):
+    """Contract between a `RadixIndex` and a policy.
+
+    The index calls, as things happen:
+    - `on_insert(node)` when a node is created (ready or not);
+    - `on_hit(node)` after it updated a node's access stats on a match;
+    - `on_split(upper, lower)` when a node is cut in two (`upper` is the new
+      parent; `lower` keeps its identity and candidacy);
+    - `on_remove(node)` when a node leaves the index for good;
+    - `on_truncate(node, n)` when the last n blocks of a node were evicted;
+    - `add(node)` when a node becomes evictable, or is evictable and its
+      stats changed; `discard(node)` when it stops being evictable.
+    `pop()` removes and returns the next victim among the candidates, or
+    None when there are none. The index then evicts all or part of it.
+    """
+
+    name: str = ""
+
+    def on_insert(self, node: RadixNode) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def on_hit(self, node: RadixNode) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def on_split(self, upper: RadixNode, lower: RadixNode) -> None:  # noqa: B027
+        pass
+
+    def on_remove(self, node: RadixNode) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def on_truncate(self, node: RadixNode, num_blocks: int) -> None:  # noqa: B027
+        pass
+
+    @abstractmethod
+    def add(self, node: RadixNode) -> None: ...
+
+    @abstractmethod
+    def discard(self, node: RadixNode) -> None: ...
+
+    @abstractmethod
+    def pop(self) -> RadixNode | None: ...
+
+    @property
+    @abstractmethod
+    def num_candidates(self) -> int: ...
+
+
+class LazyHeap:
+    """A min-heap of nodes by key, with O(1) removal by invalidation.
+
+    A node's live entry is the one whose sequence number equals
+    `node.heap_token`; older entries are skipped when popped. When stale
+    entries outnumber live ones the heap is rebuilt, so its size stays
+    O(candidates) and every operation stays amortised O(log n).
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, int, RadixNode]] = []
+        self._seq = 0
+        self.size = 0
+
+    def push(self, node: RadixNode, key: tuple) -> None:
+        if node.heap_token is None:
+            self.size += 1
+        self._seq += 1
+        node.heap_token = self._seq
+        heapq.heappush(self._heap, (key, self._seq, node))
+        if len(self._heap) > 2 * self.size + 1024:
+            self._heap = [e for e in self._heap if e[2].heap_token == e[1]]
+            heapq.heapify(self._heap)
+
+    def remove(self, node: RadixNode) -> None:
+        if node.heap_token is not None:
+            node.heap_token = None
+            self.size -= 1
+
+    def pop(self) -> RadixNode | None:
+        heap = self._heap
+        while heap:
+            _, seq, node = heapq.heappop(heap)
+            if node.heap_token == seq:
+                node.heap_token = None
+                self.size -= 1
+                return node
+        return None
+
+
+class PriorityPolicy(EvictionPolicy):
+    """A policy that is a fixed ordering of candidates: lowest `priority` goes first."""
+
+    def __init__(self, priority: Callable[[RadixNode], tuple], name: str) -> None:
+        self._priority = priority
+        self._heap = LazyHeap()
+        self.name = name
+
+    def add(self, node: RadixNode) -> None:
+        self._heap.push(node, self._priority(node))
+
+    def discard(self, node: RadixNode) -> None:
+        self._heap.remove(node)
+
+    def pop(self) -> RadixNode | None:
+        return self._heap.pop()
+
+    @property
+    def num_candidates(self) -> int:
+        return self._heap.size
+
+
+def _lru(reward: float) -> Callable[[RadixNode], tuple]:
+    if reward == 0.0:
+        return lambda n: (n.last_access, n.access_seq)
+    # Each hit moves the node `reward` seconds later in effective time.
+    return lambda n: (n.last_access + reward * n.hit_count, n.access_seq)
+
+
+_ORDERINGS: dict[str, Callable[[float], Callable[[RadixNode], tuple]]] = {
+    "lru": _lru,
+    "lfu": lambda _: lambda n: (n.hit_count, n.last_access, n.access_seq),
+    "fifo": lambda _: lambda n: (n.birth,),
+    "mru": lambda _: lambda n: (-n.last_access, -n.access_seq),
+    "filo": lambda _: lambda n: (-n.birth,),
+}
+
+POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo")
+
+
+def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
+    """The policy registered as `name`; `hit_reward_seconds` applies to lru only."""
+    if hit_reward_seconds < 0:
+        raise ValueError(f"hit_reward_seconds must be >= 0, got {hit_reward_seconds}")
+    if name == "s3fifo":
+        from sidecar.control.s3fifo import S3FifoPolicy
+
+        return S3FifoPolicy()
+    if name not in _ORDERINGS:
+        raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
+    return PriorityPolicy(_ORDERINGS[name](float(hit_reward_seconds)), name)

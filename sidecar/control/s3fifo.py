@@ -1,0 +1,126 @@
+"""S3-FIFO over radix-index nodes (Yang et al., SOSP '23), adapted to prefix trees.
+
+Nodes enter a small FIFO (S) unless their first key is remembered by the
+ghost queue G, in which case they enter the main FIFO (M). Eviction takes
+from S while S holds more than 10% of the cached blocks, else from M:
+- the oldest candidate of S moves to M if it was hit since insertion,
+  otherwise it is evicted and remembered in G;
+- the oldest candidate of M is reinserted at M's tail with its hit count
+  decremented while the count is positive, otherwise evicted.
+Only candidates (evictable leaves) are considered, so a parent is visited
+once its children are gone. Each node is moved at most once from S to M and
+reinserted at most `MAX_FREQ` times per hit, so a victim costs amortised
+O(log n).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from sidecar.control.node import RadixNode
+from sidecar.control.policies import EvictionPolicy, LazyHeap
+
+SMALL, MAIN = 0, 1
+MAX_FREQ = 3
+SMALL_SHARE = 0.1
+
+
+class _State:
+    __slots__ = ("freq", "qseq", "queue")
+
+    def __init__(self, queue: int, qseq: int) -> None:
+        self.queue = queue
+        self.freq = 0
+        self.qseq = qseq
+
+    def copy(self) -> _State:
+        other = _State(self.queue, self.qseq)
+        other.freq = self.freq
+        return other
+
+
+class S3FifoPolicy(EvictionPolicy):
+    name = "s3fifo"
+
+    def __init__(self, min_ghost_entries: int = 1024) -> None:
+        self._heaps = (LazyHeap(), LazyHeap())
+        self._blocks = [0, 0]
+        self._seq = 0
+        self._ghost: OrderedDict[bytes, None] = OrderedDict()
+        self._min_ghost = min_ghost_entries
+        self._num_nodes = 0
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    @staticmethod
+    def _state(node: RadixNode) -> _State:
+        state = node.policy_state
+        assert isinstance(state, _State)
+        return state
+
+    def on_insert(self, node: RadixNode) -> None:
+        key = node.first_key
+        queue = MAIN if key in self._ghost else SMALL
+        self._ghost.pop(key, None)
+        node.policy_state = _State(queue, self._next_seq())
+        self._blocks[queue] += len(node)
+        self._num_nodes += 1
+
+    def on_hit(self, node: RadixNode) -> None:
+        state = self._state(node)
+        state.freq = min(state.freq + 1, MAX_FREQ)
+
+    def on_split(self, upper: RadixNode, lower: RadixNode) -> None:
+        upper.policy_state = self._state(lower).copy()
+        self._num_nodes += 1
+
+    def on_remove(self, node: RadixNode) -> None:
+        self._blocks[self._state(node).queue] -= len(node)
+        self._num_nodes -= 1
+
+    def on_truncate(self, node: RadixNode, num_blocks: int) -> None:
+        self._blocks[self._state(node).queue] -= num_blocks
+
+    def add(self, node: RadixNode) -> None:
+        state = self._state(node)
+        self._heaps[state.queue].push(node, (state.qseq,))
+
+    def discard(self, node: RadixNode) -> None:
+        if node.heap_token is not None:
+            self._heaps[self._state(node).queue].remove(node)
+
+    @property
+    def num_candidates(self) -> int:
+        return self._heaps[SMALL].size + self._heaps[MAIN].size
+
+    def pop(self) -> RadixNode | None:
+        while self.num_candidates:
+            total = self._blocks[SMALL] + self._blocks[MAIN]
+            small_first = self._blocks[SMALL] > SMALL_SHARE * total
+            queue = SMALL if small_first and self._heaps[SMALL].size else MAIN
+            if not self._heaps[queue].size:
+                queue = SMALL
+            node = self._heaps[queue].pop()
+            assert node is not None
+            state = self._state(node)
+            if state.freq == 0:
+                if queue == SMALL:
+                    self._remember(node.first_key)
+                return node
+            if queue == SMALL:
+                self._blocks[SMALL] -= len(node)
+                self._blocks[MAIN] += len(node)
+                state.queue, state.freq = MAIN, 0
+            else:
+                state.freq -= 1
+            state.qseq = self._next_seq()
+            self._heaps[MAIN].push(node, (state.qseq,))
+        return None
+
+    def _remember(self, key: bytes) -> None:
+        self._ghost[key] = None
+        limit = max(self._min_ghost, self._num_nodes)
+        while len(self._ghost) > limit:
+            self._ghost.popitem(last=False)

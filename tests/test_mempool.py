@@ -1,0 +1,120 @@
+"""Mempool: slot order, errors, and that a failed call changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sidecar.control.ids import SLOT_DTYPE
+from sidecar.control.mempool import Mempool, MempoolError, OutOfSlots
+
+
+def snapshot(pool: Mempool) -> tuple[int, list[bool]]:
+    return pool.num_free, [pool.is_free(i) for i in range(pool.num_slots)]
+
+
+def test_fresh_pool_hands_out_lowest_slots_in_order():
+    pool = Mempool(6)
+    assert (pool.num_free, pool.num_used) == (6, 0)
+    first = pool.allocate(2)
+    assert first.dtype == SLOT_DTYPE
+    assert first.tolist() == [0, 1]
+    assert pool.allocate(3).tolist() == [2, 3, 4]
+    assert (pool.num_free, pool.num_used) == (1, 5)
+    assert [pool.is_free(i) for i in range(6)] == [False] * 5 + [True]
+
+
+def test_free_then_allocate_reuses_in_stack_order():
+    pool = Mempool(6)
+    pool.allocate(6)
+    pool.free(np.array([4, 1]))
+    assert pool.num_free == 2
+    assert pool.is_free(4) and pool.is_free(1)
+    # The freed run comes back in the order it was given.
+    assert pool.allocate(2).tolist() == [4, 1]
+    assert pool.num_free == 0
+
+
+def test_allocate_zero_and_free_empty_change_nothing():
+    pool = Mempool(3)
+    pool.allocate(1)
+    before = snapshot(pool)
+    empty = pool.allocate(0)
+    assert empty.size == 0 and empty.dtype == SLOT_DTYPE
+    pool.free(np.empty(0, dtype=np.int64))
+    assert snapshot(pool) == before
+
+
+def test_allocate_everything_then_out_of_slots():
+    pool = Mempool(4)
+    pool.allocate(3)
+    before = snapshot(pool)
+    with pytest.raises(OutOfSlots):
+        pool.allocate(2)
+    assert snapshot(pool) == before
+    assert pool.allocate(1).tolist() == [3]
+
+
+def test_empty_pool():
+    pool = Mempool(0)
+    assert pool.allocate(0).size == 0
+    with pytest.raises(OutOfSlots):
+        pool.allocate(1)
+
+
+def test_negative_sizes_are_rejected():
+    with pytest.raises(ValueError):
+        Mempool(-1)
+    pool = Mempool(2)
+    with pytest.raises(ValueError):
+        pool.allocate(-1)
+    assert snapshot(pool) == (2, [True, True])
+
+
+def test_unsigned_slots_are_accepted():
+    pool = Mempool(4)
+    pool.allocate(4)
+    pool.free(np.array([2, 0], dtype=np.uint32))
+    assert pool.allocate(2).tolist() == [2, 0]
+
+
+BAD_FREES = {
+    "double free": np.array([5]),
+    "double free among used": np.array([1, 5]),
+    "negative": np.array([-1]),
+    "negative among used": np.array([1, -1]),
+    "equal to num_slots": np.array([8]),
+    "far out of range": np.array([1, 2, 1000]),
+    "duplicate in one free": np.array([1, 1]),
+    "duplicate among others": np.array([0, 2, 0]),
+    "float dtype": np.array([1.0, 2.0]),
+    "bool dtype": np.array([True, False]),
+    "object dtype": np.array([1, 2], dtype=object),
+}
+
+
+@pytest.mark.parametrize("slots", BAD_FREES.values(), ids=BAD_FREES.keys())
+def test_bad_free_raises_and_changes_nothing(slots):
+    pool, twin = Mempool(8), Mempool(8)
+    for p in (pool, twin):
+        p.allocate(5)  # slots 0..4 used, 5..7 free
+        p.free(np.array([3]))
+    before = snapshot(pool)
+    with pytest.raises(MempoolError):
+        pool.free(slots)
+    assert snapshot(pool) == before
+    # The free stack is untouched too: both pools hand out the same slots.
+    assert pool.allocate(pool.num_free).tolist() == twin.allocate(twin.num_free).tolist()
+
+
+def test_free_of_a_zero_dim_array_frees_or_changes_nothing():
+    """np.asarray(slot) of one slot is a 0-d array; the contract says a bad free
+    raises and changes nothing, and a good one frees the slot."""
+    pool = Mempool(4)
+    pool.allocate(4)
+    try:
+        pool.free(np.array(3))
+    except (MempoolError, TypeError, ValueError):
+        assert snapshot(pool) == (0, [False] * 4)
+    else:
+        assert snapshot(pool) == (1, [False, False, False, True])
