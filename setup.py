@@ -1,4 +1,4 @@
-"""Build the optional C accelerator; all package metadata lives in pyproject.toml."""
+"""Build the optional C accelerators; all package metadata lives in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -9,6 +9,12 @@ setup(
             sources=["sidecar/_blake2chain.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "sidecar._nodeheap",
+            sources=["sidecar/_nodeheap.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

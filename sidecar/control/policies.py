@@ -74,27 +74,36 @@ class EvictionPolicy(ABC):
 
 
 class LazyHeap:
-    """A min-heap of nodes by key, with O(1) removal by invalidation.
+    """A min-heap of nodes by key (k0, k1, k2), with O(1) removal by invalidation.
 
     A node's live entry is the one whose sequence number equals
     `node.heap_token`; older entries are skipped when popped. When stale
     entries outnumber live ones the heap is rebuilt, so its size stays
-    O(candidates) and every operation stays amortised O(log n).
+    O(candidates) and every operation stays amortised O(log n). Equal keys
+    pop in push order.
+
+    This is the pure-Python reference; `NodeHeap` (from the optional C
+    extension `sidecar._nodeheap`, same contract) keeps the entries in one
+    contiguous array, which keeps a pop cheap when the heap outgrows the CPU
+    caches.
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple, int, RadixNode]] = []
+        self._heap: list[tuple[float, float, int, int, RadixNode]] = []
         self._seq = 0
         self.size = 0
 
-    def push(self, node: RadixNode, key: tuple) -> None:
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, node: RadixNode, k0: float, k1: float, k2: int) -> None:
         if node.heap_token is None:
             self.size += 1
         self._seq += 1
         node.heap_token = self._seq
-        heapq.heappush(self._heap, (key, self._seq, node))
+        heapq.heappush(self._heap, (k0, k1, k2, self._seq, node))
         if len(self._heap) > 2 * self.size + 1024:
-            self._heap = [e for e in self._heap if e[2].heap_token == e[1]]
+            self._heap = [e for e in self._heap if e[4].heap_token == e[3]]
             heapq.heapify(self._heap)
 
     def remove(self, node: RadixNode) -> None:
@@ -105,7 +114,7 @@ class LazyHeap:
     def pop(self) -> RadixNode | None:
         heap = self._heap
         while heap:
-            _, seq, node = heapq.heappop(heap)
+            _, _, _, seq, node = heapq.heappop(heap)
             if node.heap_token == seq:
                 node.heap_token = None
                 self.size -= 1
@@ -113,16 +122,24 @@ class LazyHeap:
         return None
 
 
+try:
+    from sidecar._nodeheap import NodeHeap
+except ImportError:  # the C extension is optional; the reference is exact, only slower
+    NodeHeap = LazyHeap  # type: ignore[assignment,misc]
+
+Priority = Callable[[RadixNode], tuple[float, float, int]]
+
+
 class PriorityPolicy(EvictionPolicy):
     """A policy that is a fixed ordering of candidates: lowest `priority` goes first."""
 
-    def __init__(self, priority: Callable[[RadixNode], tuple], name: str) -> None:
+    def __init__(self, priority: Priority, name: str) -> None:
         self._priority = priority
-        self._heap = LazyHeap()
+        self._heap = NodeHeap()
         self.name = name
 
     def add(self, node: RadixNode) -> None:
-        self._heap.push(node, self._priority(node))
+        self._heap.push(node, *self._priority(node))
 
     def discard(self, node: RadixNode) -> None:
         self._heap.remove(node)
@@ -135,19 +152,20 @@ class PriorityPolicy(EvictionPolicy):
         return self._heap.size
 
 
-def _lru(reward: float) -> Callable[[RadixNode], tuple]:
+def _lru(reward: float) -> Priority:
     if reward == 0.0:
-        return lambda n: (n.last_access, n.access_seq)
+        return lambda n: (n.last_access, 0.0, n.access_seq)
     # Each hit moves the node `reward` seconds later in effective time.
-    return lambda n: (n.last_access + reward * n.hit_count, n.access_seq)
+    return lambda n: (n.last_access + reward * n.hit_count, 0.0, n.access_seq)
 
 
-_ORDERINGS: dict[str, Callable[[float], Callable[[RadixNode], tuple]]] = {
+# Each ordering is a key (k0, k1, k2): floats, floats, int; lowest goes first.
+_ORDERINGS: dict[str, Callable[[float], Priority]] = {
     "lru": _lru,
     "lfu": lambda _: lambda n: (n.hit_count, n.last_access, n.access_seq),
-    "fifo": lambda _: lambda n: (n.birth,),
-    "mru": lambda _: lambda n: (-n.last_access, -n.access_seq),
-    "filo": lambda _: lambda n: (-n.birth,),
+    "fifo": lambda _: lambda n: (0.0, 0.0, n.birth),
+    "mru": lambda _: lambda n: (-n.last_access, 0.0, -n.access_seq),
+    "filo": lambda _: lambda n: (0.0, 0.0, -n.birth),
 }
 
 POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from sidecar.control.node import RadixNode
-from sidecar.control.policies import EvictionPolicy, LazyHeap
+from sidecar.control.policies import EvictionPolicy, NodeHeap
 
 SMALL, MAIN = 0, 1
 MAX_FREQ = 3
@@ -43,7 +43,7 @@ class S3FifoPolicy(EvictionPolicy):
     name = "s3fifo"
 
     def __init__(self, min_ghost_entries: int = 1024) -> None:
-        self._heaps = (LazyHeap(), LazyHeap())
+        self._heaps = (NodeHeap(), NodeHeap())
         self._blocks = [0, 0]
         self._seq = 0
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
@@ -85,7 +85,7 @@ class S3FifoPolicy(EvictionPolicy):
 
     def add(self, node: RadixNode) -> None:
         state = self._state(node)
-        self._heaps[state.queue].push(node, (state.qseq,))
+        self._heaps[state.queue].push(node, 0.0, 0.0, state.qseq)
 
     def discard(self, node: RadixNode) -> None:
         if node.heap_token is not None:
@@ -116,7 +116,7 @@ class S3FifoPolicy(EvictionPolicy):
             else:
                 state.freq -= 1
             state.qseq = self._next_seq()
-            self._heaps[MAIN].push(node, (state.qseq,))
+            self._heaps[MAIN].push(node, 0.0, 0.0, state.qseq)
         return None
 
     def _remember(self, key: bytes) -> None:
