@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvsidecar bench ...`: ratios to a floor measured in the same run."""
