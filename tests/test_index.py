@@ -358,3 +358,31 @@ def test_wrong_key_type(policy, bad):
     with pytest.raises(TypeError):
         index.insert(bad, np.array([1]))
     assert stats(index) == before
+
+
+def test_remove_drops_a_block_and_everything_below_it(policy):
+    index = make_index(policy)
+    index.insert(RUN, SLOTS, ready=True)  # 1..5
+    index.insert(cat(RUN[:3], keys(7, 8)), np.array([7, 8]), ready=True)
+    slots = index.remove(RUN[:3])  # block 3 and below: 3, 4, 5, 7, 8
+    assert sorted(slots.tolist()) == [7, 8, 12, 13, 14]
+    assert shape(index) == [((1, 2), (10, 11), True)]
+    assert index.num_blocks == 2 and index.policy.num_candidates == 1
+
+
+def test_remove_refuses_locked_in_flight_or_absent_blocks_and_changes_nothing(policy):
+    index = make_index(policy)
+    index.insert(RUN, SLOTS, ready=True)
+    node = index.match(RUN).node
+    index.lock(node)
+    pending = index.insert(cat(RUN, keys(9)), np.array([9])).node
+    before = shape(index), index.num_nodes
+    for target in (RUN[:2], RUN, cat(RUN, keys(9)), keys(42), RUN[:0]):
+        with pytest.raises(IndexConflict):
+            index.remove(target)
+    assert (shape(index), index.num_nodes) == before
+    index.discard(pending)
+    with pytest.raises(IndexConflict):
+        index.remove(RUN[:2])  # still locked
+    index.unlock(node)
+    assert index.remove(RUN[:2]).tolist() == [11, 12, 13, 14]

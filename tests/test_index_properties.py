@@ -1,7 +1,7 @@
 """Property test of RadixIndex alone against a flat reference model.
 
 A hypothesis state machine runs random insert (ready or in flight), match
-(with and without touch), lock, unlock, set_ready, discard and evict on one
+(with and without touch), lock, unlock, set_ready, discard, evict and remove on one
 index, under every policy. The model is a dict from each block's whole prefix
 (a tuple of ids) to its slot and readiness, plus the list of held locks.
 After every step:
@@ -160,6 +160,26 @@ class IndexMachine(RuleBasedStateMachine):
         assert removed <= candidates, "evicted a locked, unready or pinned block"
         assert sorted(result.slots.tolist()) == sorted(self.blocks[p][0] for p in removed)
         for p in removed:
+            del self.blocks[p]
+
+    @rule(seq=SEQUENCE, cut=st.integers(1, 9), pick=st.integers(0, 10_000))
+    def remove(self, seq, cut, pick):
+        """Mostly a present block (any state), sometimes an arbitrary prefix."""
+        present = sorted(self.blocks)
+        target = present[pick % len(present)] if present and pick % 4 else sequence(*seq)[:cut]
+        below = {p for p in self.blocks if p[: len(target)] == target}
+        busy = any(p[: len(target)] == target for _, p in self.locks) or not all(
+            self.blocks[p][1] for p in below
+        )
+        if self.ready_prefix(target) < len(target) or busy:
+            before = dict(self.blocks)
+            with pytest.raises(IndexConflict):
+                self.index.remove(keys(*target))
+            assert self.blocks == before
+            return
+        slots = self.index.remove(keys(*target))
+        assert sorted(slots.tolist()) == sorted(self.blocks[p][0] for p in below)
+        for p in below:
             del self.blocks[p]
 
     @rule()

@@ -18,6 +18,7 @@ from helpers import (
 )
 
 from sidecar.control.graph import OpKind
+from sidecar.control.index import IndexConflict
 from sidecar.control.plan import PlanError, PlanKind, TierCounts
 from sidecar.control.planner import GlobalCacheEngine
 
@@ -565,3 +566,26 @@ def test_skip_out_of_range_changes_nothing(skip):
     with pytest.raises(ValueError):
         g.get(REQUEST, GPU, skip)
     assert state(g) == before
+
+
+def test_delete_drops_the_blocks_from_every_tier_holding_them():
+    g = make_global(("ssd",), "write_through")
+    finish(g, g.put(REQUEST[:6], GPU[:6]))
+    assert g.lookup(REQUEST[:6]) == TierCounts(6, 6, 0)
+    assert g.delete(REQUEST[:4]) == 2 * 3  # blocks 4..6, from CPU and SSD
+    assert g.lookup(REQUEST[:6]) == TierCounts(3, 3, 0)
+    assert g.delete(REQUEST[:5]) == 0  # no longer held anywhere
+    assert_clean(g)
+
+
+def test_delete_of_blocks_in_use_raises_and_changes_nothing():
+    g = make_global(("ssd",), "write_through")
+    finish(g, g.put(REQUEST[:4], GPU[:4]))
+    load = g.get(REQUEST[:4], GPU[:4])  # locks the CPU blocks until it ends
+    before = state(g)
+    with pytest.raises(IndexConflict):
+        g.delete(REQUEST[:2])
+    assert state(g) == before
+    finish(g, load)
+    assert g.delete(REQUEST[:2]) == 2 * 3
+    assert_clean(g)

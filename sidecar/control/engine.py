@@ -107,6 +107,13 @@ class CacheEngine:
         """Drop an unready node whose data never landed, and free its slots."""
         self.mempool.free(self.index.discard(node))
 
+    def remove(self, keys: BlockKeys) -> int:
+        """Drop block keys[-1] and everything below it (see RadixIndex.remove);
+        returns the number of blocks dropped."""
+        slots = self.index.remove(keys)
+        self.mempool.free(slots)
+        return int(slots.size)
+
     def free(self, slots: np.ndarray) -> None:
         self.mempool.free(slots)
 

@@ -340,6 +340,52 @@ class RadixIndex:
                 on_run(runs[-1])
         return EvictResult(num_blocks - left, runs)
 
+    def remove(self, keys: BlockKeys) -> SlotIds:
+        """Drop the block `keys[-1]` and every block below it; returns their slots.
+
+        For invalidation (`delete`): a block's descendants are unreachable once
+        it is gone, so they go with it. Raises IndexConflict and changes
+        nothing unless all of `keys` is present and ready, and nothing from
+        `keys[-1]` down is locked or in flight.
+        """
+        node, m, subtree = self._removal(keys)
+        if m > 1:
+            self._split(node, m - 1)  # `node` keeps the tail from keys[-1] on
+        removed: list[np.ndarray] = []
+        for victim in reversed(subtree):  # leaves first, so each unlink takes a leaf
+            if victim.heap_token is not None:
+                self.policy.discard(victim)
+            removed.append(victim.slots)
+            self._unlink(victim)
+            if self._record_events:
+                self._events.append(BlockRemoved(victim.keys))
+        return SlotIds(np.concatenate(removed))
+
+    def check_removable(self, keys: BlockKeys) -> None:
+        """Raise IndexConflict if `remove(keys)` would; changes nothing."""
+        self._removal(keys)
+
+    def _removal(self, keys: BlockKeys) -> tuple[RadixNode, int, list[RadixNode]]:
+        kb = _key_bytes(keys)
+        total = len(kb) // KEY_BYTES
+        node, pos, m = self._walk(kb)
+        if total == 0 or pos != total:
+            raise IndexConflict(f"only {pos} of the {total} keys are present")
+        subtree = self._subtree(node)
+        if node.lock_count or not all(n.ready for n in subtree):
+            raise IndexConflict("the blocks are locked or in flight")
+        return node, m, subtree
+
+    @staticmethod
+    def _subtree(node: RadixNode) -> list[RadixNode]:
+        """`node` and its descendants, parents before children."""
+        out, stack = [], [node]
+        while stack:
+            cur = stack.pop()
+            out.append(cur)
+            stack.extend(cur.children.values())
+        return out
+
     def clear(self) -> SlotIds:
         """Drop every ready, unlocked block; returns their slots. Pending or
         locked nodes (and their ancestors) stay."""

@@ -272,6 +272,19 @@ class GlobalCacheEngine:
             self._background.append(plan)
         return kept
 
+    # ---- delete ----------------------------------------------------------------
+
+    def delete(self, keys: BlockKeys) -> int:
+        """Drop block keys[-1] and every block below it from every tier that
+        holds all of `keys`; returns the blocks dropped. Raises IndexConflict
+        and changes nothing if any of them is locked or in flight."""
+        _check_request(keys, np.zeros(len(keys), dtype=np.int64))
+        tiers = [self.cpu, *self.lower.values()]
+        holding = [t for t in tiers if len(keys) and t.match(keys).num_blocks == len(keys)]
+        for tier in holding:
+            tier.index.check_removable(keys)
+        return sum(tier.remove(keys) for tier in holding)
+
     # ---- completion ------------------------------------------------------------
 
     def complete(self, plan_id: int, op_id: int) -> bool:
