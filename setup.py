@@ -16,5 +16,11 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension(
+            "shm._blockcopy",
+            sources=["shm/_blockcopy.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

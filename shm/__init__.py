@@ -1,1 +1,9 @@
-"""CPU-tier block pool in POSIX shared memory (arrives with the sidecar issue)."""
+"""The CPU-tier block pool in POSIX shared memory, and the engine-side copies into it.
+
+- `shm.layout`: `BlockLayout`, where each byte of a KV block lives in a slot.
+- `shm.names`: segment names, their validation, and removal of stale ones.
+- `shm.pool`: `ShmPool`, segments created by the sidecar and attached by engines.
+- `shm.copy`: `save_blocks` / `load_blocks` between paged KV tensors and slots.
+
+None of these imports torch at module level.
+"""

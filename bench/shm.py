@@ -1,0 +1,258 @@
+"""`kvsidecar bench shm`: engine-side block copies between paged KV tensors and shm slots.
+
+Each case is a block size and a layer count (`2048x32`: 2 MiB blocks of 32
+layers x 64 KiB, so one copy range is 64 KiB). It fills engine tensors of N
+blocks per layer and a fresh prefaulted shm pool of N slots, then copies all
+N blocks engine -> shm (save, the D2H side of a PUT) and shm -> engine (load,
+the H2D side of a GET), with block ids and slots two random permutations.
+
+The floor, measured in the same run and interleaved with the copies: a raw
+numpy.copyto of the same total bytes between a page-aligned anonymous buffer
+and the prefaulted shm segment (the pool is one segment here), in each
+direction. Figures are GB/s (1 GB = 1e9 B), medians over --repeats; ratio =
+achieved / floor. The pool's prefault time (fallocate + populate of every
+page) is reported too. The machine's memory bandwidth drifts: compare ratios,
+not absolute figures from different runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from bench.report import print_table, write_json
+from shm import copy as shm_copy
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+
+DEFAULT_CASES = "64x8,512x16,2048x32,2048x1"
+QUICK_CASES = "64x8,2048x32,2048x1"
+TARGET_VS_FLOOR = 0.8  # for 2 MiB blocks
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "shm",
+        help="block copies between engine KV tensors and shm slots, against raw memcpy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--cases",
+        type=_cases,
+        default=None,
+        help=f"BLOCK_KIBxLAYERS,... (default {DEFAULT_CASES})",
+    )
+    p.add_argument("--total-mib", type=int, default=None, help="bytes copied per case (1024)")
+    p.add_argument("--repeats", type=int, default=None, help="timed passes per figure (5)")
+    p.add_argument(
+        "--impls",
+        default=",".join(shm_copy.IMPLS),
+        help=f"copy implementations to time (available: {','.join(shm_copy.IMPLS)})",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="cap on the C copy's threads (default: auto)"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.set_defaults(func=run)
+
+
+def _cases(text: str) -> list[tuple[int, int]]:
+    """argparse type for "64x8,2048x1": (block KiB, layers) pairs."""
+    cases = []
+    for part in text.split(","):
+        try:
+            kib, layers = (int(v) for v in part.lower().split("x"))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected BLOCK_KIBxLAYERS, got {part!r}") from exc
+        if kib <= 0 or layers <= 0 or (kib * 1024) % layers:
+            raise argparse.ArgumentTypeError(f"{part}: layers must divide a positive block size")
+        cases.append((kib, layers))
+    return cases
+
+
+def case_name(kib: int, layers: int) -> str:
+    return f"{kib}x{layers}"
+
+
+def measure_case(
+    kib: int,
+    layers: int,
+    total: int,
+    impls: list[str],
+    repeats: int,
+    seed: int,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Copy `total` bytes of `kib`-KiB blocks each way; GB/s per impl and the floor."""
+    import torch
+
+    layout = BlockLayout(layers, kib * 1024 // layers)
+    n = max(1, total // layout.block_bytes)
+    nbytes = n * layout.block_bytes
+    rng = np.random.default_rng(seed)
+    blocks, slots = rng.permutation(n), rng.permutation(n)
+    shape = (n, layout.layer_block_bytes)
+    kv = [torch.full(shape, i + 1, dtype=torch.uint8) for i in range(layers)]
+    tags = torch.arange(n, dtype=torch.int32).view(torch.uint8).reshape(n, 4)
+    for tensor in kv:  # each block starts with its id, so a misplaced block shows
+        tensor[:, : min(4, shape[1])] = tags[:, : shape[1]]
+    # A page-aligned anonymous buffer, faulted in: the floor's engine side.
+    plain = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    plain[:] = 1
+    prefix = f"kvsbench.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    pool_bytes = n * layout.slot_stride
+    with ShmPool.create(prefix, pool_bytes, segment_bytes=_segment_bytes(pool_bytes)) as pool:
+        shm = pool.segment_view(0)[:nbytes]
+        copies = {}
+        for impl in impls:
+            args = (kv, blocks, pool, slots, layout, 0)
+            opts = {"impl": impl, "threads": threads}
+            copies[f"save_{impl}"] = partial(shm_copy.save_blocks, *args, **opts)
+            copies[f"load_{impl}"] = partial(shm_copy.load_blocks, *args, **opts)
+        times = _time_interleaved(
+            {
+                "floor_save": partial(np.copyto, shm, plain),
+                "floor_load": partial(np.copyto, plain, shm),
+                **copies,
+            },
+            repeats,
+        )
+        _check_bytes(pool, kv, blocks, slots, layout)
+        result = {
+            "block_kib": kib,
+            "layers": layers,
+            "range_bytes": layout.layer_block_bytes,
+            "blocks": n,
+            "bytes": nbytes,
+            "prefault_seconds": pool.prefault_seconds,
+            "prefault_gbps": pool.nbytes / pool.prefault_seconds / 1e9,
+            "prefault_method": pool.prefault_method,
+            "pool_bytes": pool.nbytes,
+        }
+    result.update({f"{k}_gbps": nbytes / statistics.median(v) / 1e9 for k, v in times.items()})
+    return result
+
+
+def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each fn over `repeats` rounds, interleaved so that
+    drift hits the floor and the copies alike; a first untimed round warms up
+    (lazy imports, first thread start)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _segment_bytes(pool_bytes: int) -> int:
+    """One segment for the whole pool, so the floor copies into a single mapping."""
+    return -(-pool_bytes // 4096) * 4096
+
+
+def _check_bytes(
+    pool: ShmPool, kv: list, blocks: np.ndarray, slots: np.ndarray, layout: BlockLayout
+) -> None:
+    """A benchmark that copies the wrong bytes measures nothing: check one block."""
+    view = pool.slot_view(int(slots[0]), layout.slot_stride)
+    for layer, tensor in enumerate(kv):
+        start = layout.offset(0, layer)
+        got = view[start : start + layout.layer_block_bytes]
+        if not np.array_equal(got, tensor[int(blocks[0])].numpy()):
+            raise RuntimeError(f"block bytes differ in layer {layer}: the copy is broken")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("bench shm needs torch: pip install -e '.[torch]'", file=sys.stderr)
+        return 2
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = sorted(set(impls) - set(shm_copy.IMPLS))
+    if unknown or not impls:
+        print(f"unknown or unavailable impls {unknown}; have {shm_copy.IMPLS}", file=sys.stderr)
+        return 2
+    cases = args.cases or _cases(QUICK_CASES if args.quick else DEFAULT_CASES)
+    total = (args.total_mib or (16 if args.quick else 1024)) << 20
+    repeats = args.repeats or (2 if args.quick else 5)
+    by_case: dict[str, dict[str, Any]] = {}
+    for i, (kib, layers) in enumerate(cases):
+        name = case_name(kib, layers)
+        print(f"case {name}: {total >> 20} MiB each way ...", file=sys.stderr, flush=True)
+        by_case[name] = measure_case(
+            kib, layers, total, impls, repeats, args.seed + i, args.threads
+        )
+    result = _summary(by_case, impls, total, repeats)
+    result["copy_threads"] = args.threads or shm_copy.MAX_THREADS
+    result["quick"] = bool(args.quick)
+    result["seed"] = args.seed
+    print_table(
+        ("case", "range KiB", "impl", "save GB/s", "load GB/s", "floor save", "floor load",
+         "save/floor", "load/floor"),
+        _rows(by_case, impls),
+    )  # fmt: skip
+    print(
+        f"prefault: {result['prefault_gbps']:.2f} GB/s ({result['prefault_method']}); "
+        f"memcpy floor {result['memcpy_floor_gbps']:.2f} GB/s; "
+        f"target save/load >= {TARGET_VS_FLOOR} x floor for 2 MiB blocks"
+    )
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _summary(
+    by_case: dict[str, dict[str, Any]], impls: list[str], total: int, repeats: int
+) -> dict[str, Any]:
+    main = impls[0]
+    floors = [c[f"floor_{d}_gbps"] for c in by_case.values() for d in ("save", "load")]
+    result: dict[str, Any] = {
+        "impl": main,
+        "impls": impls,
+        "stream_kind": getattr(shm_copy._blockcopy, "STREAM_KIND", None),
+        "total_bytes_per_case": total,
+        "repeats": repeats,
+        "memcpy_floor_gbps": statistics.median(floors),
+        "prefault_gbps": statistics.median(c["prefault_gbps"] for c in by_case.values()),
+        "prefault_seconds_per_gib": statistics.median(
+            c["prefault_seconds"] / c["pool_bytes"] * (1 << 30) for c in by_case.values()
+        ),
+        "prefault_method": next(iter(by_case.values()))["prefault_method"],
+    }
+    for d in ("save", "load"):
+        result[f"{d}_gbps"] = {k: c[f"{d}_{main}_gbps"] for k, c in by_case.items()}
+        result[f"floor_{d}_gbps"] = {k: c[f"floor_{d}_gbps"] for k, c in by_case.items()}
+        result[f"{d}_vs_floor"] = {
+            k: c[f"{d}_{main}_gbps"] / c[f"floor_{d}_gbps"] for k, c in by_case.items()
+        }
+        for impl in impls[1:]:
+            result[f"{d}_gbps_{impl}"] = {k: c[f"{d}_{impl}_gbps"] for k, c in by_case.items()}
+    result["by_case"] = by_case
+    return result
+
+
+def _rows(by_case: dict[str, dict[str, Any]], impls: list[str]) -> list[tuple]:
+    rows = []
+    for name, c in by_case.items():
+        for impl in impls:
+            save, load = c[f"save_{impl}_gbps"], c[f"load_{impl}_gbps"]
+            fs, fl = c["floor_save_gbps"], c["floor_load_gbps"]
+            kib = c["range_bytes"] / 1024
+            rows.append((name, kib, impl, save, load, fs, fl, save / fs, load / fl))
+    return rows

@@ -1,0 +1,229 @@
+"""Engine-side block copies between one TP rank's paged KV tensors and shm slots.
+
+`save_blocks` copies engine blocks into slots (the D2H side of a PUT),
+`load_blocks` copies slots into engine blocks (the H2D side of a GET). Both
+check every argument before touching a byte: bad input raises TypeError or
+ValueError and copies nothing.
+
+Two implementations give identical bytes:
+- "c": address arrays built with numpy, copied by the `shm._blockcopy`
+  extension with the GIL released (each next source range prefetched;
+  streaming stores and two threads for large batches);
+- "torch": a Python loop of slice copies over torch views of the segments,
+  used when the extension is not built.
+
+Alignment: slots are page-aligned and a rank's layer starts at a multiple of
+layer_block_bytes inside one. torch's CPU allocator returns 64-byte-aligned
+storage (large tensors start 64 bytes past a page boundary), so source and
+destination share their alignment mod 64 when layer_block_bytes is a
+multiple of 64. Either way the C copy aligns its stores to the destination
+and loads unaligned, and measured no loss at a 16-byte relative offset.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+
+if TYPE_CHECKING:
+    import torch
+
+try:
+    from shm import _blockcopy
+except ImportError:  # the extension is optional; the torch loop gives the same bytes
+    _blockcopy = None
+
+IMPLS: tuple[str, ...] = ("c", "torch") if _blockcopy is not None else ("torch",)
+IMPL = IMPLS[0]
+"""The implementation save_blocks / load_blocks use unless told otherwise."""
+
+# Below these batch sizes a copy mostly stays in cache and a second thread
+# costs more to start (~50 us) than it saves.
+STREAM_MIN_BYTES = 4 << 20
+THREAD_MIN_BYTES = 8 << 20
+MAX_THREADS = min(2, len(os.sched_getaffinity(0)))
+
+
+def save_blocks(
+    kv_layers: Sequence[torch.Tensor],
+    block_ids: np.ndarray,
+    pool: ShmPool,
+    slots: np.ndarray,
+    layout: BlockLayout,
+    rank: int,
+    *,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Copy engine block block_ids[i] of every layer l into slot slots[i] at
+    layout.offset(rank, l). Slots must be distinct.
+
+    `impl` picks "c" or "torch" (default IMPL); `threads` caps the C copy's
+    threads (default: MAX_THREADS for batches of THREAD_MIN_BYTES or more)."""
+    _transfer(kv_layers, block_ids, pool, slots, layout, rank, impl, threads, save=True)
+
+
+def load_blocks(
+    kv_layers: Sequence[torch.Tensor],
+    block_ids: np.ndarray,
+    pool: ShmPool,
+    slots: np.ndarray,
+    layout: BlockLayout,
+    rank: int,
+    *,
+    impl: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Copy slot slots[i] at layout.offset(rank, l) into engine block
+    block_ids[i] of every layer l. Block ids must be distinct. `impl` and
+    `threads` as for save_blocks."""
+    _transfer(kv_layers, block_ids, pool, slots, layout, rank, impl, threads, save=False)
+
+
+def _transfer(
+    kv_layers: Sequence[torch.Tensor],
+    block_ids: np.ndarray,
+    pool: ShmPool,
+    slots: np.ndarray,
+    layout: BlockLayout,
+    rank: int,
+    impl: str | None,
+    threads: int | None,
+    *,
+    save: bool,
+) -> None:
+    impl = IMPL if impl is None else impl
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 16
+    ):
+        raise ValueError(f"threads must be an int in 1..16, got {threads!r}")
+    layers = _check_layers(kv_layers, layout)
+    blocks = _index_array("block_ids", block_ids)
+    slots = _index_array("slots", slots)
+    if blocks.size != slots.size:
+        raise ValueError(f"{blocks.size} block ids but {slots.size} slots")
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < layout.tp_size:
+        raise ValueError(f"rank {rank} out of range 0..{layout.tp_size - 1}")
+    num_blocks = layers[0].shape[0]
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
+        raise ValueError(f"block id out of range 0..{num_blocks - 1}")
+    unique, what = (slots, "slots") if save else (blocks, "block_ids")
+    if np.unique(unique).size != unique.size:
+        raise ValueError(f"{what} repeat: two copies would write the same bytes")
+    if not isinstance(pool, ShmPool):
+        raise TypeError(f"pool must be a ShmPool, got {type(pool).__name__}")
+    # Views pin every mapping until the copy is done: a close() meanwhile defers the unmap.
+    pins = [pool.segment_view(i) for i in range(len(pool.segment_sizes))]
+    segments, offsets = pool.slot_locations(slots, layout.slot_stride)  # range-checks slots
+    if blocks.size == 0:
+        return
+    offsets += rank * layout.shard_bytes
+    if impl == "c":
+        _copy_c(layers, blocks, pins, segments, offsets, layout, save, threads or MAX_THREADS)
+    else:
+        _copy_torch(layers, blocks, pins, segments, offsets, layout, save)
+
+
+def _copy_c(
+    layers: tuple[torch.Tensor, ...],
+    blocks: np.ndarray,
+    pins: list[np.ndarray],
+    segments: np.ndarray,
+    offsets: np.ndarray,
+    layout: BlockLayout,
+    save: bool,
+    max_threads: int,
+) -> None:
+    size = layout.layer_block_bytes
+    layer_starts = np.array([t.data_ptr() for t in layers], dtype=np.uint64)
+    bases = np.array([pin.ctypes.data for pin in pins], dtype=np.uint64)
+    per_layer = np.arange(len(layers), dtype=np.uint64) * np.uint64(size)
+    # Block-major: one block's layers are adjacent in its slot.
+    engine = blocks.astype(np.uint64)[:, None] * np.uint64(size) + layer_starts[None, :]
+    slot_starts = bases[segments] + offsets.astype(np.uint64)
+    shm = slot_starts[:, None] + per_layer[None, :]
+    total = engine.size * size
+    threads = max_threads if total >= THREAD_MIN_BYTES else 1
+    src, dst = (engine, shm) if save else (shm, engine)
+    _blockcopy.copy(src.ravel(), dst.ravel(), size, threads, total >= STREAM_MIN_BYTES)
+
+
+def _copy_torch(
+    layers: tuple[torch.Tensor, ...],
+    blocks: np.ndarray,
+    pins: list[np.ndarray],
+    segments: np.ndarray,
+    offsets: np.ndarray,
+    layout: BlockLayout,
+    save: bool,
+) -> None:
+    import torch
+
+    size = layout.layer_block_bytes
+    engine = [t.detach().view(t.shape[0], -1).view(torch.uint8) for t in layers]
+    shm = [torch.from_numpy(pin) for pin in pins]
+    for block, segment, offset in zip(
+        blocks.tolist(), segments.tolist(), offsets.tolist(), strict=True
+    ):
+        region = shm[segment]
+        for layer, tensor in enumerate(engine):
+            start = offset + layer * size
+            if save:
+                region[start : start + size].copy_(tensor[block])
+            else:
+                tensor[block].copy_(region[start : start + size])
+
+
+def _check_layers(kv_layers: Sequence[torch.Tensor], layout: BlockLayout) -> tuple:
+    import torch
+
+    if isinstance(kv_layers, torch.Tensor) or not isinstance(kv_layers, Sequence):
+        raise TypeError("kv_layers must be a sequence of per-layer tensors")
+    layers = tuple(kv_layers)
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if len(layers) != layout.num_layers:
+        raise ValueError(f"{len(layers)} KV tensors but the layout has {layout.num_layers} layers")
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"kv_layers[{i}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            raise ValueError(
+                f"kv_layers[{i}] must be a dense CPU tensor, not {t.device} {t.layout}"
+            )
+        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+            raise ValueError(f"kv_layers[{i}] must be contiguous (and not a conj/neg view)")
+        if t.dim() < 1 or t.shape[0] == 0:
+            raise ValueError(f"kv_layers[{i}] must be shaped [num_blocks, ...], got {t.shape}")
+        if t.dtype != layers[0].dtype or t.shape != layers[0].shape:
+            raise ValueError(
+                f"kv_layers[{i}] is {t.dtype} {tuple(t.shape)}, "
+                f"kv_layers[0] is {layers[0].dtype} {tuple(layers[0].shape)}"
+            )
+    block_bytes = math.prod(layers[0].shape[1:]) * layers[0].element_size()
+    if block_bytes != layout.layer_block_bytes:
+        raise ValueError(
+            f"one block of one layer is {block_bytes} bytes, "
+            f"the layout says {layout.layer_block_bytes}"
+        )
+    return layers
+
+
+def _index_array(what: str, values: np.ndarray) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {array.dtype}")
+    return array.astype(np.int64) if array.size else np.zeros(0, np.int64)

@@ -1,0 +1,298 @@
+"""The CPU-tier block pool: POSIX shared-memory segments mapped into this process.
+
+The sidecar creates the segments (`ShmPool.create`) and every engine shim maps
+the same ones (`ShmPool.attach`). Slots are carved out later, at a stride the
+sidecar learns when the first engine registers its layout; a slot never
+straddles two segments.
+
+Lifetimes:
+- Mappings live as long as the pool object (or the last `slot_view` /
+  `segment_view` array taken from it): `close()` unmaps at once when no such
+  array is alive, otherwise the mapping goes with the last of them. No fd is
+  kept open: each is closed right after its segment is mapped.
+- Segments (the names in /dev/shm) outlive every process until unlinked. The
+  creator unlinks them (`unlink()`, or leaving a `with` block of a created
+  pool). Attached pools never unlink. A sidecar that died without unlinking
+  leaves its segments behind; its successor calls `remove_stale_segments`
+  once it holds the lock that proves no live instance owns the prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from shm.layout import PAGE_BYTES
+from shm.names import SHM_DIR, remove_stale_segments, segment_name, validate_name, validate_prefix
+
+SEGMENT_MODE = 0o600
+# Linux >= 5.14; the mmap module exports it from Python 3.13.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+__all__ = ["SHM_DIR", "ShmPool", "ShmPoolError", "remove_stale_segments"]
+
+
+class ShmPoolError(RuntimeError):
+    """A segment is missing, already exists, has the wrong size, or the pool is closed."""
+
+
+@dataclass
+class _Segment:
+    name: str
+    size: int
+    mapping: mmap.mmap
+    address: int
+
+
+def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> _Segment:
+    mapping = mmap.mmap(memory.fd, size)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    return _Segment(name, size, mapping, address)
+
+
+def _prefault(memory: posix_ipc.SharedMemory, segment: _Segment) -> str:
+    """Allocate every page (ENOSPC here is an error, not a SIGBUS later) and
+    map it; returns how. First touch of a tmpfs page costs ~1 GB/s, a
+    faulted page is copied at ~16 GB/s."""
+    os.posix_fallocate(memory.fd, 0, segment.size)
+    try:
+        segment.mapping.madvise(MADV_POPULATE_WRITE)
+        return "fallocate+populate"
+    except OSError:  # kernel older than 5.14: touch one byte per page instead
+        pages = np.frombuffer(segment.mapping, dtype=np.uint8)
+        pages[::PAGE_BYTES] = 0
+        del pages
+        return "fallocate+touch"
+
+
+class ShmPool:
+    """Shared-memory segments mapped read/write, addressed as slots of a given stride.
+
+    Build with `create` (sidecar) or `attach` (engine). Slot numbers run
+    through the segments in order: segment k holds floor(size_k / stride)
+    slots, and the bytes past the last whole slot of a segment are unused.
+    """
+
+    def __init__(
+        self,
+        segments: Sequence[_Segment],
+        *,
+        owner: bool,
+        prefault_seconds: float = 0.0,
+        prefault_method: str = "none",
+    ) -> None:
+        self._segments = list(segments)
+        self._names = tuple(s.name for s in segments)
+        self._sizes = tuple(s.size for s in segments)
+        self.owner = owner
+        self.prefault_seconds = prefault_seconds
+        self.prefault_method = prefault_method
+        self.closed = False
+        self._unlinked = False
+
+    @classmethod
+    def create(
+        cls, prefix: str, nbytes: int, *, segment_bytes: int = 1 << 30, prefault: bool = True
+    ) -> ShmPool:
+        """Create segments `/{prefix}.0`, `/{prefix}.1`, ... (mode 0600) holding at
+        least `nbytes`, each a whole number of pages and at most `segment_bytes`.
+
+        Raises ShmPoolError if a segment of that name exists or /dev/shm lacks
+        the space; on any failure the segments created so far are unlinked.
+        """
+        validate_prefix(prefix)
+        _check_positive("nbytes", nbytes)
+        _check_positive("segment_bytes", segment_bytes)
+        if segment_bytes % PAGE_BYTES:
+            raise ValueError(f"segment_bytes must be a multiple of {PAGE_BYTES}")
+        total = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+        stat = os.statvfs(SHM_DIR)
+        if stat.f_bavail * stat.f_frsize < total:
+            raise ShmPoolError(
+                f"{SHM_DIR} has {stat.f_bavail * stat.f_frsize:,} bytes free, "
+                f"the pool needs {total:,}: shrink the CPU tier or free shared memory"
+            )
+        sizes = [segment_bytes] * (total // segment_bytes)
+        if total % segment_bytes:
+            sizes.append(total % segment_bytes)
+        segments: list[_Segment] = []
+        created: list[str] = []
+        seconds, method = 0.0, "none"
+        try:
+            for i, size in enumerate(sizes):
+                name = segment_name(prefix, i)
+                memory = _create_segment(name)
+                created.append(name)
+                try:
+                    os.fchmod(memory.fd, SEGMENT_MODE)  # the umask may have narrowed it
+                    os.ftruncate(memory.fd, size)
+                    segments.append(_map(name, memory, size))
+                    if prefault:
+                        start = time.perf_counter()
+                        method = _prefault(memory, segments[-1])
+                        seconds += time.perf_counter() - start
+                finally:
+                    memory.close_fd()
+        except BaseException as exc:
+            for segment in segments:
+                segment.mapping.close()
+            for name in created:
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    posix_ipc.unlink_shared_memory(name)
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                raise ShmPoolError(f"out of space in {SHM_DIR} creating {prefix}") from exc
+            raise
+        return cls(segments, owner=True, prefault_seconds=seconds, prefault_method=method)
+
+    @classmethod
+    def attach(cls, names: Sequence[str], segment_bytes: Sequence[int]) -> ShmPool:
+        """Map existing segments read/write; each must have exactly its listed size."""
+        if len(names) != len(segment_bytes) or not names:
+            raise ValueError("attach needs one size per segment name, and at least one")
+        segments: list[_Segment] = []
+        try:
+            for name, size in zip(names, segment_bytes, strict=True):
+                validate_name(name)
+                _check_positive("segment size", size)
+                try:
+                    memory = posix_ipc.SharedMemory(name, 0)
+                except posix_ipc.ExistentialError as exc:
+                    raise ShmPoolError(f"shm segment {name} does not exist") from exc
+                try:
+                    actual = os.fstat(memory.fd).st_size
+                    if actual != size:
+                        raise ShmPoolError(f"shm segment {name} is {actual} bytes, not {size}")
+                    segments.append(_map(name, memory, size))
+                finally:
+                    memory.close_fd()
+        except BaseException:
+            for segment in segments:
+                segment.mapping.close()
+            raise
+        return cls(segments, owner=False)
+
+    @property
+    def segment_names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def segment_sizes(self) -> tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._sizes)
+
+    def num_slots(self, stride: int) -> int:
+        """How many slots of `stride` bytes the pool holds."""
+        return int(self._slot_counts(stride).sum())
+
+    def slot_locations(self, slots: np.ndarray, stride: int) -> tuple[np.ndarray, np.ndarray]:
+        """(segment index, byte offset in that segment) of each slot, as int64 arrays.
+
+        Raises ValueError, before anything else happens, if `slots` is not a 1-D
+        integer array or a slot is out of range."""
+        self._check_open()
+        counts = self._slot_counts(stride)
+        slots = np.asarray(slots)
+        if slots.size == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if slots.ndim != 1 or slots.dtype.kind not in "iu":
+            raise ValueError(f"slots must be a 1-D integer array, got {slots.dtype} {slots.shape}")
+        total = int(counts.sum())
+        if int(slots.min()) < 0 or int(slots.max()) >= total:
+            raise ValueError(f"slot out of range 0..{total - 1} at stride {stride}")
+        ends = np.cumsum(counts)
+        segments = np.searchsorted(ends, slots, side="right")
+        firsts = ends - counts
+        offsets = (slots.astype(np.int64) - firsts[segments]) * stride
+        return segments.astype(np.int64), offsets
+
+    def slot_addresses(self, slots: np.ndarray, stride: int) -> np.ndarray:
+        """Virtual addresses, in this process, where each slot starts (uint64)."""
+        segments, offsets = self.slot_locations(slots, stride)
+        bases = np.array([s.address for s in self._segments], dtype=np.uint64)
+        return bases[segments] + offsets.astype(np.uint64)
+
+    def slot_view(self, slot: int, stride: int) -> np.ndarray:
+        """A writable uint8 view of one slot's `stride` bytes."""
+        segments, offsets = self.slot_locations(np.array([slot]), stride)
+        mapping = self._segments[int(segments[0])].mapping
+        return np.frombuffer(mapping, dtype=np.uint8, count=stride, offset=int(offsets[0]))
+
+    def segment_view(self, index: int) -> np.ndarray:
+        """A writable uint8 view of a whole segment."""
+        self._check_open()
+        if not 0 <= index < len(self._segments):
+            raise ValueError(f"segment {index} out of range 0..{len(self._segments) - 1}")
+        return np.frombuffer(self._segments[index].mapping, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap every segment (idempotent); the segments themselves remain."""
+        if self.closed:
+            return
+        self.closed = True
+        for segment in self._segments:
+            # Views still alive keep the mapping until the last of them goes.
+            with contextlib.suppress(BufferError):
+                segment.mapping.close()
+        self._segments = []
+
+    def unlink(self) -> None:
+        """Remove the segments' names (idempotent); for the creator only.
+        Processes that have them mapped keep their mappings."""
+        if self._unlinked:
+            return
+        self._unlinked = True
+        for name in self._names:
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(name)
+
+    def __enter__(self) -> ShmPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Close; a created pool is also unlinked."""
+        self.close()
+        if self.owner:
+            self.unlink()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"ShmPool({len(self._names)} segments, {self.nbytes:,} bytes, {state})"
+
+    def _slot_counts(self, stride: int) -> np.ndarray:
+        _check_positive("stride", stride)
+        if stride % PAGE_BYTES:
+            raise ValueError(f"stride must be a multiple of {PAGE_BYTES} so slots stay aligned")
+        return np.array([size // stride for size in self._sizes], dtype=np.int64)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ShmPoolError("the pool is closed")
+
+
+def _create_segment(name: str) -> posix_ipc.SharedMemory:
+    """Create an empty segment: sized by the caller once its name is recorded
+    for cleanup."""
+    try:
+        return posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=SEGMENT_MODE)
+    except posix_ipc.ExistentialError as exc:
+        raise ShmPoolError(
+            f"shm segment {name} already exists: another sidecar owns this prefix, "
+            "or a dead one left it (remove_stale_segments, once you hold the lock)"
+        ) from exc
+
+
+def _check_positive(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")

@@ -1,0 +1,39 @@
+"""`kvsidecar bench shm --quick` end to end, through the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from shm_helpers import shm_entries
+
+from shm import copy as shm_copy
+from sidecar.cli import main
+
+pytest.importorskip("torch")
+
+
+def test_shm_cli_quick_writes_figures_and_cleans_up(tmp_path):
+    out = tmp_path / "shm.json"
+    assert main(["bench", "shm", "--quick", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    cases = ["64x8", "2048x32", "2048x1"]
+    for key in ("save_gbps", "load_gbps", "floor_save_gbps", "save_vs_floor", "load_vs_floor"):
+        assert sorted(data[key]) == sorted(cases), key
+        assert all(math.isfinite(v) and v > 0 for v in data[key].values()), key
+    for key in ("memcpy_floor_gbps", "prefault_gbps", "prefault_seconds_per_gib"):
+        assert math.isfinite(data[key]) and data[key] > 0, key
+    assert data["impl"] == shm_copy.IMPL
+    if "torch" in shm_copy.IMPLS[1:]:
+        assert sorted(data["save_gbps_torch"]) == sorted(cases)
+    assert data["by_case"]["2048x32"]["range_bytes"] == 64 * 1024
+    assert shm_entries(f"kvsbench.{os.getpid()}.") == []
+
+
+def test_shm_cli_rejects_bad_arguments(capsys):
+    assert main(["bench", "shm", "--quick", "--impls", "cuda"]) == 2
+    assert "unknown or unavailable" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "shm", "--cases", "64x3"])

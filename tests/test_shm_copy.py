@@ -1,0 +1,253 @@
+"""save_blocks / load_blocks: byte-exact round trips through real shm, the C
+path against the torch loop, and bad input that raises and copies nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from shm_helpers import checked_prefix, shm_entries, unique_prefix
+
+from shm import copy as shm_copy
+from shm.layout import BlockLayout
+from shm.pool import ShmPool, ShmPoolError
+
+torch = pytest.importorskip("torch")
+
+NEEDS_C = pytest.mark.skipif("c" not in shm_copy.IMPLS, reason="shm._blockcopy is not built")
+SENTINEL = 0xAB
+
+
+@pytest.fixture
+def pool():
+    with checked_prefix("copy") as prefix, ShmPool.create(prefix, 4 << 20) as created:
+        created.segment_view(0)[:] = SENTINEL
+        yield created
+
+
+def random_layers(num_layers: int, shape: tuple[int, ...], dtype, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return [torch.randn(shape, generator=gen).to(dtype) for _ in range(num_layers)]
+    return [torch.randint(-100, 100, shape, generator=gen).to(dtype) for _ in range(num_layers)]
+
+
+def raw(t) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+
+
+@pytest.mark.parametrize("impl", shm_copy.IMPLS)
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [
+        (torch.float16, (12, 2, 16, 2, 8)),
+        (torch.bfloat16, (9, 16, 4)),
+        (torch.float32, (7, 3, 5)),  # 60-byte blocks: nothing aligned
+        (torch.int8, (10, 1)),
+        (torch.float64, (6,)),
+    ],
+)
+def test_round_trip_is_byte_exact_and_follows_the_layout(pool, impl, dtype, shape):
+    src = random_layers(3, shape, dtype, seed=1)
+    layout = BlockLayout.for_tensors(src)
+    rng = np.random.default_rng(0)
+    blocks = rng.permutation(shape[0])[:5]
+    slots = rng.permutation(pool.num_slots(layout.slot_stride))[:5]
+    shm_copy.save_blocks(src, blocks, pool, slots, layout, 0, impl=impl)
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), layout.slot_stride)
+        for layer, tensor in enumerate(src):
+            start = layout.offset(0, layer)
+            got = view[start : start + layout.layer_block_bytes]
+            assert np.array_equal(got, raw(tensor[int(block)]))
+        assert (view[layout.block_bytes :] == SENTINEL).all()  # padding untouched
+    dst = [torch.zeros_like(t) for t in src]
+    targets = rng.permutation(shape[0])[:5]
+    shm_copy.load_blocks(dst, targets, pool, slots, layout, 0, impl=impl)
+    for layer in range(3):
+        got, want = dst[layer][torch.as_tensor(targets)], src[layer][torch.as_tensor(blocks)]
+        assert np.array_equal(raw(got), raw(want))
+        others = np.setdiff1d(np.arange(shape[0]), targets)
+        assert not raw(dst[layer][torch.as_tensor(others)]).any()
+
+
+@pytest.mark.parametrize("impl", shm_copy.IMPLS)
+def test_tp_ranks_write_disjoint_shards_of_the_same_slots(pool, impl):
+    tp, shape = 3, (8, 4, 6)
+    ranks = [random_layers(2, shape, torch.float16, seed=10 + r) for r in range(tp)]
+    layout = BlockLayout.for_tensors(ranks[0], tp_size=tp)
+    blocks, slots = np.array([5, 0, 3]), np.array([2, 7, 4])
+    for rank, layers in enumerate(ranks):
+        shm_copy.save_blocks(layers, blocks, pool, slots, layout, rank, impl=impl)
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), layout.slot_stride)
+        expect = np.concatenate([raw(t[int(block)]) for layers in ranks for t in layers])
+        assert np.array_equal(view[: layout.block_bytes], expect)
+    for rank, layers in enumerate(ranks):
+        back = [torch.zeros_like(t) for t in layers]
+        shm_copy.load_blocks(back, blocks, pool, slots, layout, rank, impl=impl)
+        for got, want in zip(back, layers, strict=True):
+            index = torch.as_tensor(blocks)
+            assert torch.equal(got[index], want[index])
+
+
+@NEEDS_C
+@pytest.mark.parametrize("layer_bytes", [3007, 65536])
+def test_c_and_torch_give_identical_bytes(layer_bytes):
+    """Large enough (> THREAD_MIN_BYTES) that the C path streams on two threads;
+    3,007-byte ranges leave every store unaligned with a tail."""
+    n = -(-shm_copy.THREAD_MIN_BYTES // (2 * layer_bytes)) + 3
+    src = random_layers(2, (n, layer_bytes), torch.int8, seed=3)
+    layout = BlockLayout.for_tensors(src)
+    rng = np.random.default_rng(2)
+    blocks, slots = rng.permutation(n), rng.permutation(n)
+    images, loaded = [], []
+    for impl in ("c", "torch"):
+        with (
+            checked_prefix("cvt") as prefix,
+            ShmPool.create(prefix, n * layout.slot_stride) as pool,
+        ):
+            pool.segment_view(0)[:] = SENTINEL
+            shm_copy.save_blocks(src, blocks, pool, slots, layout, 0, impl=impl)
+            images.append(pool.segment_view(0).copy())
+            dst = [torch.zeros_like(t) for t in src]
+            shm_copy.load_blocks(dst, blocks[::-1].copy(), pool, slots, layout, 0, impl=impl)
+            loaded.append(torch.cat(dst))
+    assert np.array_equal(images[0], images[1])
+    assert torch.equal(loaded[0], loaded[1])
+
+
+@NEEDS_C
+def test_blockcopy_extension_directly():
+    from shm import _blockcopy
+
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+    for stream in (False, True):
+        for size in (0, 1, 31, 33, 127, 129, 4097):
+            dst = np.zeros_like(src)
+            starts = rng.integers(0, src.size - size, 4).astype(np.uint64)
+            outs = np.arange(4, dtype=np.uint64) * np.uint64(size + 7) + np.uint64(3)
+            _blockcopy.copy(src.ctypes.data + starts, dst.ctypes.data + outs, size, 2, stream)
+            for s, o in zip(starts.tolist(), outs.tolist(), strict=True):
+                assert np.array_equal(dst[o : o + size], src[s : s + size])
+    a = np.zeros(2, np.uint64)
+    with pytest.raises(ValueError, match="same number"):
+        _blockcopy.copy(a, np.zeros(3, np.uint64), 8)
+    with pytest.raises(TypeError, match="uint64"):
+        _blockcopy.copy(np.zeros(2, np.uint32), np.zeros(2, np.uint32), 8)
+    with pytest.raises(ValueError, match="nbytes"):
+        _blockcopy.copy(a, a, -1)
+    with pytest.raises(ValueError, match="threads"):
+        _blockcopy.copy(a, a, 8, 0)
+
+
+def test_the_implementation_in_use_is_exposed():
+    assert shm_copy.IMPL in shm_copy.IMPLS
+    assert set(shm_copy.IMPLS) <= {"c", "torch"}
+
+
+def test_without_the_extension_the_torch_loop_is_used():
+    prefix = unique_prefix("noext")
+    code = (
+        "import sys; sys.modules['shm._blockcopy'] = None\n"
+        "import numpy as np, torch\n"
+        "from shm import copy\n"
+        "from shm.layout import BlockLayout\n"
+        "from shm.pool import ShmPool\n"
+        "assert copy.IMPLS == ('torch',) and copy.IMPL == 'torch'\n"
+        "kv = [torch.arange(40.0).reshape(4, 10)]\n"
+        "out = [torch.zeros(4, 10)]\n"
+        "layout = BlockLayout.for_tensors(kv)\n"
+        f"with ShmPool.create({prefix!r}, 1 << 16) as pool:\n"
+        "    copy.save_blocks(kv, np.array([2, 0]), pool, np.array([5, 1]), layout, 0)\n"
+        "    copy.load_blocks(out, np.array([1, 3]), pool, np.array([5, 1]), layout, 0)\n"
+        "assert torch.equal(out[0][[1, 3]], kv[0][[2, 0]])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert shm_entries(prefix) == []
+
+
+def test_an_empty_batch_copies_nothing(pool):
+    layers = random_layers(2, (4, 8), torch.float32, seed=0)
+    layout = BlockLayout.for_tensors(layers)
+    for fn in (shm_copy.save_blocks, shm_copy.load_blocks):
+        fn(layers, np.array([], np.int64), pool, [], layout, 0)
+    assert (pool.segment_view(0) == SENTINEL).all()
+
+
+def strided(t):
+    """The same values as `t`, in a non-contiguous tensor of the same shape."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+# Each case: what to change in the good arguments, and the error it must raise.
+BAD_INPUTS = {
+    "layers not a list": (lambda a: a.update(kv=a["kv"][0]), TypeError),
+    "a layer not a tensor": (lambda a: a["kv"].__setitem__(1, a["kv"][1].numpy()), TypeError),
+    "too few layers": (lambda a: a.update(kv=a["kv"][:1]), ValueError),
+    "meta device": (lambda a: a["kv"].__setitem__(1, a["kv"][1].to("meta")), ValueError),
+    "not contiguous": (lambda a: a["kv"].__setitem__(1, strided(a["kv"][1])), ValueError),
+    "dtype differs": (lambda a: a["kv"].__setitem__(1, a["kv"][1].view(torch.int32)), ValueError),
+    "shape differs": (lambda a: a["kv"].__setitem__(1, a["kv"][1][:5]), ValueError),
+    "block bytes differ": (lambda a: a.update(layout=BlockLayout(2, 64)), ValueError),
+    "layout not a layout": (lambda a: a.update(layout=(2, 32)), TypeError),
+    "blocks 2-D": (lambda a: a.update(blocks=a["blocks"].reshape(1, -1)), ValueError),
+    "blocks float": (lambda a: a.update(blocks=a["blocks"].astype(float)), TypeError),
+    "block out of range": (lambda a: a["blocks"].__setitem__(0, 8), ValueError),
+    "negative block": (lambda a: a["blocks"].__setitem__(0, -1), ValueError),
+    "lengths differ": (lambda a: a.update(slots=a["slots"][:2]), ValueError),
+    "slot out of range": (lambda a: a["slots"].__setitem__(2, 10**6), ValueError),
+    "slots float": (lambda a: a.update(slots=a["slots"].astype(np.float32)), TypeError),
+    "rank out of range": (lambda a: a.update(rank=1), ValueError),
+    "rank not an int": (lambda a: a.update(rank="0"), TypeError),
+    "pool not a pool": (lambda a: a.update(pool=object()), TypeError),
+    "unknown impl": (lambda a: a.update(impl="cuda"), ValueError),
+    "bad threads": (lambda a: a.update(threads=0), ValueError),
+}
+
+
+@pytest.mark.parametrize("direction", ["save", "load"])
+@pytest.mark.parametrize("case", [*BAD_INPUTS, "repeat", "closed pool"])
+def test_bad_input_raises_and_copies_nothing(pool, direction, case):
+    kv = random_layers(2, (8, 4, 2), torch.float32, seed=7)
+    args = {
+        "kv": list(kv),
+        "blocks": np.array([1, 6, 3]),
+        "pool": pool,
+        "slots": np.array([4, 0, 9]),
+        "layout": BlockLayout.for_tensors(kv),
+        "rank": 0,
+        "impl": None,
+        "threads": None,
+    }
+    expected: type[Exception]
+    if case == "repeat":  # a repeated destination is an error; a repeated source is fine
+        key = "slots" if direction == "save" else "blocks"
+        args[key][2] = args[key][0]
+        expected = ValueError
+    elif case == "closed pool":
+        args["pool"] = ShmPool.attach(pool.segment_names, pool.segment_sizes)
+        args["pool"].close()
+        expected = ShmPoolError
+    else:
+        change, expected = BAD_INPUTS[case]
+        change(args)
+    fn = shm_copy.save_blocks if direction == "save" else shm_copy.load_blocks
+    engine_before = [raw(t) for t in kv]
+    with pytest.raises(expected):
+        fn(
+            args["kv"],
+            args["blocks"],
+            args["pool"],
+            args["slots"],
+            args["layout"],
+            args["rank"],
+            impl=args["impl"],
+            threads=args["threads"],
+        )
+    assert (pool.segment_view(0) == SENTINEL).all()
+    assert all(np.array_equal(raw(t), b) for t, b in zip(kv, engine_before, strict=True))
