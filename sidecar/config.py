@@ -48,6 +48,7 @@ __all__ = [
     "env_var",
     "format_size",
     "load_config",
+    "parse_overrides",
     "parse_size",
 ]
 
@@ -133,6 +134,48 @@ class Config:
     hit_window: int = config_key(
         1000, "int", "Number of recent requests in the sliding-window hit ratio.", low=1
     )
+    instance: str = config_key(
+        "default",
+        "str",
+        "Instance name: one sidecar per name and user; names its socket, lock and shm segments.",
+        pattern=r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
+    )
+    runtime_dir: str | None = config_key(
+        None,
+        "str",
+        "Directory (mode 0700) for the socket and lock; None = $XDG_RUNTIME_DIR/kvsidecar, "
+        "else /tmp/kvsidecar-<uid>.",
+        optional=True,
+    )
+    endpoint: str | None = config_key(
+        None,
+        "str",
+        "ZeroMQ endpoint to serve; None = ipc://<runtime_dir>/<instance>.sock.",
+        prefixes=("ipc://", "tcp://"),
+        optional=True,
+    )
+    lease_seconds: float = config_key(
+        10.0,
+        "float",
+        "An engine that has not been heard from for this long is dropped: its locks "
+        "released, its unfinished saves discarded.",
+        low=0.1,
+        high=3600.0,
+    )
+    drain_seconds: float = config_key(
+        5.0, "float", "On SIGTERM, how long in-flight plans may take to finish.", low=0.0
+    )
+    metrics_port: int | None = config_key(
+        None,
+        "int",
+        "Port of the Prometheus text endpoint on 127.0.0.1; None = off.",
+        low=1,
+        high=65535,
+        optional=True,
+    )
+    prefault: bool = config_key(
+        True, "bool", "Touch every page of the CPU tier at start (first touch is ~16x slower)."
+    )
     key_hash: str = config_key(
         "blake2b", "str", "Block-key hash function.", choices=("blake2b", "xxh3_128")
     )
@@ -186,6 +229,19 @@ def load_config(
     if overrides is not None:
         values.update(_convert_all(overrides, "overrides"))
     return Config(**values)
+
+
+def parse_overrides(pairs: Sequence[str]) -> dict[str, object]:
+    """`KEY=VALUE` strings (as on a command line), parsed like environment values."""
+    values: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"override {pair!r} is not KEY=VALUE")
+        key = key.strip().replace("-", "_")
+        with _blame("--set"):
+            values[key] = _spec_of(key).convert_env(key, text)
+    return values
 
 
 def _convert_all(raw: Mapping[Any, object], source: str) -> dict[str, object]:

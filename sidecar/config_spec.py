@@ -136,7 +136,8 @@ class FieldSpec:
 
     `low`/`high` bound numbers and sizes, inclusively unless `low_open`.
     `choices` restricts a string to a fixed set; `prefixes` requires a string to
-    start with one of them. `optional` admits None, whose meaning `doc` states.
+    start with one of them; `pattern` is a regular expression it must match whole.
+    `optional` admits None, whose meaning `doc` states.
     """
 
     kind: Kind
@@ -146,6 +147,7 @@ class FieldSpec:
     low_open: bool = False
     choices: tuple[str, ...] = ()
     prefixes: tuple[str, ...] = ()
+    pattern: str = ""
     optional: bool = False
 
     @property
@@ -159,6 +161,8 @@ class FieldSpec:
             rule = "one of " + ", ".join(self.choices)
         elif self.prefixes:
             rule = "a string starting with " + ", ".join(self.prefixes)
+        elif self.pattern:
+            rule = f"a string matching {self.pattern}"
         elif self.low is not None or self.high is not None:
             rule = self._range_text(key)
         else:
@@ -209,6 +213,8 @@ class FieldSpec:
             raise self._error(key, raw, f"is not a valid choice{hint}")
         if self.prefixes and not stored.startswith(self.prefixes):
             raise self._error(key, raw, "has an unsupported scheme")
+        if self.pattern and not re.fullmatch(self.pattern, stored):
+            raise self._error(key, raw, "is not a valid name")
         below = self.low is not None and (
             stored <= self.low if self.low_open else stored < self.low
         )

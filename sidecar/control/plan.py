@@ -51,6 +51,8 @@ class Plan:
     hit_blocks: TierCounts = field(default_factory=TierCounts)
     skipped_blocks: int = 0
     stored_blocks: int = 0
+    in_flight_blocks: int = 0
+    """PUT: blocks past the skipped ones that another plan is saving right now."""
 
     @property
     def finished_on_return(self) -> bool:

@@ -215,7 +215,10 @@ class GlobalCacheEngine:
                 cpu_slots = np.concatenate([m.slots, slots])
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             self._write_down(run, graph, keys[: c + stored], cpu_slots, d2h, c)
-        return self._launch(run, graph, skipped_blocks=c, stored_blocks=stored)
+        in_flight = m.num_present - c
+        return self._launch(
+            run, graph, skipped_blocks=c, stored_blocks=stored, in_flight_blocks=in_flight
+        )
 
     def _write_down(
         self,

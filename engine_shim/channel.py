@@ -1,0 +1,110 @@
+"""One DEALER socket to the sidecar, with request ids, bounded waits and
+fail-fast sends.
+
+`IMMEDIATE` makes a send to a sidecar that is not connected fail at once
+instead of queueing, so a down sidecar costs the engine nothing. A reply that
+arrives after its request timed out is dropped by id.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from sidecar import protocol as p
+
+
+class SidecarUnavailable(ConnectionError):
+    """The sidecar is not running, not reachable or did not answer in time."""
+
+
+class SidecarError(RuntimeError):
+    """The sidecar refused a request; `code` is a protocol ErrorCode value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Channel:
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._sock.connect(endpoint)
+        self._next_id = 1
+        self._connected = False
+        self._awaited: set[int] = set()
+        self._early: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
+
+    def send(self, request: Any, arrays: Sequence[bytes] = (), *, reply: bool = True) -> int:
+        """Send without waiting; returns the request id to `wait_reply` on.
+        With reply=False the answer is dropped when it comes."""
+        rid = self._next_id
+        self._next_id += 1
+        request.id = rid
+        frames = [p.encode(request), *arrays]
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            # A fresh socket may still be connecting: wait for that once, up to
+            # the timeout. Later, a lost connection fails at once.
+            if self._connected or not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+                raise SidecarUnavailable(f"no sidecar connected at {self.endpoint}") from None
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        self._connected = True
+        if reply:
+            self._awaited.add(rid)
+        return rid
+
+    def wait_reply(self, rid: int, timeout: float | None = None) -> tuple[dict, list[bytes]]:
+        """The reply to request `rid`; SidecarError if it is an error reply,
+        SidecarUnavailable if none came within `timeout` seconds."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            while rid not in self._early:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                    raise SidecarUnavailable(
+                        f"the sidecar at {self.endpoint} did not answer within "
+                        f"{self.timeout if timeout is None else timeout:g} s"
+                    )
+                self._receive()
+            header, arrays = self._early.pop(rid)
+        finally:
+            self._awaited.discard(rid)
+        if not header["ok"]:
+            raise SidecarError(str(header.get("code")), str(header.get("message")))
+        return header, arrays
+
+    def call(
+        self, request: Any, arrays: Sequence[bytes] = (), timeout: float | None = None
+    ) -> tuple[dict, list[bytes]]:
+        return self.wait_reply(self.send(request, arrays), timeout)
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                header, arrays = p.decode_reply(frames)
+            except ValueError:
+                continue  # not from a sidecar we understand: drop it
+            rid = header["id"]
+            if rid in self._awaited:
+                self._early[rid] = (header, arrays)
+
+    def close(self) -> None:
+        self._sock.close(0)

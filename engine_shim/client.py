@@ -1,0 +1,386 @@
+"""`KVClient`: what an engine process imports to use a running sidecar.
+
+    client = KVClient.connect()                        # the default `kvsidecar serve`
+    client.register(kv_layers, model_name="llama", model_revision="abc", ...)
+    n = client.lookup(token_ids)                       # cached tokens, block-aligned
+    client.load(token_ids, block_ids).wait()           # cached prefix -> kv_layers
+    client.save(token_ids, block_ids).wait()           # kv_layers -> sidecar
+
+The client hashes tokens into block keys, asks the sidecar for a plan, runs
+the engine side of it (copies between the engine's paged KV tensors and the
+shared-memory CPU tier) and reports completion. Only ids and keys cross the
+socket; KV bytes move through shared memory.
+
+Failure policy: the cache is an optimisation, never a dependency. When the
+sidecar is down or slow, `lookup` returns 0 within `timeout` seconds and
+`load` / `save` raise `SidecarUnavailable` just as fast, so the engine
+recomputes. The client re-registers by itself when a (restarted) sidecar
+answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
+from shm.copy import load_blocks, save_blocks
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+from sidecar import protocol as p
+from sidecar.blocks import KeyHasher, Namespace
+from sidecar.config import load_config
+from sidecar.runtime import endpoint_of
+
+__all__ = ["KVClient", "PlanOps", "SidecarError", "SidecarUnavailable", "TransferHandle"]
+
+
+@dataclass(frozen=True)
+class PlanOps:
+    """The engine side of a plan: what every TP rank copies. Picklable, so a
+    TP leader can hand it to the other ranks (see `KVClient.execute`)."""
+
+    plan_id: int
+    kind: str
+    """"load" or "save"."""
+    ops: tuple[tuple[int, str, np.ndarray, np.ndarray], ...]
+    """(op id, "H2D" | "D2H", source ids, destination ids)."""
+
+
+class TransferHandle:
+    """A load or save in flight. `wait()` returns once the sidecar has
+    acknowledged it: after a save's wait, any engine's lookup sees the blocks."""
+
+    def __init__(self, client: KVClient, plan: PlanOps | None, num_tokens: int, ack: int | None):
+        self.plan = plan
+        self.num_tokens = num_tokens
+        """Load: tokens now in the engine's KV cache. Save: tokens now cached."""
+        self._client = client
+        self._ack = ack
+
+    @property
+    def done(self) -> bool:
+        return self._ack is None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until the sidecar confirmed; returns `num_tokens`.
+        Raises SidecarUnavailable after `timeout` (default: the client's)."""
+        if self._ack is not None:
+            self._client._channel.wait_reply(self._ack, timeout)
+            self._ack = None
+        return self.num_tokens
+
+
+class KVClient:
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._channel = Channel(endpoint, timeout)
+        self.session = uuid.uuid4().hex
+        self._register_args: dict[str, Any] | None = None
+        self._kv_layers: list[torch.Tensor] = []
+        self._hasher: KeyHasher | None = None
+        self._pool: ShmPool | None = None
+        self._layout: BlockLayout | None = None
+        self._boot_id: str | None = None
+        self.tp_rank = 0
+        self._heartbeat: _Heartbeat | None = None
+
+    @classmethod
+    def connect(cls, endpoint: str | None = None, *, timeout: float = 1.0) -> KVClient:
+        """A client of the sidecar at `endpoint` (default: where `kvsidecar serve`
+        listens with this environment's configuration). Connecting never
+        blocks: a sidecar that is not up yet is found when it comes."""
+        return cls(endpoint or endpoint_of(load_config()), timeout)
+
+    # ---- registration -------------------------------------------------------------
+
+    def register(
+        self,
+        kv_layers: Sequence[torch.Tensor],
+        *,
+        model_name: str,
+        model_revision: str,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layout: str = "paged",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        engine_id: str | None = None,
+        tenant: str = "",
+        secret: bytes = b"",
+        key_hash: str = "blake2b",
+    ) -> None:
+        """Describe this rank's paged KV cache: one CPU tensor per layer, shaped
+        [num_blocks, ...] (block-major), all of one dtype and shape. With TP,
+        every rank registers with the same `engine_id` and its own `tp_rank`.
+        Raises SidecarUnavailable if the sidecar does not answer, SidecarError
+        if it refuses (e.g. a layout another engine disagrees with)."""
+        layers = list(kv_layers)
+        if not layers or any(not isinstance(t, torch.Tensor) for t in layers):
+            raise TypeError("kv_layers must be a non-empty sequence of torch tensors")
+        first = layers[0]
+        for t in layers:
+            if t.device.type != "cpu" or t.dtype != first.dtype or t.shape != first.shape:
+                raise ValueError("kv_layers must be CPU tensors of one dtype and one shape")
+            if not t.is_contiguous():
+                raise ValueError("kv_layers must be contiguous")
+        num_blocks = int(first.shape[0])
+        layer_block_bytes = first[0].numel() * first.element_size()
+        namespace = Namespace(
+            model_name=model_name,
+            model_revision=model_revision,
+            layout=layout,
+            dtype=str(first.dtype).removeprefix("torch."),
+            tp_size=tp_size,
+            num_layers=len(layers),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tokens_per_block=tokens_per_block,
+            tenant=tenant,
+        )
+        self._hasher = KeyHasher(namespace, secret, key_hash)
+        self._kv_layers = layers
+        self.tp_rank = tp_rank
+        self._register_args = {
+            "engine_id": engine_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}",
+            "kv": p.KVLayoutMsg(
+                **dataclasses.asdict(namespace),
+                tp_rank=tp_rank,
+                layer_block_bytes=layer_block_bytes,
+                num_gpu_blocks=num_blocks,
+            ),
+            "pid": os.getpid(),
+            "pid_ns": _pid_namespace(),
+        }
+        self._register()
+        if self._heartbeat is None:
+            self._heartbeat = _Heartbeat(self)
+
+    def _register(self) -> None:
+        assert self._register_args is not None
+        reply, _ = self._channel.call(
+            p.Register(v=p.PROTOCOL_VERSION, id=0, session=self.session, **self._register_args)
+        )
+        if reply["boot_id"] != self._boot_id or self._pool is None:
+            self._attach(reply)
+        self.lease_seconds = float(reply["lease_seconds"])
+
+    def _attach(self, reply: dict[str, Any]) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        kv = self._register_args["kv"]  # type: ignore[index]
+        self._layout = BlockLayout(
+            num_layers=kv.num_layers, layer_block_bytes=kv.layer_block_bytes, tp_size=kv.tp_size
+        )
+        if self._layout.slot_stride != reply["slot_stride"]:
+            raise SidecarError("layout_mismatch", "the sidecar's slot stride differs from ours")
+        self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
+        self._boot_id = reply["boot_id"]
+
+    def _call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[dict, list[bytes]]:
+        """A request on this session; re-registers once if the sidecar forgot us."""
+        if self._register_args is None:
+            raise RuntimeError("register() first")
+        try:
+            return self._channel.call(request, arrays)
+        except SidecarError as err:
+            if err.code != p.ErrorCode.NOT_REGISTERED.value:
+                raise
+        self._register()
+        return self._channel.call(request, arrays)
+
+    # ---- the engine API ------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
+        """Leading tokens of `token_ids` the sidecar can load (a multiple of
+        tokens_per_block). 0 when the sidecar is down, slow or refuses."""
+        keys = self._keys(token_ids)
+        if len(keys) == 0:
+            return 0
+        try:
+            reply, _ = self._call(self._req(p.Lookup), [p.keys_frame(keys)])
+        except (SidecarUnavailable, SidecarError):
+            return 0
+        return int(reply["num_blocks"]) * self._tokens_per_block
+
+    def load(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        skip_tokens: int = 0,
+    ) -> TransferHandle:
+        """Copy the cached prefix of `token_ids` into the engine blocks
+        `block_ids` (one per full block of tokens). The first `skip_tokens`
+        (block-aligned) are already in the engine's cache and are not copied.
+        `handle.num_tokens` = tokens now in the cache (skipped ones included)."""
+        keys, blocks = self._keys_and_blocks(token_ids, block_ids)
+        tpb = self._tokens_per_block
+        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
+            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
+        request = self._req(p.Load, skip=skip_tokens // tpb)
+        reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
+        plan = _plan_ops(reply, arrays, "load")
+        num_tokens = skip_tokens + int(reply["hit_blocks"]) * tpb
+        return self._run(plan, num_tokens)
+
+    def save(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        block_ids: Sequence[int] | np.ndarray,
+    ) -> TransferHandle:
+        """Offer the full blocks of `token_ids`, held in engine blocks
+        `block_ids`, to the sidecar. Blocks it already has are skipped.
+        `handle.num_tokens` = tokens of the prefix cached once it (and any save
+        of the same blocks already in flight from another engine) lands."""
+        keys, blocks = self._keys_and_blocks(token_ids, block_ids)
+        reply, arrays = self._call(self._req(p.Save), [p.keys_frame(keys), p.ids_frame(blocks)])
+        plan = _plan_ops(reply, arrays, "save")
+        # Blocks another engine is saving right now count: they land with its save.
+        stored = sum(int(reply[k]) for k in ("skipped_blocks", "stored_blocks", "in_flight_blocks"))
+        return self._run(plan, stored * self._tokens_per_block)
+
+    def execute(self, plan: PlanOps) -> TransferHandle:
+        """Run this rank's part of a plan another rank of the engine asked for."""
+        return self._run(plan, 0)
+
+    def exists(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
+        """Whether every full block of `token_ids` is cached."""
+        keys = self._keys(token_ids)
+        reply, _ = self._call(self._req(p.Exists), [p.keys_frame(keys)])
+        return bool(reply["exists"])
+
+    def delete(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
+        """Drop the last full block of `token_ids` and every cached block that
+        extends it; returns blocks dropped. SidecarError("busy") if in use."""
+        keys = self._keys(token_ids)
+        reply, _ = self._call(self._req(p.Delete), [p.keys_frame(keys)])
+        return int(reply["deleted_blocks"])
+
+    def stats(self) -> dict[str, Any]:
+        reply, _ = self._channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        return reply["stats"]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Unregister (best effort), stop heartbeats, unmap the shm. Idempotent."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self._register_args is not None:
+            with contextlib.suppress(SidecarUnavailable, SidecarError):
+                self._channel.call(self._req(p.Unregister), timeout=min(self.timeout, 0.5))
+            self._register_args = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        self._channel.close()
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    @property
+    def _tokens_per_block(self) -> int:
+        if self._hasher is None:
+            raise RuntimeError("register() first")
+        return self._hasher.tokens_per_block
+
+    def _req(self, kind: type, **fields: Any) -> Any:
+        return kind(v=p.PROTOCOL_VERSION, id=0, session=self.session, **fields)
+
+    def _keys(self, token_ids: Any) -> np.ndarray:
+        if self._hasher is None:
+            raise RuntimeError("register() first")
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.detach().cpu().numpy()
+        return self._hasher.hash_tokens(token_ids)
+
+    def _keys_and_blocks(self, token_ids: Any, block_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        keys = self._keys(token_ids)
+        blocks = np.asarray(block_ids)
+        if blocks.ndim != 1 or (blocks.size and blocks.dtype.kind not in "iu"):
+            raise TypeError("block_ids must be a 1-D sequence of integers")
+        if blocks.size < len(keys):
+            raise ValueError(f"{len(keys)} full blocks of tokens but {blocks.size} block ids")
+        return keys, blocks[: len(keys)].astype(np.int64)
+
+    def _run(self, plan: PlanOps | None, num_tokens: int) -> TransferHandle:
+        """Copy this rank's shard for every op, then report them all at once."""
+        if plan is None:
+            return TransferHandle(self, None, num_tokens, None)
+        assert self._pool is not None and self._layout is not None
+        try:
+            for _, kind, src, dst in plan.ops:
+                if kind == "H2D":
+                    load_blocks(self._kv_layers, dst, self._pool, src, self._layout, self.tp_rank)
+                else:
+                    save_blocks(self._kv_layers, src, self._pool, dst, self._layout, self.tp_rank)
+        except Exception as err:
+            self._channel.send(
+                self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err))
+            )
+            raise
+        op_ids = [op[0] for op in plan.ops]
+        ack = self._channel.send(self._req(p.Complete, plan_id=plan.plan_id, op_ids=op_ids))
+        return TransferHandle(self, plan, num_tokens, ack)
+
+
+def _plan_ops(reply: dict[str, Any], arrays: list[bytes], kind: str) -> PlanOps | None:
+    ops = reply.get("ops") or []
+    if not ops:
+        return None
+    out = []
+    for i, op in enumerate(ops):
+        src = np.frombuffer(arrays[2 * i], dtype=p.ID_DTYPE)
+        dst = np.frombuffer(arrays[2 * i + 1], dtype=p.ID_DTYPE)
+        out.append((int(op["op_id"]), str(op["kind"]), src, dst))
+    return PlanOps(int(reply["plan_id"]), kind, tuple(out))
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+class _Heartbeat:
+    """Renews the lease from a thread with its own socket (sockets are not
+    thread-safe); a missed beat is harmless, the next one re-registers."""
+
+    def __init__(self, client: KVClient) -> None:
+        self._client = client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvsidecar-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        client = self._client
+        channel = Channel(client.endpoint, client.timeout)
+        try:
+            while not self._stop.wait(max(0.05, client.lease_seconds / 3)):
+                # A missed beat is harmless: the main socket re-registers on its next call.
+                with contextlib.suppress(SidecarUnavailable, SidecarError):
+                    channel.call(client._req(p.Heartbeat))
+        finally:
+            channel.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,252 @@
+"""The engines a sidecar serves: sessions (one per TP rank), engine groups
+(all ranks of one engine instance) and the plans each group has in flight.
+
+An engine-side op (H2D, D2H) is done when every TP rank of the group has
+reported it: each rank copies its own shard of the same CPU blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+
+from sidecar.blocks import Namespace
+from sidecar.control.graph import OpKind
+from sidecar.control.plan import Plan
+from sidecar.protocol import ErrorCode, KVLayoutMsg, ProtocolError
+
+log = logging.getLogger("kvsidecar")
+
+ENGINE_OPS = frozenset({OpKind.H2D, OpKind.D2H})
+
+
+@dataclass
+class PlanState:
+    plan: Plan
+    group: EngineGroup
+    reported: dict[int, set[int]]
+    """Engine-side op id -> ranks that reported it done."""
+
+    @classmethod
+    def of(cls, plan: Plan, group: EngineGroup) -> PlanState:
+        ops = {op.op_id: set() for op in plan.graph.ops if op.kind in ENGINE_OPS}
+        return cls(plan, group, ops)
+
+    def check_report(self, rank: int, op_ids: list[int]) -> None:
+        """ProtocolError unless every op id is an engine op this rank has not reported."""
+        if len(set(op_ids)) != len(op_ids):
+            raise ProtocolError(ErrorCode.BAD_VALUE, "the same op id twice in one report")
+        for op_id in op_ids:
+            if op_id not in self.reported:
+                raise ProtocolError(
+                    ErrorCode.BAD_VALUE,
+                    f"plan {self.plan.plan_id} has no engine-side op {op_id}",
+                )
+            if rank in self.reported[op_id]:
+                raise ProtocolError(
+                    ErrorCode.BAD_VALUE,
+                    f"op {op_id} of plan {self.plan.plan_id} already reported by rank {rank}",
+                )
+
+    def report(self, rank: int, op_id: int) -> bool:
+        """Record a rank's report; True when every rank has now reported the op."""
+        ranks = self.reported[op_id]
+        ranks.add(rank)
+        return len(ranks) == self.group.tp_size
+
+
+@dataclass
+class Session:
+    session_id: str
+    group: EngineGroup
+    rank: int
+    pid: int
+    last_seen: float
+
+
+@dataclass
+class EngineGroup:
+    engine_id: str
+    namespace: Namespace
+    kv: KVLayoutMsg
+    """Rank 0's view of the layout (tp_rank aside, every rank must agree)."""
+    sessions: dict[int, Session] = field(default_factory=dict)
+    plans: dict[int, PlanState] = field(default_factory=dict)
+
+    @property
+    def tp_size(self) -> int:
+        return self.kv.tp_size
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.kv.num_gpu_blocks
+
+    def check_compatible(self, kv: KVLayoutMsg, namespace: Namespace) -> None:
+        """A rank joining this group must describe the same engine."""
+        if namespace != self.namespace:
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"engine {self.engine_id!r} is registered with another namespace "
+                f"(model, layout, dtype or TP size differ)",
+            )
+        mine = {k: v for k, v in _fields(self.kv).items() if k != "tp_rank"}
+        theirs = {k: v for k, v in _fields(kv).items() if k != "tp_rank"}
+        if mine != theirs:
+            diff = sorted(k for k in mine if mine[k] != theirs[k])
+            raise ProtocolError(
+                ErrorCode.LAYOUT_MISMATCH,
+                f"engine {self.engine_id!r}: rank {kv.tp_rank} disagrees with the "
+                f"registered ranks on {', '.join(diff)}",
+            )
+
+
+def namespace_of(kv: KVLayoutMsg) -> Namespace:
+    """The block-key namespace an engine's layout implies, or ProtocolError."""
+    if not 0 <= kv.tp_rank < kv.tp_size:
+        raise ProtocolError(
+            ErrorCode.BAD_VALUE, f"tp_rank {kv.tp_rank} out of range for tp_size {kv.tp_size}"
+        )
+    if kv.layer_block_bytes <= 0 or kv.num_gpu_blocks <= 0:
+        raise ProtocolError(
+            ErrorCode.BAD_VALUE, "layer_block_bytes and num_gpu_blocks must be positive"
+        )
+    try:
+        return Namespace(**{f.name: getattr(kv, f.name) for f in dataclasses.fields(Namespace)})
+    except ValueError as err:
+        raise ProtocolError(ErrorCode.BAD_VALUE, str(err)) from None
+
+
+def _fields(kv: KVLayoutMsg) -> dict[str, object]:
+    return {name: getattr(kv, name) for name in kv.__struct_fields__}
+
+
+class Engines:
+    """Every engine a sidecar serves, its sessions and the plans it holds.
+
+    `cancel(plan_id)` rolls a plan back in the cache; it is called for every
+    plan of an engine that loses a rank (a plan needs every rank to finish).
+    """
+
+    def __init__(self, cancel: Callable[[int], None]) -> None:
+        self._cancel = cancel
+        self.groups: dict[str, EngineGroup] = {}
+        self.sessions: dict[str, Session] = {}
+        self.plans: dict[int, PlanState] = {}
+        self.num_expired = 0
+
+    def session(self, session_id: str) -> Session:
+        """The live session (its lease renewed), or ProtocolError NOT_REGISTERED."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"unknown session {session_id[:16]!r}: register"
+            )
+        session.last_seen = time.monotonic()
+        return session
+
+    def check_join(self, engine_id: str, session_id: str, kv: KVLayoutMsg, ns: Namespace) -> None:
+        """ProtocolError unless `join` with these arguments would succeed."""
+        if not session_id or len(session_id) > 64:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "session must be 1..64 characters")
+        if not engine_id or len(engine_id) > 128:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "engine_id must be 1..128 characters")
+        group = self.groups.get(engine_id)
+        if group is not None:
+            group.check_compatible(kv, ns)
+
+    def join(
+        self, engine_id: str, session_id: str, kv: KVLayoutMsg, ns: Namespace, pid: int
+    ) -> Session:
+        """Add a rank's session (call `check_join` first). A new session for a
+        rank that has one replaces it: that rank's process restarted."""
+        group = self.groups.get(engine_id)
+        if group is None:
+            group = self.groups[engine_id] = EngineGroup(engine_id, ns, kv)
+        old = group.sessions.get(kv.tp_rank)
+        if old is not None and old.session_id != session_id:
+            self.drop(old, "replaced by a new registration of its rank")
+            group = self.groups.setdefault(engine_id, group)
+        session = Session(session_id, group, kv.tp_rank, pid, time.monotonic())
+        group.sessions[kv.tp_rank] = session
+        self.sessions[session_id] = session
+        return session
+
+    def track(self, plan: Plan, group: EngineGroup) -> PlanState:
+        state = PlanState.of(plan, group)
+        self.plans[plan.plan_id] = state
+        group.plans[plan.plan_id] = state
+        return state
+
+    def owned_plan(self, session: Session, plan_id: int) -> PlanState:
+        state = self.plans.get(plan_id)
+        if state is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_PLAN, f"no plan {plan_id} in flight")
+        if state.group is not session.group:
+            raise ProtocolError(ErrorCode.NOT_OWNER, f"plan {plan_id} belongs to another engine")
+        return state
+
+    def end(self, plan_id: int, *, cancel: bool) -> None:
+        """Forget a plan; with `cancel`, roll it back first."""
+        state = self.plans.pop(plan_id, None)
+        if state is None:
+            return
+        state.group.plans.pop(plan_id, None)
+        if cancel:
+            self._cancel(plan_id)
+
+    def drop(self, session: Session, why: str) -> None:
+        """A rank left: its engine's plans are rolled back (locks released,
+        unfinished saves dropped), and the engine goes with its last rank."""
+        group = session.group
+        log.info("engine %s rank %d: %s", group.engine_id, session.rank, why)
+        for plan_id in list(group.plans):
+            self.end(plan_id, cancel=True)
+        self.sessions.pop(session.session_id, None)
+        if group.sessions.get(session.rank) is session:
+            del group.sessions[session.rank]
+        if not group.sessions:
+            self.groups.pop(group.engine_id, None)
+
+    def expire(self, lease_seconds: float) -> None:
+        """Drop sessions not heard from within the lease, or whose process is gone."""
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            gone = bool(session.pid) and not _alive(session.pid)
+            if gone or now - session.last_seen > lease_seconds:
+                self.num_expired += 1
+                self.drop(session, "process gone" if gone else "lease expired")
+
+    def describe(self) -> list[dict[str, object]]:
+        return [
+            {
+                "engine_id": g.engine_id,
+                "model": g.namespace.model_name,
+                "tp_size": g.tp_size,
+                "ranks": sorted(g.sessions),
+                "pids": sorted({s.pid for s in g.sessions.values()}),
+                "plans_in_flight": len(g.plans),
+            }
+            for g in self.groups.values()
+        ]
+
+
+def pid_namespace() -> str:
+    """This process's PID namespace; a peer's pid means something to us only
+    if it is in the same one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,74 @@
+"""Hit ratios the way Dynamo's KVBM reports them: cumulative, and over the last
+N requests (a sliding window), per tier.
+
+A lookup of n blocks that finds h of them cached counts n requested and h
+hit; h is split by the tier the blocks would load from (CPU, then SSD past
+the CPU prefix, then remote past both).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from sidecar.control.plan import TierCounts
+
+TIERS = ("cpu", "ssd", "remote")
+
+
+class HitStats:
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.requests = 0
+        self.requested_blocks = 0
+        self.hit_blocks = dict.fromkeys(TIERS, 0)
+        self._recent: deque[tuple[int, TierCounts]] = deque()
+        self._recent_requested = 0
+        self._recent_hits = dict.fromkeys(TIERS, 0)
+
+    def record(self, requested: int, hits: TierCounts) -> None:
+        """One lookup: `requested` blocks asked, `hits` found per tier."""
+        self.requests += 1
+        self.requested_blocks += requested
+        self._recent.append((requested, hits))
+        self._recent_requested += requested
+        for tier, n in zip(TIERS, hits, strict=True):
+            self.hit_blocks[tier] += n
+            self._recent_hits[tier] += n
+        if len(self._recent) > self.window:
+            old_requested, old_hits = self._recent.popleft()
+            self._recent_requested -= old_requested
+            for tier, n in zip(TIERS, old_hits, strict=True):
+                self._recent_hits[tier] -= n
+
+    def snapshot(self) -> dict[str, object]:
+        """Plain figures: ratios are hit blocks / requested blocks (0 when none)."""
+        total = sum(self.hit_blocks.values())
+        recent = sum(self._recent_hits.values())
+        return {
+            "requests": self.requests,
+            "requested_blocks": self.requested_blocks,
+            "hit_blocks": dict(self.hit_blocks),
+            "hit_ratio": _ratio(total, self.requested_blocks),
+            "hit_ratio_by_tier": {
+                t: _ratio(n, self.requested_blocks) for t, n in self.hit_blocks.items()
+            },
+            "window_requests": len(self._recent),
+            "window_hit_ratio": _ratio(recent, self._recent_requested),
+            "window_hit_ratio_by_tier": {
+                t: _ratio(n, self._recent_requested) for t, n in self._recent_hits.items()
+            },
+        }
+
+
+def split_hits(counts: TierCounts) -> TierCounts:
+    """Ready-prefix lengths per tier -> blocks each tier would serve."""
+    cpu = counts.cpu
+    ssd = max(0, counts.ssd - cpu)
+    remote = max(0, counts.remote - max(cpu, counts.ssd))
+    return TierCounts(cpu, ssd, remote)
+
+
+def _ratio(num: int, den: int) -> float:
+    return num / den if den else 0.0

@@ -1,0 +1,211 @@
+"""Real sidecar processes and real engine processes for the integration tests.
+
+Every sidecar gets its own instance name and runtime directory, so tests
+run in parallel under pytest-xdist without sharing a socket or shm name.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A small model: 2 layers of [num_blocks, K/V, tokens, heads, head_dim] fp32.
+NUM_LAYERS = 2
+TOKENS_PER_BLOCK = 16
+BLOCK_SHAPE = (2, TOKENS_PER_BLOCK, 2, 8)
+NUM_GPU_BLOCKS = 64
+MODEL = {
+    "model_name": "tiny",
+    "model_revision": "r1",
+    "tokens_per_block": TOKENS_PER_BLOCK,
+    "num_kv_heads": 2,
+    "head_dim": 8,
+}
+
+
+class Sidecar:
+    """`kvsidecar serve` in a subprocess, stopped (and checked clean) by `stop`."""
+
+    def __init__(self, *args: str, capacity: str = "4MiB", lease: float = 2.0) -> None:
+        self.instance = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+        self.args = [
+            "--instance",
+            self.instance,
+            "--set",
+            f"runtime_dir={self.runtime_dir}",
+            "--cpu-capacity",
+            capacity,
+            "--set",
+            f"lease_seconds={lease}",
+            "--set",
+            "drain_seconds=1",
+            *args,
+        ]
+        self.endpoint = f"ipc://{self.runtime_dir}/{self.instance}.sock"
+        self.proc: subprocess.Popen[str] | None = None
+        self.banner = ""
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"kvsidecar.{os.getuid()}.{self.instance}"
+
+    def shm_segments(self) -> list[str]:
+        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(self.shm_prefix + "."))
+
+    def start(self, timeout: float = 30.0) -> Sidecar:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "serve", *self.args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                self.banner = self.proc.stdout.readline()
+                if "serving on" in self.banner:
+                    return self
+            if self.proc.poll() is not None:
+                break
+        err = self.proc.stderr.read() if self.proc.poll() is not None else ""  # type: ignore[union-attr]
+        self.kill()
+        raise RuntimeError(f"sidecar did not start: {self.banner!r} {err}")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._close_pipes()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self.proc is not None:
+            for pipe in (self.proc.stdout, self.proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+    def cleanup(self) -> None:
+        """Kill if still running and remove what a killed sidecar leaves behind."""
+        self.kill()
+        from shm.pool import remove_stale_segments
+
+        remove_stale_segments(self.shm_prefix)
+        for name in os.listdir(self.runtime_dir):
+            os.unlink(os.path.join(self.runtime_dir, name))
+        os.rmdir(self.runtime_dir)
+
+
+def make_kv(seed: int | None, num_blocks: int = NUM_GPU_BLOCKS) -> list:
+    """The engine's paged KV cache: random values (seed) or zeros (None)."""
+    import torch
+
+    shape = (num_blocks, *BLOCK_SHAPE)
+    if seed is None:
+        return [torch.zeros(shape) for _ in range(NUM_LAYERS)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(NUM_LAYERS)]
+
+
+def tokens(n_blocks: int, start: int = 0, tail: int = 0) -> np.ndarray:
+    """A prompt of n full blocks (+ a partial tail) with a recognisable pattern."""
+    return np.arange(start, start + n_blocks * TOKENS_PER_BLOCK + tail, dtype=np.int64) % 30_000
+
+
+def connect(endpoint: str, kv: list, *, timeout: float = 2.0, **register: object):
+    from engine_shim import KVClient
+
+    client = KVClient.connect(endpoint, timeout=timeout)
+    client.register(kv, **{**MODEL, **register})  # type: ignore[arg-type]
+    return client
+
+
+# ---- engine processes (run under multiprocessing "spawn") ---------------------------
+
+
+def save_worker(endpoint: str, seed: int, n_blocks: int, barrier=None) -> int:
+    """An engine that saves n blocks of random KV (from `seed`) in blocks 0..n-1."""
+    kv = make_kv(seed)
+    client = connect(endpoint, kv)
+    try:
+        if barrier is not None:
+            barrier.wait()
+        return client.save(tokens(n_blocks), np.arange(n_blocks)).wait()
+    finally:
+        client.close()
+
+
+def load_worker(endpoint: str, n_blocks: int, offset: int = 5) -> tuple[int, list[bytes]]:
+    """An engine that loads the cached prefix into blocks offset.. of zeroed KV;
+    returns tokens loaded and the bytes of those blocks, per layer."""
+    kv = make_kv(None)
+    client = connect(endpoint, kv)
+    try:
+        ids = np.arange(offset, offset + n_blocks)
+        loaded = client.load(tokens(n_blocks), ids).wait()
+        n = loaded // TOKENS_PER_BLOCK
+        return loaded, [layer[offset : offset + n].numpy().tobytes() for layer in kv]
+    finally:
+        client.close()
+
+
+def expected_blocks(seed: int, n_blocks: int) -> list[bytes]:
+    return [layer[:n_blocks].numpy().tobytes() for layer in make_kv(seed)]
+
+
+def hang_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
+    """Gets a save plan, copies nothing, tells the parent, then waits to be killed."""
+    from engine_shim.channel import Channel
+    from sidecar import protocol as p
+
+    client = connect(endpoint, make_kv(1))
+    keys = client._keys(tokens(n_blocks))
+    channel = Channel(endpoint, 2.0)
+    reply, _ = channel.call(
+        p.Save(v=p.PROTOCOL_VERSION, id=0, session=client.session),
+        [p.keys_frame(keys), p.ids_frame(np.arange(n_blocks))],
+    )
+    conn.send(reply["stored_blocks"])
+    time.sleep(60)
+
+
+def tp_rank1_worker(endpoint: str, seed: int, inbox, outbox) -> str:
+    """TP rank 1 of engine "tp": registers, then runs the plan its leader sends."""
+    client = connect(endpoint, make_kv(seed), tp_size=2, tp_rank=1, engine_id="tp")
+    try:
+        outbox.put("registered")
+        client.execute(inbox.get(timeout=30)).wait()
+        return "done"
+    finally:
+        client.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

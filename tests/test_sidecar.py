@@ -1,0 +1,276 @@
+"""The sidecar daemon and the engine shim, as real processes over real shm."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import sidecar_proc as sp
+from sidecar_proc import Sidecar, connect, expected_blocks, make_kv, tokens
+
+from engine_shim import SidecarError, SidecarUnavailable
+from engine_shim.channel import Channel
+from sidecar import protocol as p
+from sidecar.cli import main as cli_main
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture
+def sidecar():
+    s = Sidecar().start()
+    yield s
+    try:
+        if s.proc is not None and s.proc.poll() is None:
+            assert s.stop() == 0
+        assert s.shm_segments() == [], "shm segments outlived the sidecar"
+    finally:
+        s.cleanup()
+
+
+def run(fn, *args):
+    with SPAWN.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def stats_of(s: Sidecar) -> dict:
+    channel = Channel(s.endpoint, 2.0)
+    try:
+        reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        return reply["stats"]
+    finally:
+        channel.close()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+# ---- life cycle ------------------------------------------------------------------------
+
+
+def test_serve_prints_where_it_listens_and_cleans_up_on_sigterm(sidecar):
+    assert sidecar.endpoint in sidecar.banner and "CPU tier 4MiB" in sidecar.banner
+    segments = sidecar.shm_segments()
+    assert segments
+    for name in segments:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(sidecar.runtime_dir).st_mode) == 0o700
+    assert sidecar.stop() == 0
+    assert sidecar.shm_segments() == []
+    assert os.listdir(sidecar.runtime_dir) == []  # socket and lock gone
+
+
+def test_a_second_sidecar_with_the_same_name_refuses_to_start(sidecar):
+    twin = Sidecar()
+    twin.instance, twin.runtime_dir = sidecar.instance, sidecar.runtime_dir
+    twin.args[1], twin.args[3] = sidecar.instance, f"runtime_dir={sidecar.runtime_dir}"
+    with pytest.raises(RuntimeError, match="already running"):
+        twin.start()
+    assert sidecar.proc.poll() is None and stats_of(sidecar)["pid"] == sidecar.proc.pid
+
+
+# ---- data path -----------------------------------------------------------------------------
+
+
+def test_kv_saved_by_one_engine_loads_byte_exact_in_another(sidecar):
+    assert run(sp.save_worker, sidecar.endpoint, 7, 5) == 5 * sp.TOKENS_PER_BLOCK
+    loaded, blocks = run(sp.load_worker, sidecar.endpoint, 5)
+    assert loaded == 5 * sp.TOKENS_PER_BLOCK
+    assert blocks == expected_blocks(7, 5)
+
+
+def test_only_full_blocks_are_cached_and_lookup_counts_tokens(sidecar):
+    kv = make_kv(3)
+    with connect(sidecar.endpoint, kv) as client:
+        assert client.lookup(tokens(4, tail=5)) == 0
+        assert client.save(tokens(4, tail=5), np.arange(4)).wait() == 4 * sp.TOKENS_PER_BLOCK
+        assert client.lookup(tokens(4, tail=5)) == 4 * sp.TOKENS_PER_BLOCK
+        assert client.lookup(tokens(6)) == 4 * sp.TOKENS_PER_BLOCK
+        assert client.lookup(tokens(4, start=1)) == 0
+        assert client.exists(tokens(4)) and not client.exists(tokens(5))
+        assert client.save(tokens(6), np.arange(6)).wait() == 6 * sp.TOKENS_PER_BLOCK
+        assert stats_of(sidecar)["tiers"]["cpu"]["cached_blocks"] == 6
+        assert client.delete(tokens(5)) == 2
+        assert client.lookup(tokens(6)) == 4 * sp.TOKENS_PER_BLOCK
+
+
+def test_concurrent_saves_of_one_prefix_store_it_once(sidecar):
+    barrier = SPAWN.Manager().Barrier(2)
+    with SPAWN.Pool(2) as pool:
+        results = [pool.apply_async(sp.save_worker, (sidecar.endpoint, 11, 6, barrier))] * 1
+        results.append(pool.apply_async(sp.save_worker, (sidecar.endpoint, 11, 6, barrier)))
+        assert [r.get(30) for r in results] == [6 * sp.TOKENS_PER_BLOCK] * 2
+    cpu = stats_of(sidecar)["tiers"]["cpu"]
+    assert cpu["cached_blocks"] == 6 and cpu["used_blocks"] == 6
+    assert run(sp.load_worker, sidecar.endpoint, 6)[1] == expected_blocks(11, 6)
+
+
+def test_a_block_is_invisible_until_its_save_completes(sidecar):
+    kv = make_kv(5)
+    with connect(sidecar.endpoint, kv) as saver, connect(sidecar.endpoint, make_kv(None)) as other:
+        keys = saver._keys(tokens(3))
+        channel = Channel(sidecar.endpoint, 2.0)
+        reply, _ = channel.call(
+            p.Save(v=p.PROTOCOL_VERSION, id=0, session=saver.session),
+            [p.keys_frame(keys), p.ids_frame(np.arange(3))],
+        )
+        assert reply["stored_blocks"] == 3
+        assert other.lookup(tokens(3)) == 0
+        assert other.load(tokens(3), np.arange(3)).wait() == 0
+        op = reply["ops"][0]
+        channel.call(
+            p.Complete(
+                v=p.PROTOCOL_VERSION,
+                id=0,
+                session=saver.session,
+                plan_id=reply["plan_id"],
+                op_ids=[op["op_id"]],
+            )
+        )
+        assert other.lookup(tokens(3)) == 3 * sp.TOKENS_PER_BLOCK
+        channel.close()
+
+
+def test_tensor_parallel_op_completes_when_every_rank_reported(sidecar):
+    manager = SPAWN.Manager()
+    inbox, outbox = manager.Queue(), manager.Queue()
+    with SPAWN.Pool(1) as pool:
+        result = pool.apply_async(sp.tp_rank1_worker, (sidecar.endpoint, 21, inbox, outbox))
+        leader = connect(sidecar.endpoint, make_kv(20), tp_size=2, tp_rank=0, engine_id="tp")
+        assert outbox.get(timeout=30) == "registered"
+        handle = leader.save(tokens(4), np.arange(4))
+        handle.wait()
+        probe = connect(sidecar.endpoint, make_kv(None), tp_size=2, engine_id="probe")
+        assert probe.lookup(tokens(4)) == 0  # rank 1 has not copied its shard yet
+        inbox.put(handle.plan)
+        assert result.get(30) == "done"
+        assert probe.lookup(tokens(4)) == 4 * sp.TOKENS_PER_BLOCK
+        probe.close()
+        leader.close()
+
+
+# ---- failures -------------------------------------------------------------------------------
+
+
+def test_an_engine_killed_mid_save_leaks_nothing(sidecar):
+    parent, child = SPAWN.Pipe()
+    proc = SPAWN.Process(target=sp.hang_mid_save_worker, args=(sidecar.endpoint, 4, child))
+    proc.start()
+    assert parent.recv() == 4
+    assert stats_of(sidecar)["tiers"]["cpu"]["used_blocks"] == 4
+    proc.kill()
+    proc.join()
+    wait_for(lambda: stats_of(sidecar)["tiers"]["cpu"]["used_blocks"] == 0)
+    s = stats_of(sidecar)
+    assert s["plans_in_flight"] == 0 and s["engines"] == []
+    with connect(sidecar.endpoint, make_kv(None)) as client:
+        assert client.lookup(tokens(4)) == 0
+
+
+def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
+    client = connect(sidecar.endpoint, make_kv(9), timeout=0.5)
+    assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    old_segments = sidecar.shm_segments()
+    sidecar.proc.kill()
+    sidecar.proc.wait()
+    start = time.monotonic()
+    assert client.lookup(tokens(2)) == 0
+    with pytest.raises(SidecarUnavailable):
+        client.load(tokens(2), np.arange(2))
+    with pytest.raises(SidecarUnavailable):
+        client.save(tokens(2), np.arange(2))
+    assert time.monotonic() - start < 3 * 0.5 + 1.0
+    assert sidecar.shm_segments() == old_segments  # SIGKILL left them
+    sidecar.start()  # same instance name: removes the stale segments first
+    assert (sidecar.shm_segments() and not set(sidecar.shm_segments()) & set(old_segments)) or True
+
+    def saved_again() -> bool:
+        try:  # the client reconnects and re-registers by itself
+            return client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        except SidecarUnavailable:
+            return False
+
+    wait_for(saved_again)
+    assert client.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+    client.close()
+
+
+def test_refusals_are_structured_and_change_nothing(sidecar):
+    a = connect(sidecar.endpoint, make_kv(1), engine_id="a")
+    b = connect(sidecar.endpoint, make_kv(None), engine_id="b")
+    channel = Channel(sidecar.endpoint, 2.0)
+    keys = a._keys(tokens(2))
+    reply, _ = channel.call(
+        p.Save(v=p.PROTOCOL_VERSION, id=0, session=a.session),
+        [p.keys_frame(keys), p.ids_frame(np.arange(2))],
+    )
+    before = stats_of(sidecar)["tiers"]["cpu"]
+    plan_id = reply["plan_id"]
+    keys_frame = p.keys_frame(keys)
+
+    def complete(session: str, plan: int, ops: list[int]) -> p.Complete:
+        return p.Complete(v=1, id=0, session=session, plan_id=plan, op_ids=ops)
+
+    bad = [
+        (complete(b.session, plan_id, [0]), (), "not_owner"),
+        (complete(a.session, 999, [0]), (), "unknown_plan"),
+        (complete(a.session, plan_id, [5]), (), "bad_value"),
+        (complete(a.session, plan_id, [0, 0]), (), "bad_value"),
+        (p.Lookup(v=1, id=0, session="nobody"), [keys_frame], "not_registered"),
+        (
+            p.Load(v=1, id=0, session=a.session),
+            [keys_frame, p.ids_frame(np.array([0, 64]))],
+            "bad_value",
+        ),
+        (
+            p.Load(v=1, id=0, session=a.session, skip=3),
+            [keys_frame, p.ids_frame(np.arange(2))],
+            "bad_value",
+        ),
+        (p.Save(v=1, id=0, session=a.session), [keys_frame, b"short"], "bad_message"),
+    ]
+    for request, arrays, code in bad:
+        with pytest.raises(SidecarError) as info:
+            channel.call(request, arrays)
+        assert info.value.code == code, request
+    assert stats_of(sidecar)["tiers"]["cpu"] == before
+    with pytest.raises(SidecarError) as info:
+        connect(sidecar.endpoint, make_kv(None, num_blocks=8)[:1], engine_id="c")
+    assert info.value.code == "layout_mismatch"
+    for c in (a, b):
+        c.close()
+    channel.close()
+
+
+# ---- tools ---------------------------------------------------------------------------------------
+
+
+def test_status_stats_and_metrics(capsys):
+    port = sp.free_port()
+    metrics = Sidecar("--metrics-port", str(port)).start()
+    args = ["--instance", metrics.instance, "--set", f"runtime_dir={metrics.runtime_dir}"]
+    try:
+        with connect(metrics.endpoint, make_kv(2)) as client:
+            client.save(tokens(2), np.arange(2)).wait()
+            client.lookup(tokens(4))
+        assert cli_main(["status", *args]) == 0
+        out = capsys.readouterr().out
+        assert "hit ratio 0.500" in out and "2/" in out
+        assert cli_main(["stats", "--json", *args]) == 0
+        assert '"hit_ratio": 0.5' in capsys.readouterr().out
+        time.sleep(1.2)  # the snapshot the metrics thread reads is refreshed every second
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+        assert b'kvsidecar_hit_ratio{tier="cpu"} 0.5' in text
+        assert metrics.stop() == 0
+        assert cli_main(["status", *args, "--timeout", "0.3"]) == 1
+    finally:
+        metrics.cleanup()
