@@ -190,8 +190,10 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
         client.save(tokens(2), np.arange(2))
     assert time.monotonic() - start < 3 * 0.5 + 1.0
     assert sidecar.shm_segments() == old_segments  # SIGKILL left them
+    stale = {name: os.stat(f"/dev/shm/{name}").st_ino for name in old_segments}
     sidecar.start()  # same instance name: removes the stale segments first
-    assert (sidecar.shm_segments() and not set(sidecar.shm_segments()) & set(old_segments)) or True
+    fresh = {name: os.stat(f"/dev/shm/{name}").st_ino for name in sidecar.shm_segments()}
+    assert fresh and not set(fresh.items()) & set(stale.items()), "stale segments reused"
 
     def saved_again() -> bool:
         try:  # the client reconnects and re-registers by itself
@@ -249,6 +251,21 @@ def test_refusals_are_structured_and_change_nothing(sidecar):
     for c in (a, b):
         c.close()
     channel.close()
+
+
+def test_tcp_endpoint():
+    port = sp.free_port()
+    s = Sidecar("--endpoint", f"tcp://127.0.0.1:{port}").start()
+    s.endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        assert s.endpoint in s.banner
+        with connect(s.endpoint, make_kv(6)) as client:
+            assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        loaded, blocks = run(sp.load_worker, s.endpoint, 3)
+        assert loaded == 3 * sp.TOKENS_PER_BLOCK and blocks == expected_blocks(6, 3)
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
 
 
 # ---- tools ---------------------------------------------------------------------------------------
