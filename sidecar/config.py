@@ -112,6 +112,9 @@ class Config:
     ssd_capacity_per_dir: int = config_key(
         64 * _GiB, "size", "SSD tier capacity of each directory.", low=_MiB
     )
+    ssd_io_threads: int = config_key(
+        4, "int", "Threads reading and writing the SSD tier.", low=1, high=64
+    )
     remote_url: str | None = config_key(
         None,
         "str",

@@ -54,6 +54,11 @@ class PlanState:
                     f"op {op_id} of plan {self.plan.plan_id} already reported by rank {rank}",
                 )
 
+    @property
+    def all_reported(self) -> bool:
+        """Every rank reported every engine-side op."""
+        return all(len(r) == self.group.tp_size for r in self.reported.values())
+
     def report(self, rank: int, op_id: int) -> bool:
         """Record a rank's report; True when every rank has now reported the op."""
         ranks = self.reported[op_id]

@@ -35,14 +35,22 @@ from sidecar.control.ids import GpuBlockIds
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import PlanError
 from sidecar.control.planner import GlobalCacheEngine
+from sidecar.dataplane import DataPlane
 from sidecar.engines import Engines, Session, namespace_of, pid_namespace
 from sidecar.protocol import ErrorCode, ProtocolError
 from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
+from sidecar.ssd import SsdStore
 from sidecar.stats import HitStats, split_hits
+from sidecar.tiers import open_ssd_tier
+from sidecar.workers import IoPool
 
 log = logging.getLogger("kvsidecar")
 
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_STAGING_ATTEMPTS = 4
+"""Stagings per load: a read that fails a checksum drops the bad block and
+the next attempt stages the good prefix before it; CPU slots held by writes
+in flight are waited for."""
 POLL_MS = 100
 
 
@@ -66,6 +74,13 @@ class Server:
         self.sock: zmq.Socket | None = None
         self.layout: BlockLayout | None = None
         self.cache: GlobalCacheEngine | None = None
+        self.ssd: SsdStore | None = None
+        self.io: IoPool | None = None
+        self.dataplane: DataPlane | None = None
+        self._deferred: dict[int, tuple[bytes, p.Load, list[bytes], int]] = {}
+        """Staging plan id -> the load waiting for it (identity, request, arrays, attempt)."""
+        self._identity = b""
+        self._waiting_for_io: list[tuple[bytes, p.Load, list[bytes], int]] = []
         self.engines = Engines(self._cancel_plan)
         self.hits = HitStats(config.hit_window)
         self.requests: Counter[str] = Counter()
@@ -137,7 +152,14 @@ class Server:
 
     def poll_once(self, timeout_ms: int = POLL_MS) -> None:
         assert self.sock is not None
-        if self.sock.poll(timeout_ms, zmq.POLLIN):
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.io is not None:
+            poller.register(self.io.fd, zmq.POLLIN)
+        ready = dict(poller.poll(timeout_ms))
+        if self.dataplane is not None and self.io is not None and self.io.fd in ready:
+            self.dataplane.collect()
+        if self.sock in ready:
             while True:
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -156,10 +178,20 @@ class Server:
 
     def _drain(self) -> None:
         deadline = time.monotonic() + self.config.drain_seconds
-        while self.engines.plans and time.monotonic() < deadline:
+
+        def busy() -> bool:
+            return bool(self.engines.plans) or bool(self.dataplane and self.dataplane.plans)
+
+        while busy() and time.monotonic() < deadline:
             self.poll_once(20)
         for plan_id in list(self.engines.plans):
             self.engines.end(plan_id, cancel=True)
+        if self.dataplane is not None:
+            self.dataplane.abandon()
+        for identity, req, _, _ in [*self._deferred.values(), *self._waiting_for_io]:
+            self._send(identity, p.error(req.id, ErrorCode.SHUTTING_DOWN, "shutting down"))
+        self._deferred.clear()
+        self._waiting_for_io.clear()
 
     def close(self) -> None:
         """Release everything this process owns: socket, shm, lock (idempotent)."""
@@ -175,6 +207,12 @@ class Server:
             self.ctx = None
         if self.endpoint.startswith("ipc://") and self.lock is not None:
             self.paths.socket_path.unlink(missing_ok=True)
+        if self.io is not None:  # threads may still read or write shm slots
+            self.io.close()
+            self.io = None
+        if self.ssd is not None:
+            self.ssd.close()
+            self.ssd = None
         if self.pool is not None:
             self.pool.close()
             self.pool.unlink()
@@ -188,11 +226,13 @@ class Server:
     def _serve_one(self, frames: list[bytes]) -> None:
         assert self.sock is not None
         identity, body = frames[0], frames[1:]
+        self._identity = identity
         try:
             request, arrays = p.decode_request(body)
             op = type(request).__name__.lower()
             self.requests[op] += 1
             reply = self._handlers[type(request)](request, arrays)
+            self._adopt_background()
         except ProtocolError as err:
             self.errors[err.code.value] += 1
             reply = p.error(p.request_id(body), err.code, err.message)
@@ -200,7 +240,18 @@ class Server:
             log.exception("internal error serving a request")
             self.errors[ErrorCode.INTERNAL.value] += 1
             reply = p.error(p.request_id(body), ErrorCode.INTERNAL, f"internal error: {err!r}")
+        if reply is not None:  # None: answered later (a load waiting for SSD reads)
+            self._send(identity, reply)
+
+    def _send(self, identity: bytes, reply: p.Reply) -> None:
+        assert self.sock is not None
         self.sock.send_multipart([identity, p.encode(reply.header), *reply.arrays], copy=False)
+
+    def _adopt_background(self) -> None:
+        """Write-backs created by CPU evictions go to the I/O pool."""
+        if self.cache is not None and self.dataplane is not None:
+            for plan in self.cache.drain_background():
+                self.dataplane.adopt(plan)
 
     def _session(self, request: Any) -> Session:
         return self.engines.session(request.session)
@@ -208,6 +259,8 @@ class Server:
     def _cancel_plan(self, plan_id: int) -> None:
         if self.cache is not None:
             self.cache.cancel(plan_id)
+        if self.dataplane is not None:
+            self.dataplane.forget(plan_id)
 
     def _not_stopping(self) -> None:
         if self.stopping:
@@ -261,7 +314,18 @@ class Server:
             c.evict_ratio,
             c.hit_reward_seconds,
         )
-        self.cache = GlobalCacheEngine(cpu, None, None, c.write_policy, c.write_through_min_hits)
+        ssd = open_ssd_tier(c, layout)
+        ssd_engine = None
+        if ssd is not None:
+            ssd_engine, self.ssd = ssd
+            self.io = IoPool("ssd", c.ssd_io_threads)
+        self.cache = GlobalCacheEngine(
+            cpu, ssd_engine, None, c.write_policy, c.write_through_min_hits
+        )
+        if self.ssd is not None and self.io is not None:
+            self.dataplane = DataPlane(
+                self.cache, self.pool, layout, self.ssd, self.io, self._plan_ended
+            )
         self.layout = layout
         log.info("CPU tier: %d slots of %d bytes", num_slots, layout.slot_stride)
 
@@ -290,14 +354,30 @@ class Server:
             raise ProtocolError(ErrorCode.BUSY, str(err)) from None
         return p.ok(req.id, deleted_blocks=removed)
 
-    def _load(self, req: p.Load, arrays: list[bytes]) -> p.Reply:
+    def _load(self, req: p.Load, arrays: list[bytes], attempt: int = 0) -> p.Reply | None:
+        """A GET. Blocks past the CPU prefix that the SSD holds are first staged
+        into the CPU tier by the I/O pool; the reply waits for that, so the
+        engine only ever runs CPU->GPU copies."""
         self._not_stopping()
         session = self._session(req)
         keys, gpu = self._keys_and_blocks(session, arrays)
         if not 0 <= req.skip <= len(keys):
             raise ProtocolError(ErrorCode.BAD_VALUE, f"skip must be in [0, {len(keys)}]")
         assert self.cache is not None
-        plan = self.cache.get(keys, gpu, req.skip)
+        if self.dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
+            stage = self.cache.get(keys, gpu, len(keys))  # lower tiers -> CPU only
+            waiting = (self._identity, req, arrays, attempt + 1)
+            if not stage.finished_on_return:
+                self._deferred[stage.plan_id] = waiting
+                self.dataplane.adopt(stage)
+                return None
+            counts = self.cache.lookup(keys)
+            if counts.ssd > counts.cpu and self.dataplane.plans:
+                # No CPU slot free now: they are held by writes to SSD in
+                # flight. Try again when one of those lands.
+                self._waiting_for_io.append(waiting)
+                return None
+        plan = self.cache.get(keys, gpu, req.skip, stage=False)
         h = plan.hit_blocks
         fields = {"hit_blocks": h.total, "cpu": h.cpu, "ssd": h.ssd, "remote": h.remote}
         return self._plan_reply(req.id, session, plan, fields)
@@ -320,9 +400,28 @@ class Server:
         gpu = p.parse_ids(arrays[1], "block_ids", len(keys), session.group.num_gpu_blocks)
         return keys, GpuBlockIds(gpu)
 
+    def _plan_ended(self, plan_id: int, ok: bool) -> None:
+        """A plan run by the data plane ended: answer a load waiting for it."""
+        self.engines.end(plan_id, cancel=False)
+        retry, self._waiting_for_io = self._waiting_for_io, []
+        waiting = self._deferred.pop(plan_id, None)
+        if waiting is not None:
+            retry.append(waiting)
+        for identity, req, arrays, attempt in retry:
+            self._identity = identity
+            try:
+                reply = self._load(req, arrays, attempt)
+            except ProtocolError as err:
+                reply = p.error(req.id, err.code, err.message)
+            if reply is not None:
+                self._send(identity, reply)
+        self._adopt_background()
+
     def _plan_reply(self, rid: int, session: Session, plan: Any, fields: dict) -> p.Reply:
         ops, arrays = [], []
         if not plan.finished_on_return:
+            if self.dataplane is not None:
+                self.dataplane.adopt(plan)  # its sidecar ops start when their deps are done
             state = self.engines.track(plan, session.group)
             for op in plan.graph.ops:
                 if op.op_id in state.reported:
@@ -342,8 +441,12 @@ class Server:
                     finished = self.cache.complete(req.plan_id, op_id)
                 except PlanError as err:  # e.g. its sidecar-side deps are not done
                     raise ProtocolError(ErrorCode.BAD_VALUE, str(err)) from None
-        if finished:
+        if finished or state.all_reported:
+            # The engine's part is done; what is left (SSD writes) runs on the
+            # I/O pool and no longer depends on the engine staying alive.
             self.engines.end(req.plan_id, cancel=False)
+        if not finished and self.dataplane is not None:
+            self.dataplane.pump(req.plan_id)
         return p.ok(req.id, finished=finished)
 
     def _fail(self, req: p.Fail, _: list[bytes]) -> p.Reply:
@@ -376,6 +479,20 @@ class Server:
 
     # ---- figures ------------------------------------------------------------------------
 
+    def _lower_tier_stats(self) -> dict[str, Any]:
+        if self.cache is None or "ssd" not in self.cache.lower or self.ssd is None:
+            return {}
+        ssd = _tier_figures(self.cache.lower["ssd"])
+        counters = self.dataplane.counters if self.dataplane else {}
+        ssd.update(
+            slot_bytes=self.ssd.slot_bytes,
+            direct_io=self.ssd.direct,
+            checksum_failures=counters.get("checksum_failures", 0),
+            io_errors=counters.get("io_errors", 0),
+            ops_in_flight=self.io.in_flight if self.io else 0,
+        )
+        return {"ssd": ssd}
+
     def stats(self) -> dict[str, Any]:
         cpu: dict[str, Any] = {"capacity_bytes": self.capacity}
         if self.pool is not None:
@@ -397,14 +514,24 @@ class Server:
             "pid": os.getpid(),
             "boot_id": self.boot_id,
             "uptime_seconds": time.time() - self.started,
-            "tiers": {"cpu": cpu},
+            "tiers": {"cpu": cpu, **self._lower_tier_stats()},
             "hits": self.hits.snapshot(),
-            "plans_in_flight": len(self.engines.plans),
+            "plans_in_flight": len(self.engines.plans)
+            + (len(self.dataplane.plans) if self.dataplane else 0),
             "engines": self.engines.describe(),
             "requests": dict(self.requests),
             "errors": dict(self.errors),
             "expired_sessions": self.engines.num_expired,
         }
+
+
+def _tier_figures(tier: CacheEngine) -> dict[str, Any]:
+    return {
+        "capacity_blocks": tier.capacity,
+        "used_blocks": tier.mempool.num_used,
+        "cached_blocks": tier.index.num_blocks,
+        "evicted_blocks": tier.num_evicted_blocks,
+    }
 
 
 def _layout_of(kv: p.KVLayoutMsg) -> BlockLayout:

@@ -118,3 +118,15 @@ def test_free_of_a_zero_dim_array_frees_or_changes_nothing():
         assert snapshot(pool) == (0, [False] * 4)
     else:
         assert snapshot(pool) == (1, [False, False, False, True])
+
+
+def test_take_marks_given_slots_used_and_refuses_bad_ones():
+    pool = Mempool(6)
+    pool.take(np.array([4, 1]))
+    assert pool.num_free == 4 and not pool.is_free(4) and not pool.is_free(1)
+    assert sorted(pool.allocate(4).tolist()) == [0, 2, 3, 5]
+    pool.free(np.array([1]))
+    for bad in ([1, 1], [6], [0], [-1]):
+        with pytest.raises(MempoolError):
+            pool.take(np.array(bad))
+    assert pool.num_free == 1 and pool.allocate(1).tolist() == [1]

@@ -77,5 +77,21 @@ class Mempool:
         self._stack[self._top : self._top + slots.size] = slots[::-1]
         self._top += slots.size
 
+    def take(self, slots: np.ndarray) -> None:
+        """Mark these free slots used (a restart rebuilding its index from
+        disk). O(num_slots); raises MempoolError and changes nothing if one
+        is out of range, repeated or not free."""
+        slots = np.asarray(slots).reshape(-1)
+        if slots.size == 0:
+            return
+        if slots.dtype.kind not in "iu" or slots.min() < 0 or slots.max() >= self.num_slots:
+            raise MempoolError(f"slots out of range 0..{self.num_slots - 1}")
+        if np.unique(slots).size != slots.size or not self._is_free[slots].all():
+            raise MempoolError("slots repeated or not free")
+        self._is_free[slots] = False
+        free = self._stack[: self._top]
+        self._top = int(np.count_nonzero(self._is_free[free]))
+        self._stack[: self._top] = free[self._is_free[free]]
+
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])

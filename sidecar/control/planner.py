@@ -96,11 +96,16 @@ class GlobalCacheEngine:
 
     # ---- GET ---------------------------------------------------------------------
 
-    def get(self, keys: BlockKeys, gpu_blocks: GpuBlockIds, skip: int = 0) -> Plan:
+    def get(
+        self, keys: BlockKeys, gpu_blocks: GpuBlockIds, skip: int = 0, *, stage: bool = True
+    ) -> Plan:
         """Plan loading keys[skip:matched] into gpu_blocks[skip:matched].
 
         The first `skip` blocks are already on the GPU; they are matched (a
-        prefix is only usable whole) but not copied.
+        prefix is only usable whole) but not copied. With `stage=False` the
+        plan serves the CPU tier's prefix only (no lower-tier fragments).
+        `get(keys, gpu, skip=len(keys))` stages lower-tier blocks into the
+        CPU tier without copying anything to the GPU.
         """
         n = _check_request(keys, gpu_blocks)
         if not 0 <= skip <= n:
@@ -112,7 +117,7 @@ class GlobalCacheEngine:
         if skip < c:
             graph.add(OpKind.H2D, cpu_m.slots[skip:c], gpu_blocks[skip:c])
         counts = {"cpu": max(0, c - skip)}
-        if cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
+        if stage and cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
             counts.update(self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip))
         if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and cpu_m.node is not None:
             hot = self._hot_prefix(cpu_m.node, c)
@@ -318,6 +323,17 @@ class GlobalCacheEngine:
         run = self._run(plan_id)
         del self._runs[plan_id]
         run.release()
+
+    def op_target(self, plan_id: int, op_id: int) -> tuple[CacheEngine, RadixNode] | None:
+        """The tier and node an unfinished op of a plan in flight fills."""
+        run = self._run(plan_id)
+        for wait in run.waits:
+            if op_id in wait.ops:
+                return wait.engine, wait.node
+        return None
+
+    def is_done(self, plan_id: int, op_id: int) -> bool:
+        return op_id in self._run(plan_id).done
 
     def active_plan_ids(self) -> Iterator[int]:
         return iter(list(self._runs))

@@ -1,0 +1,237 @@
+"""The SSD tier's storage: block slots in preallocated files, a journal, checksums.
+
+Each directory holds one data file of fixed-size slots (one block: all
+layers, all TP shards) and a journal of one 64-byte record per slot. Slots
+are striped across directories: slot s lives in directory s % n at offset
+(s // n) * slot_bytes. Data moves with O_DIRECT straight between the file
+and the shm slot (page-aligned, a multiple of 4 KiB): no bounce copy.
+
+Integrity: a slot's record holds its block key, its parent key and an xxh3
+checksum of the block seeded by its key. Every read is verified; a mismatch
+is a miss and the slot is dropped, so corrupted bytes never reach an engine.
+Writes invalidate the record first, then write the data, then the record, so
+a crash mid-write leaves a slot that fails its checksum, never one that reads
+as valid with wrong bytes.
+
+Recovery: a sidecar started again on the same directories reads the
+journals back (`records`) and rebuilds the SSD index from the chains of
+(key, parent key) they describe. A directory written with another slot size
+or by another instance name is wiped, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+log = logging.getLogger("kvsidecar")
+
+RECORD = struct.Struct("<4sIQ16s16s16s")  # magic, flags, checksum, key, parent, reserved
+RECORD_BYTES = RECORD.size  # 64
+MAGIC = b"KVS1"
+VALID, FIRST = 1, 2
+"""Record flags: the slot holds a block; the block starts a sequence (its
+parent is the namespace root, not a stored block)."""
+META = "kvsidecar-ssd.json"
+ALIGN = 4096
+
+
+class SsdError(OSError):
+    """An SSD tier directory cannot be used."""
+
+
+def checksum(data: memoryview | np.ndarray, key: bytes) -> int:
+    """xxh3-64 of the block, seeded by its key: a slot holding another key's
+    bytes fails it as surely as a slot with flipped bits."""
+    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
+
+
+@dataclass(frozen=True)
+class Record:
+    slot: int
+    key: bytes
+    parent: bytes
+    first: bool
+    checksum: int
+
+
+class _Dir:
+    def __init__(self, path: Path, nslots: int, slot_bytes: int, tag: str) -> None:
+        self.path = path
+        self.nslots = nslots
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {"version": 1, "slot_bytes": slot_bytes, "slots": nslots, "tag": tag}
+        data_path, journal_path = path / f"{tag}.data", path / f"{tag}.journal"
+        meta_path = path / META
+        if meta_path.exists():
+            try:
+                old = json.loads(meta_path.read_text())
+            except (OSError, ValueError):
+                old = None
+            if old != meta:
+                log.warning("SSD dir %s was written with %s; starting it empty", path, old)
+                data_path.unlink(missing_ok=True)
+                journal_path.unlink(missing_ok=True)
+        self.direct = True
+        try:
+            self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            log.warning("%s does not support O_DIRECT; using buffered I/O", path)
+            self.direct = False
+            self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.journal = os.open(journal_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, nslots * slot_bytes)
+            os.posix_fallocate(self.journal, 0, nslots * RECORD_BYTES)
+        except OSError:
+            self.close()
+            raise
+        tmp = path / f"{META}.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, meta_path)
+
+    def close(self) -> None:
+        for fd in (self.fd, self.journal):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class SsdStore:
+    """`num_slots` block slots over `dirs`, each directory holding at most
+    `capacity_per_dir` bytes of slots. Safe to call from several threads at
+    once for different slots (positional I/O only)."""
+
+    def __init__(
+        self, dirs: list[str], capacity_per_dir: int, slot_bytes: int, block_bytes: int, tag: str
+    ) -> None:
+        if slot_bytes % ALIGN or not 0 < block_bytes <= slot_bytes:
+            raise ValueError(f"slot_bytes must be a multiple of {ALIGN} holding a block")
+        if not dirs:
+            raise ValueError("no SSD directories")
+        self.slot_bytes = slot_bytes
+        self.block_bytes = block_bytes
+        per_dir = capacity_per_dir // slot_bytes
+        self._dirs: list[_Dir] = []
+        try:
+            for d in map(Path, dirs):
+                self._dirs.append(_Dir(d, _fit(d, per_dir, slot_bytes), slot_bytes, tag))
+        except OSError as err:
+            self.close()
+            raise SsdError(err.errno, f"SSD tier: {err.strerror}", err.filename) from None
+        # Slots are striped, so only as many per directory as the smallest holds.
+        self.slots_per_dir = min(d.nslots for d in self._dirs)
+        self.num_slots = self.slots_per_dir * len(self._dirs)
+        self.checksums = np.zeros(self.num_slots, dtype=np.uint64)
+        self.keys = np.zeros((self.num_slots, 16), dtype=np.uint8)
+        self.direct = all(d.direct for d in self._dirs)
+
+    def _where(self, slot: int) -> tuple[_Dir, int]:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"SSD slot {slot} out of range")
+        n = len(self._dirs)
+        return self._dirs[slot % n], (slot // n) * self.slot_bytes
+
+    # ---- data ---------------------------------------------------------------
+
+    def write(self, slot: int, block: memoryview, key: bytes, parent: bytes, first: bool) -> None:
+        """Store one block (a page-aligned view of slot_bytes) under `key`."""
+        d, offset = self._where(slot)
+        self._write_record(d, slot, b"\0" * RECORD_BYTES)  # invalid while the data changes
+        _pwrite_all(d.fd, block, offset)
+        digest = checksum(block[: self.block_bytes], key)
+        flags = VALID | (FIRST if first else 0)
+        self._write_record(d, slot, RECORD.pack(MAGIC, flags, digest, key, parent, b""))
+        self.checksums[slot] = digest
+        self.keys[slot] = np.frombuffer(key, dtype=np.uint8)
+
+    def read(self, slot: int, block: memoryview, key: bytes) -> bool:
+        """Read the block into `block`; False if it fails its key or checksum
+        (the caller must then treat it as a miss and drop the slot)."""
+        d, offset = self._where(slot)
+        if self.keys[slot].tobytes() != key:
+            return False
+        _pread_all(d.fd, block, offset)
+        return checksum(block[: self.block_bytes], key) == int(self.checksums[slot])
+
+    def drop(self, slot: int) -> None:
+        """Forget a slot's block on disk too (its record is cleared)."""
+        d, _ = self._where(slot)
+        self._write_record(d, slot, b"\0" * RECORD_BYTES)
+        self.checksums[slot] = 0
+        self.keys[slot] = 0
+
+    def _write_record(self, d: _Dir, slot: int, record: bytes) -> None:
+        os.pwrite(d.journal, record, (slot // len(self._dirs)) * RECORD_BYTES)
+
+    # ---- recovery -----------------------------------------------------------------
+
+    def records(self) -> list[Record]:
+        """Every valid record in the journals (loads checksums and keys too)."""
+        out = []
+        n = len(self._dirs)
+        for i, d in enumerate(self._dirs):
+            raw = os.pread(d.journal, self.slots_per_dir * RECORD_BYTES, 0)
+            for j in range(len(raw) // RECORD_BYTES):
+                magic, flags, digest, key, parent, _ = RECORD.unpack_from(raw, j * RECORD_BYTES)
+                if magic != MAGIC or not flags & VALID:
+                    continue
+                slot = j * n + i
+                self.checksums[slot] = digest
+                self.keys[slot] = np.frombuffer(key, dtype=np.uint8)
+                out.append(Record(slot, key, parent, bool(flags & FIRST), digest))
+        return out
+
+    def close(self) -> None:
+        for d in self._dirs:
+            d.close()
+        self._dirs = []
+
+
+def _fit(path: Path, want: int, slot_bytes: int) -> int:
+    """Slots to preallocate in `path`: `want`, or what the filesystem has room for."""
+    path.mkdir(parents=True, exist_ok=True)
+    st = os.statvfs(path)
+    have = _existing_bytes(path) + st.f_bavail * st.f_frsize
+    room = int(have * 0.95) // (slot_bytes + RECORD_BYTES)
+    if room < want:
+        log.warning("SSD dir %s has room for %d of the %d slots asked for", path, room, want)
+    if min(want, room) <= 0:
+        raise OSError(errno.ENOSPC, "no room for a single block", str(path))
+    return min(want, room)
+
+
+def _existing_bytes(path: Path) -> int:
+    """Space our own files already hold there (reused on a restart)."""
+    total = 0
+    for f in path.glob("*.data"):
+        total += f.stat().st_blocks * 512
+    return total
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwritev(fd, [data[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _pread_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short read: the file ends before the slot")
+        done += n

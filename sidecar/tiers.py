@@ -1,0 +1,91 @@
+"""Building the lower tiers when the block layout is known, and rebuilding the
+SSD index from its journals after a restart."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import numpy as np
+
+from shm.layout import BlockLayout
+from sidecar.config import Config
+from sidecar.control.engine import CacheEngine
+from sidecar.control.ids import KEY_DTYPE, BlockKeys, SlotIds
+from sidecar.ssd import Record, SsdError, SsdStore
+
+log = logging.getLogger("kvsidecar")
+
+
+def open_ssd_tier(config: Config, layout: BlockLayout) -> tuple[CacheEngine, SsdStore] | None:
+    """The SSD tier's engine and store, its index rebuilt from disk; None when
+    no directory is configured or none can be used (logged)."""
+    if not config.ssd_dirs:
+        return None
+    try:
+        store = SsdStore(
+            list(config.ssd_dirs),
+            config.ssd_capacity_per_dir,
+            layout.slot_stride,
+            layout.block_bytes,
+            tag=f"kvsidecar-{config.instance}",
+        )
+    except (SsdError, ValueError) as err:
+        log.error("SSD tier disabled: %s", err)
+        return None
+    engine = CacheEngine(
+        "ssd",
+        store.num_slots,
+        config.eviction_policy,
+        config.evict_start_threshold,
+        config.evict_ratio,
+        config.hit_reward_seconds,
+    )
+    recovered, orphans = recover(engine, store.records())
+    for slot in orphans:
+        store.drop(slot)
+    log.info(
+        "SSD tier: %d slots of %d bytes in %d dir(s)%s; %d blocks recovered, %d orphans dropped",
+        store.num_slots,
+        layout.slot_stride,
+        len(config.ssd_dirs),
+        "" if store.direct else " (buffered: no O_DIRECT)",
+        recovered,
+        len(orphans),
+    )
+    return engine, store
+
+
+def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]:
+    """Insert every chain the records describe into the engine's index, ready.
+
+    A record whose parent key is not itself recorded (and that does not start
+    a sequence) is an orphan: unreachable by any prefix match, so its slot is
+    returned to be cleared. Returns (blocks recovered, orphan slots).
+    """
+    by_key: dict[bytes, Record] = {}
+    for r in records:  # a key recorded twice (a crash between writes): keep one
+        by_key.setdefault(r.key, r)
+    children: dict[bytes, list[Record]] = defaultdict(list)
+    roots = []
+    for r in by_key.values():
+        if r.first:
+            roots.append(r)
+        elif r.parent in by_key:
+            children[r.parent].append(r)
+    placed: list[int] = []
+    stack: list[tuple[bytes, Record]] = [(b"", r) for r in roots]
+    while stack:
+        prefix, head = stack.pop()
+        run = [head]  # follow single-child links into one run
+        while len(children[run[-1].key]) == 1:
+            run.append(children[run[-1].key][0])
+        keys = prefix + b"".join(r.key for r in run)
+        slots = np.array([r.slot for r in run], dtype=np.int64)
+        engine.mempool.take(slots)
+        engine.insert(BlockKeys(np.frombuffer(keys, dtype=KEY_DTYPE)), SlotIds(slots), ready=True)
+        placed += slots.tolist()
+        stack += [(keys, child) for child in children[run[-1].key]]
+    placed_set = set(placed)
+    orphans = [r.slot for r in records if r.slot not in placed_set]
+    return len(placed), orphans

@@ -1,0 +1,216 @@
+"""The SSD tier through a real sidecar: staging, write policies, restart
+recovery, checksums, a full filesystem."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+from sidecar_proc import MODEL, Sidecar, tokens
+
+from engine_shim import KVClient
+
+# 128 KiB blocks: a 1 MiB CPU tier holds 8 of them.
+SHAPE = (64, 2, 16, 8, 64)
+BLOCK_TOKENS = 16
+CPU = "1MiB"
+
+
+def kv(seed: int | None) -> list[torch.Tensor]:
+    if seed is None:
+        return [torch.zeros(SHAPE) for _ in range(2)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=g) for _ in range(2)]
+
+
+def client(endpoint: str, cache: list[torch.Tensor]) -> KVClient:
+    c = KVClient.connect(endpoint, timeout=5.0)
+    c.register(cache, **{**MODEL, "num_kv_heads": 8, "head_dim": 64})
+    return c
+
+
+def ssd_stats(c: KVClient) -> dict:
+    return c.stats()["tiers"]["ssd"]
+
+
+def on_ssd(c: KVClient, n: int) -> bool:
+    """n blocks on SSD and every write landed."""
+    stats = c.stats()
+    return stats["tiers"]["ssd"]["cached_blocks"] == n and stats["plans_in_flight"] == 0
+
+
+def wait_for(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+class Instance:
+    """One instance name and SSD directory, over several sidecar lives."""
+
+    def __init__(self, ssd_dir: str, *extra: str) -> None:
+        self.ssd_dir = ssd_dir
+        self.extra = extra
+        self.name = f"s{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.runtime_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+        self.sidecar: Sidecar | None = None
+
+    def start(self) -> Sidecar:
+        s = Sidecar(
+            "--set",
+            f"ssd_dirs={self.ssd_dir}",
+            "--set",
+            "ssd_capacity_per_dir=8MiB",
+            *self.extra,
+            capacity=CPU,
+        )
+        s.instance, s.runtime_dir = self.name, self.runtime_dir
+        s.args[1], s.args[3] = self.name, f"runtime_dir={self.runtime_dir}"
+        s.endpoint = f"ipc://{self.runtime_dir}/{self.name}.sock"
+        self.sidecar = s.start()
+        return s
+
+    def cleanup(self) -> None:
+        if self.sidecar is not None:
+            self.sidecar.cleanup()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def instance(tmp_path):
+    inst = Instance(str(tmp_path / "ssd"))
+    yield inst
+    inst.cleanup()
+
+
+def fill_cpu(c: KVClient, n: int = 10) -> None:
+    """Save n unrelated blocks, pushing older blocks out of the 8-block CPU tier."""
+    for i in range(n):
+        c.save(tokens(1, start=20_000 + 100 * i), np.arange(1)).wait()
+
+
+def blocks_of(cache: list[torch.Tensor], ids: np.ndarray) -> list[bytes]:
+    return [layer[torch.as_tensor(ids)].numpy().tobytes() for layer in cache]
+
+
+def test_a_cpu_miss_loads_byte_exact_from_ssd(instance):
+    s = instance.start()
+    src = kv(1)
+    with client(s.endpoint, src) as c:
+        assert c.save(tokens(5), np.arange(5)).wait() == 5 * BLOCK_TOKENS
+        wait_for(lambda: on_ssd(c, 5))  # write_through lands on disk
+        fill_cpu(c)
+        stats = c.stats()
+        assert stats["tiers"]["cpu"]["used_blocks"] <= 8
+        dst = kv(None)
+        with client(s.endpoint, dst) as other:
+            assert other.lookup(tokens(5)) == 5 * BLOCK_TOKENS
+            loaded = other.load(tokens(5), np.arange(10, 15)).wait()
+            assert loaded == 5 * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(10, 15)) == blocks_of(src, np.arange(5))
+            assert other.stats()["hits"]["hit_blocks"]["ssd"] >= 1
+    assert s.stop() == 0
+
+
+def test_write_back_writes_to_ssd_only_on_eviction(tmp_path):
+    inst = Instance(str(tmp_path / "ssd"), "--set", "write_policy=write_back")
+    try:
+        s = inst.start()
+        src = kv(2)
+        with client(s.endpoint, src) as c:
+            c.save(tokens(3), np.arange(3)).wait()
+            time.sleep(0.3)
+            assert ssd_stats(c)["cached_blocks"] == 0
+            fill_cpu(c)
+            wait_for(
+                lambda: ssd_stats(c)["cached_blocks"] >= 3 and not c.stats()["plans_in_flight"]
+            )
+            for i in range(10):  # make room in the CPU tier: the load is then not short of slots
+                c.delete(tokens(1, start=20_000 + 100 * i))
+            dst = kv(None)
+            with client(s.endpoint, dst) as other:
+                assert other.load(tokens(3), np.arange(20, 23)).wait() == 3 * BLOCK_TOKENS
+                assert blocks_of(dst, np.arange(20, 23)) == blocks_of(src, np.arange(3))
+        assert s.stop() == 0
+    finally:
+        inst.cleanup()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
+    s = instance.start()
+    src = kv(3)
+    with client(s.endpoint, src) as c:
+        c.save(tokens(6), np.arange(6)).wait()
+        wait_for(lambda: on_ssd(c, 6))
+    if how == "sigterm":
+        assert s.stop() == 0
+    else:
+        s.kill()
+    s = instance.start()
+    dst = kv(None)
+    with client(s.endpoint, dst) as c:
+        assert ssd_stats(c)["cached_blocks"] == 6
+        assert c.load(tokens(6), np.arange(30, 36)).wait() == 6 * BLOCK_TOKENS
+        assert blocks_of(dst, np.arange(30, 36)) == blocks_of(src, np.arange(6))
+    assert s.stop() == 0
+
+
+def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
+    s = instance.start()
+    src = kv(4)
+    with client(s.endpoint, src) as c:
+        c.save(tokens(5), np.arange(5)).wait()
+        wait_for(lambda: on_ssd(c, 5))
+    assert s.stop() == 0
+    data = [f for f in os.listdir(instance.ssd_dir) if f.endswith(".data")]
+    path = os.path.join(instance.ssd_dir, data[0])
+    slot_bytes = 2 * 64 * 1024  # fresh SSD slots go out in order: block i in slot i
+    with open(path, "r+b") as f:
+        f.seek(2 * slot_bytes + 1000)
+        byte = f.read(1)
+        f.seek(2 * slot_bytes + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    s = instance.start()
+    dst = kv(None)
+    with client(s.endpoint, dst) as c:
+        loaded = c.load(tokens(5), np.arange(40, 45)).wait()
+        assert loaded == 2 * BLOCK_TOKENS  # blocks 0 and 1; 2 is corrupt, 3 and 4 hang below it
+        assert blocks_of(dst, np.arange(40, 42)) == blocks_of(src, np.arange(2))
+        assert ssd_stats(c)["checksum_failures"] == 1
+        assert c.lookup(tokens(5)) == 2 * BLOCK_TOKENS
+    assert s.stop() == 0
+
+
+def test_a_small_filesystem_caps_the_tier_and_nothing_breaks(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    inst = Instance(str(mnt / "ssd"))
+    try:
+        s = inst.start()
+        src = kv(5)
+        with client(s.endpoint, src) as c:
+            cap = ssd_stats(c)["capacity_blocks"]
+            assert 0 < cap < 16  # 2 MiB of 128 KiB blocks, not the 8 MiB asked for
+            for i in range(6):  # 24 blocks: more than the SSD tier holds
+                c.save(tokens(4, start=1000 * i), np.arange(4)).wait()
+                wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+            assert ssd_stats(c)["used_blocks"] <= cap and ssd_stats(c)["io_errors"] == 0
+            assert c.lookup(tokens(4, start=5000)) == 4 * BLOCK_TOKENS
+        assert s.stop() == 0
+    finally:
+        inst.cleanup()
+        subprocess.run(["umount", str(mnt)], check=False)

@@ -1,0 +1,119 @@
+"""sidecar.ssd (slots, journal, checksums) and sidecar.tiers.recover."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+from helpers import chain, make_engine
+
+from sidecar.ssd import Record, SsdStore
+from sidecar.tiers import recover
+
+SLOT = 8192
+
+
+def aligned(n: int = SLOT) -> memoryview:
+    return memoryview(mmap.mmap(-1, n))  # page-aligned, as shm slots are
+
+
+def block(seed: int) -> memoryview:
+    buf = aligned()
+    buf[:] = np.random.default_rng(seed).integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+    return buf
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def store(tmp_path, dirs=2, capacity=4 * SLOT, tag="t") -> SsdStore:
+    return SsdStore([str(tmp_path / f"d{i}") for i in range(dirs)], capacity, SLOT, SLOT, tag)
+
+
+def test_blocks_round_trip_striped_over_directories(tmp_path):
+    s = store(tmp_path)
+    assert s.num_slots == 8
+    for slot in range(8):
+        s.write(slot, block(slot), key(slot + 1), key(slot), slot == 0)
+    for slot in range(8):
+        out = aligned()
+        assert s.read(slot, out, key(slot + 1))
+        assert bytes(out) == bytes(block(slot))
+    sizes = [os.path.getsize(tmp_path / f"d{i}" / "t.data") for i in range(2)]
+    assert sizes == [4 * SLOT, 4 * SLOT]
+    s.close()
+
+
+def test_a_flipped_byte_or_a_wrong_key_fails_the_read(tmp_path):
+    s = store(tmp_path, dirs=1)
+    s.write(1, block(1), key(7), key(6), False)
+    with open(tmp_path / "d0" / "t.data", "r+b") as f:
+        f.seek(SLOT + 100)
+        b = f.read(1)
+        f.seek(SLOT + 100)
+        f.write(bytes([b[0] ^ 1]))
+    assert not s.read(1, aligned(), key(7))
+    s.write(2, block(2), key(8), key(7), False)
+    assert not s.read(2, aligned(), key(9))
+    assert s.read(2, aligned(), key(8))
+    s.close()
+
+
+def test_records_survive_a_reopen_and_drop_clears_one(tmp_path):
+    s = store(tmp_path)
+    s.write(0, block(0), key(1), key(0), True)
+    s.write(3, block(3), key(2), key(1), False)
+    s.drop(0)
+    s.close()
+    again = store(tmp_path)
+    records = again.records()
+    assert [(r.slot, r.key, r.parent, r.first) for r in records] == [(3, key(2), key(1), False)]
+    out = aligned()
+    assert again.read(3, out, key(2)) and bytes(out) == bytes(block(3))
+    again.close()
+
+
+def test_a_directory_written_with_another_slot_size_starts_empty(tmp_path):
+    s = store(tmp_path)
+    s.write(0, block(0), key(1), key(0), True)
+    s.close()
+    other = SsdStore([str(tmp_path / "d0"), str(tmp_path / "d1")], 8 * SLOT, 2 * SLOT, SLOT, "t")
+    assert other.records() == []
+    other.close()
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with pytest.raises(ValueError):
+        SsdStore([str(tmp_path)], SLOT, 1000, 1000, "t")
+    with pytest.raises(ValueError):
+        SsdStore([], SLOT, SLOT, SLOT, "t")
+    s = store(tmp_path)
+    with pytest.raises(ValueError):
+        s.read(99, aligned(), key(1))
+    s.close()
+
+
+def rec(slot: int, k: int, parent: int, first: bool = False) -> Record:
+    return Record(slot, key(k), key(parent), first, 0)
+
+
+def test_recover_rebuilds_chains_and_returns_orphans():
+    engine = make_engine("ssd", 16)
+    keys = chain(4)  # ids 1..4 as 16-byte keys
+    raw = [keys[i].tobytes() for i in range(4)]
+    records = [
+        Record(5, raw[0], b"\0" * 16, True, 0),
+        Record(6, raw[1], raw[0], False, 0),
+        Record(7, raw[2], raw[1], False, 0),
+        Record(9, raw[3], raw[2], False, 0),
+        Record(8, raw[2], raw[1], False, 0),  # the same key again: dropped
+        rec(10, 99, 98),  # parent unknown: an orphan
+    ]
+    placed, orphans = recover(engine, records)
+    assert placed == 4 and sorted(orphans) == [8, 10]
+    m = engine.match(keys)
+    assert m.num_blocks == 4 and m.slots.tolist() == [5, 6, 7, 9]
+    assert engine.mempool.num_used == 4
