@@ -26,7 +26,7 @@ from sidecar.control.ids import BlockKeys
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.ssd import SsdStore
-from sidecar.workers import IoPool
+from sidecar.workers import Done, IoPool
 
 log = logging.getLogger("kvsidecar")
 
@@ -61,6 +61,8 @@ class DataPlane:
         self._submitted: dict[int, set[int]] = {}
         self._running: Counter[int] = Counter()
         self._failed: set[int] = set()
+        self._parts_left: dict[tuple[int, int], int] = {}
+        self._op_errors: dict[tuple[int, int], list[BaseException]] = {}
         self.counters: Counter[str] = Counter()
 
     def busy(self, plan_id: int) -> bool:
@@ -88,11 +90,21 @@ class DataPlane:
             if not all(self.cache.is_done(plan_id, d) for d in op.deps):
                 continue
             submitted.add(op.op_id)
-            self._running[plan_id] += 1
-            job = self._job(plan_id, op)
-            self.io.submit((plan_id, op.op_id), job)
+            parts = self._jobs(plan_id, op)
+            self._parts_left[(plan_id, op.op_id)] = len(parts)
+            self._running[plan_id] += len(parts)
+            for job in parts:
+                self.io.submit((plan_id, op.op_id), job)
 
-    def _job(self, plan_id: int, op: TransferOp) -> Callable[[], Any]:
+    def _jobs(self, plan_id: int, op: TransferOp) -> list[Callable[[], Any]]:
+        """The op as jobs of a few blocks each, so that one large op keeps
+        every I/O thread busy."""
+        job = self._job(plan_id, op)
+        n = op.num_blocks
+        step = max(1, -(-n // self.io.threads))
+        return [_part(job, i, min(n, i + step)) for i in range(0, n, step)]
+
+    def _job(self, plan_id: int, op: TransferOp) -> Callable[[int, int], Any]:
         target = self.cache.op_target(plan_id, op.op_id)
         assert target is not None, "a sidecar op always fills a node"
         tier, node = target
@@ -101,10 +113,10 @@ class DataPlane:
             keys, parents, first = _chain_of(node)
             sources = [self.pool.slot_view(int(s), stride) for s in op.src]
 
-            def write() -> None:
-                for i, slot in enumerate(op.dst.tolist()):
+            def write(lo: int, hi: int) -> None:
+                for i in range(lo, hi):
                     block = memoryview(sources[i])
-                    self.ssd.write(slot, block, keys[i], parents[i], first and i == 0)
+                    self.ssd.write(int(op.dst[i]), block, keys[i], parents[i], first and i == 0)
 
             return write
         # DISK2H into the staged CPU node: each block's key is found from its
@@ -117,11 +129,11 @@ class DataPlane:
         keys = [raw[16 * (d - 1) : 16 * d] for d in depths]
         targets = [self.pool.slot_view(int(c), stride) for c in op.dst]
 
-        def read() -> None:
+        def read(lo: int, hi: int) -> None:
             failed = [
                 BlockKeys(path[: depths[i]])
-                for i, slot in enumerate(op.src.tolist())
-                if not self.ssd.read(slot, memoryview(targets[i]), keys[i])
+                for i in range(lo, hi)
+                if not self.ssd.read(int(op.src[i]), memoryview(targets[i]), keys[i])
             ]
             if failed:
                 raise ChecksumMismatch(failed)
@@ -135,6 +147,14 @@ class DataPlane:
             self._running[plan_id] -= 1
             if not self._running[plan_id]:
                 del self._running[plan_id]
+            if done.error is not None:
+                self._op_errors.setdefault((plan_id, op_id), []).append(done.error)
+            self._parts_left[(plan_id, op_id)] -= 1
+            if self._parts_left[(plan_id, op_id)]:
+                continue  # the op's other parts are still running
+            del self._parts_left[(plan_id, op_id)]
+            error = _merge(self._op_errors.pop((plan_id, op_id), []))
+            done = Done(done.token, None, error)
             if plan_id not in self.plans:
                 continue
             if done.error is None and plan_id not in self._failed:
@@ -195,6 +215,21 @@ class DataPlane:
         self.plans.pop(plan_id, None)
         self._submitted.pop(plan_id, None)
         self._on_plan_end(plan_id, ok)
+
+
+def _part(job: Callable[[int, int], Any], lo: int, hi: int) -> Callable[[], Any]:
+    return lambda: job(lo, hi)
+
+
+def _merge(errors: list[BaseException]) -> BaseException | None:
+    """One error for an op from its parts' errors: an I/O error wins over
+    checksum failures, which are pooled."""
+    if not errors:
+        return None
+    for err in errors:
+        if not isinstance(err, ChecksumMismatch):
+            return err
+    return ChecksumMismatch([k for err in errors for k in err.failed])  # type: ignore[attr-defined]
 
 
 def _chain_of(node: Any) -> tuple[list[bytes], list[bytes], bool]:

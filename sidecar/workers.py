@@ -26,6 +26,7 @@ class IoPool:
     def __init__(self, name: str, threads: int) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
+        self.threads = threads
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"kvsidecar-{name}")
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
