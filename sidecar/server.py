@@ -15,7 +15,6 @@ then unlink the shm segments, the socket and the lock.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 import uuid
@@ -30,18 +29,18 @@ from shm.layout import BlockLayout
 from shm.pool import ShmPool, remove_stale_segments
 from sidecar import protocol as p
 from sidecar.config import Config
-from sidecar.control.engine import CacheEngine
 from sidecar.control.ids import GpuBlockIds
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import PlanError
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.dataplane import DataPlane
 from sidecar.engines import Engines, Session, namespace_of, pid_namespace
+from sidecar.figures import server_stats
 from sidecar.protocol import ErrorCode, ProtocolError
 from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
 from sidecar.ssd import SsdStore
 from sidecar.stats import HitStats, split_hits
-from sidecar.tiers import open_ssd_tier
+from sidecar.tiers import build_tiers
 from sidecar.workers import IoPool
 
 log = logging.getLogger("kvsidecar")
@@ -298,36 +297,13 @@ class Server:
 
     def _create_cache(self, layout: BlockLayout) -> None:
         assert self.pool is not None
-        num_slots = self.pool.num_slots(layout.slot_stride)
-        if num_slots == 0:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_MISMATCH,
-                f"a block of {layout.block_bytes} bytes does not fit the CPU tier "
-                f"({self.pool.nbytes} bytes)",
-            )
-        c = self.config
-        cpu = CacheEngine(
-            "cpu",
-            num_slots,
-            c.eviction_policy,
-            c.evict_start_threshold,
-            c.evict_ratio,
-            c.hit_reward_seconds,
-        )
-        ssd = open_ssd_tier(c, layout)
-        ssd_engine = None
-        if ssd is not None:
-            ssd_engine, self.ssd = ssd
-            self.io = IoPool("ssd", c.ssd_io_threads)
-        self.cache = GlobalCacheEngine(
-            cpu, ssd_engine, None, c.write_policy, c.write_through_min_hits
-        )
+        tiers = build_tiers(self.config, self.pool, layout)
+        self.cache, self.ssd, self.io = tiers.cache, tiers.ssd, tiers.io
         if self.ssd is not None and self.io is not None:
             self.dataplane = DataPlane(
                 self.cache, self.pool, layout, self.ssd, self.io, self._plan_ended
             )
         self.layout = layout
-        log.info("CPU tier: %d slots of %d bytes", num_slots, layout.slot_stride)
 
     def _lookup(self, req: p.Lookup, arrays: list[bytes]) -> p.Reply:
         self._session(req)
@@ -479,59 +455,8 @@ class Server:
 
     # ---- figures ------------------------------------------------------------------------
 
-    def _lower_tier_stats(self) -> dict[str, Any]:
-        if self.cache is None or "ssd" not in self.cache.lower or self.ssd is None:
-            return {}
-        ssd = _tier_figures(self.cache.lower["ssd"])
-        counters = self.dataplane.counters if self.dataplane else {}
-        ssd.update(
-            slot_bytes=self.ssd.slot_bytes,
-            direct_io=self.ssd.direct,
-            checksum_failures=counters.get("checksum_failures", 0),
-            io_errors=counters.get("io_errors", 0),
-            ops_in_flight=self.io.in_flight if self.io else 0,
-        )
-        return {"ssd": ssd}
-
     def stats(self) -> dict[str, Any]:
-        cpu: dict[str, Any] = {"capacity_bytes": self.capacity}
-        if self.pool is not None:
-            cpu["prefault_seconds"] = self.pool.prefault_seconds
-            cpu["segments"] = len(self.pool.segment_names)
-        if self.cache is not None and self.layout is not None:
-            tier = self.cache.cpu
-            cpu.update(
-                capacity_blocks=tier.capacity,
-                used_blocks=tier.mempool.num_used,
-                cached_blocks=tier.index.num_blocks,
-                block_bytes=self.layout.block_bytes,
-                slot_stride=self.layout.slot_stride,
-                evicted_blocks=tier.num_evicted_blocks,
-            )
-        return {
-            "instance": self.config.instance,
-            "endpoint": self.endpoint,
-            "pid": os.getpid(),
-            "boot_id": self.boot_id,
-            "uptime_seconds": time.time() - self.started,
-            "tiers": {"cpu": cpu, **self._lower_tier_stats()},
-            "hits": self.hits.snapshot(),
-            "plans_in_flight": len(self.engines.plans)
-            + (len(self.dataplane.plans) if self.dataplane else 0),
-            "engines": self.engines.describe(),
-            "requests": dict(self.requests),
-            "errors": dict(self.errors),
-            "expired_sessions": self.engines.num_expired,
-        }
-
-
-def _tier_figures(tier: CacheEngine) -> dict[str, Any]:
-    return {
-        "capacity_blocks": tier.capacity,
-        "used_blocks": tier.mempool.num_used,
-        "cached_blocks": tier.index.num_blocks,
-        "evicted_blocks": tier.num_evicted_blocks,
-    }
+        return server_stats(self)
 
 
 def _layout_of(kv: p.KVLayoutMsg) -> BlockLayout:

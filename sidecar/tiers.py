@@ -5,16 +5,56 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 
 from shm.layout import BlockLayout
+from shm.pool import ShmPool
 from sidecar.config import Config
 from sidecar.control.engine import CacheEngine
 from sidecar.control.ids import KEY_DTYPE, BlockKeys, SlotIds
+from sidecar.control.planner import GlobalCacheEngine
+from sidecar.protocol import ErrorCode, ProtocolError
 from sidecar.ssd import Record, SsdError, SsdStore
+from sidecar.workers import IoPool
 
 log = logging.getLogger("kvsidecar")
+
+
+class Tiers(NamedTuple):
+    cache: GlobalCacheEngine
+    ssd: SsdStore | None
+    io: IoPool | None
+
+
+def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
+    """Every tier, once the first engine fixed the block layout. Raises
+    ProtocolError (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
+    num_slots = pool.num_slots(layout.slot_stride)
+    if num_slots == 0:
+        raise ProtocolError(
+            ErrorCode.LAYOUT_MISMATCH,
+            f"a block of {layout.block_bytes} bytes does not fit the CPU tier "
+            f"({pool.nbytes} bytes)",
+        )
+    c = config
+    cpu = CacheEngine(
+        "cpu",
+        num_slots,
+        c.eviction_policy,
+        c.evict_start_threshold,
+        c.evict_ratio,
+        c.hit_reward_seconds,
+    )
+    log.info("CPU tier: %d slots of %d bytes", num_slots, layout.slot_stride)
+    ssd = open_ssd_tier(c, layout)
+    ssd_engine, store, io = None, None, None
+    if ssd is not None:
+        ssd_engine, store = ssd
+        io = IoPool("ssd", c.ssd_io_threads)
+    cache = GlobalCacheEngine(cpu, ssd_engine, None, c.write_policy, c.write_through_min_hits)
+    return Tiers(cache, store, io)
 
 
 def open_ssd_tier(config: Config, layout: BlockLayout) -> tuple[CacheEngine, SsdStore] | None:

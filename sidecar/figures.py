@@ -1,0 +1,66 @@
+"""The figures a running sidecar reports (`kvsidecar stats`, Prometheus)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from sidecar.control.engine import CacheEngine
+
+if TYPE_CHECKING:
+    from sidecar.server import Server
+
+
+def _lower_tiers(server: Server) -> dict[str, Any]:
+    if server.cache is None or "ssd" not in server.cache.lower or server.ssd is None:
+        return {}
+    ssd = _tier_figures(server.cache.lower["ssd"])
+    counters = server.dataplane.counters if server.dataplane else {}
+    ssd.update(
+        slot_bytes=server.ssd.slot_bytes,
+        direct_io=server.ssd.direct,
+        checksum_failures=counters.get("checksum_failures", 0),
+        io_errors=counters.get("io_errors", 0),
+        ops_in_flight=server.io.in_flight if server.io else 0,
+    )
+    return {"ssd": ssd}
+
+
+def server_stats(server: Server) -> dict[str, Any]:
+    """Every figure `kvsidecar stats` prints and the metrics endpoint exports."""
+    cpu: dict[str, Any] = {"capacity_bytes": server.capacity}
+    if server.pool is not None:
+        cpu["prefault_seconds"] = server.pool.prefault_seconds
+        cpu["segments"] = len(server.pool.segment_names)
+    if server.cache is not None and server.layout is not None:
+        tier = server.cache.cpu
+        cpu.update(
+            _tier_figures(tier),
+            block_bytes=server.layout.block_bytes,
+            slot_stride=server.layout.slot_stride,
+        )
+    return {
+        "instance": server.config.instance,
+        "endpoint": server.endpoint,
+        "pid": os.getpid(),
+        "boot_id": server.boot_id,
+        "uptime_seconds": time.time() - server.started,
+        "tiers": {"cpu": cpu, **_lower_tiers(server)},
+        "hits": server.hits.snapshot(),
+        "plans_in_flight": len(server.engines.plans)
+        + (len(server.dataplane.plans) if server.dataplane else 0),
+        "engines": server.engines.describe(),
+        "requests": dict(server.requests),
+        "errors": dict(server.errors),
+        "expired_sessions": server.engines.num_expired,
+    }
+
+
+def _tier_figures(tier: CacheEngine) -> dict[str, Any]:
+    return {
+        "capacity_blocks": tier.capacity,
+        "used_blocks": tier.mempool.num_used,
+        "cached_blocks": tier.index.num_blocks,
+        "evicted_blocks": tier.num_evicted_blocks,
+    }
