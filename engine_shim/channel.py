@@ -93,11 +93,9 @@ class Channel:
         return self.wait_reply(self.send(request, arrays), timeout)
 
     def _receive(self) -> None:
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
+        while self._sock.get(zmq.EVENTS) & zmq.POLLIN:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
             try:
                 header, arrays = p.decode_reply(frames)
             except ValueError:

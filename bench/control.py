@@ -1,0 +1,332 @@
+"""`kvsidecar bench control`: the sidecar's control path against raw ZeroMQ.
+
+Every figure and its floor come from the same run: for each (blocks,
+clients) pair the floors run first, then the sidecar cases, back to back.
+
+- Floor: a raw pyzmq DEALER -> ROUTER ping-pong over ipc (the sidecar's
+  transport) against an echo ROUTER in its own process, with requests and
+  replies of the sizes of a lookup (header + 16-byte keys -> small header)
+  and of a load/save plan (header + keys + int64 ids -> header + source and
+  destination ids), for 1, 64 and 2,048 blocks, from 1 and from 4 client
+  processes. `raw_rate_rps` is the closed-loop rate of the 64-block
+  lookup-sized ping-pong.
+- The sidecar: a real `kvsidecar serve` subprocess; every client process
+  registers a KVClient with a tiny KV layout (1 layer, 128 B per block), so
+  the KV bytes a 2,048-block load or save copies through shm (256 KiB, ~20 µs
+  at memcpy speed) are negligible; the copy calls' per-block bookkeeping is
+  not, and is part of the full figures. Figures:
+  `lookup_rtt_us` (KVClient.lookup: hashing + one round trip),
+  `lookup_keys_rtt_us` (a Lookup of pre-hashed keys on the raw protocol),
+  `load_plan_rtt_us` / `save_plan_rtt_us` (a raw Load / Save request until
+  its plan reply; the plan is cancelled untimed), `load_full_us` /
+  `save_full_us` (KVClient.load / save(...).wait(): hashing, plan, the shm
+  copies, Complete and its ack, i.e. two round trips; a saved prefix is
+  deleted untimed so the next save stores it again). Lookups and loads hit a
+  pre-saved 2,048-block prefix; each client saves its own sequence.
+- Hashing: `hash_us`, KeyHasher.hash_tokens of the same token counts.
+- Header encoding: see `bench.codecs`.
+
+Latencies are µs, p50 and p99 over every call of every client of a case;
+with 4 clients they all run for the same seconds at once. `vs_floor` holds
+each figure over the floor of the same message sizes and client count.
+Targets: 2,048-block lookup p50 <= floor p50 + hashing p50 + 100 µs (1
+client); 64-block lookups/s from 4 clients >= 0.5x the raw rate from 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from bench.codecs import measure_codecs
+from bench.control_client import BLOCK_BYTES, ControlClient, echo_main
+from bench.control_report import print_report
+from bench.fleet import Fleet, Samples, Timing, summarize
+from bench.report import write_json
+from bench.serve import SidecarProcess
+from sidecar import protocol as p
+
+BLOCK_COUNTS = (1, 64, 2048)
+CLIENT_COUNTS = (1, 4)
+RATE_BLOCKS = 64
+LOOKUP_SLACK_US = 100.0
+RATE_TARGET = 0.5
+ROUNDS = 3  # each case runs in this many slices, interleaved with the other cases
+CAPACITY = "64MiB"  # 16,384 slots of 4 KiB: the lookup set plus 4 clients' saves
+
+SIDECAR_FIGURES = {
+    # figure: (client task, the floor_rtt_us shape with the same message sizes)
+    "lookup_rtt_us": ("lookup", "lookup"),
+    "lookup_keys_rtt_us": ("lookup_keys", "lookup"),
+    "load_plan_rtt_us": ("load_plan", "load_save"),
+    "save_plan_rtt_us": ("save_plan", "load_save"),
+    "load_full_us": ("load_full", "load_save"),
+    "save_full_us": ("save_full", "load_save"),
+}
+RATE_FIGURES = {"lookup_rtt_us": "lookup", "lookup_keys_rtt_us": "lookup_keys"}
+"""Figures whose closed-loop rate at RATE_BLOCKS is reported (as <name>_rate_rps)."""
+ABOUT = {
+    "floor_rtt_us": "[lookup|load_save][blocks][clients]: raw pyzmq DEALER/ROUTER ping-pong "
+    "over ipc against an echo ROUTER, with the request and reply sizes of a lookup or of a "
+    "load/save plan (see message_header_bytes); µs",
+    "lookup_rtt_us": "[blocks][clients]: KVClient.lookup(tokens): hashing + one round trip",
+    "lookup_keys_rtt_us": "[blocks][clients]: a Lookup of pre-hashed keys on the raw protocol",
+    "load_plan_rtt_us": "[blocks][clients]: raw Load request -> plan reply (all blocks hit); "
+    "the plan is cancelled untimed",
+    "save_plan_rtt_us": "[blocks][clients]: raw Save request -> plan reply (new blocks); "
+    "the plan is cancelled untimed",
+    "load_full_us": "[blocks][clients]: KVClient.load(...).wait(): hashing, plan, shm -> KV "
+    "copies, Complete and its ack (two round trips)",
+    "save_full_us": "[blocks][clients]: KVClient.save(...).wait(): hashing, plan, KV -> shm "
+    "copies, Complete and its ack; the blocks are deleted untimed after each save",
+    "hash_us": "[blocks]: KeyHasher.hash_tokens of blocks x 16 tokens, one process",
+    "raw_rate_rps": "[clients]: closed-loop requests/s of the 64-block lookup-sized ping-pong",
+    "lookup_rate_rps": "[clients]: closed-loop KVClient.lookup calls/s, 64 blocks",
+    "lookup_keys_rate_rps": "[clients]: closed-loop pre-hashed Lookups/s, 64 blocks",
+    "vs_floor": "[figure][blocks][clients][p50|p99]: the figure over floor_rtt_us of the "
+    "same sizes and client count (vs_floor_uses names the shape)",
+    "encode_us": "[codec][message]: µs to encode + decode one request header",
+    "keys_encode_us": "[format]: µs to encode + decode 2,048 keys, from and to numpy",
+    "kv_block_bytes": "bytes of one KV block (1 layer): the bytes copied are negligible",
+}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "control",
+        help="lookup / load / save round trips through a sidecar, against raw pyzmq",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="timed seconds per case, in 3 interleaved rounds (default 1.5)",
+    )
+    parser.add_argument("--quick", action="store_true", help="short cases, for the test suite")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.set_defaults(func=run)
+
+
+def message_sizes() -> dict[str, int]:
+    """Header bytes of the requests and replies the floor mimics (2,048 blocks)."""
+    session, rid, n = uuid.uuid4().hex, 100_000, max(BLOCK_COUNTS)
+    v = p.PROTOCOL_VERSION
+    plan = {"plan_id": rid, "ops": [{"op_id": 0, "kind": "H2D"}], "hit_blocks": n}
+    return {
+        "lookup_request": len(p.encode(p.Lookup(v=v, id=rid, session=session))),
+        "lookup_reply": len(p.encode(p.ok(rid, num_blocks=n, cpu=n, ssd=0, remote=0).header)),
+        "plan_request": len(p.encode(p.Load(v=v, id=rid, session=session, skip=0))),
+        "plan_reply": len(p.encode(p.ok(rid, **plan, cpu=n, ssd=0, remote=0).header)),
+    }
+
+
+class EchoServer:
+    """The floor's echo ROUTER, in a spawned process."""
+
+    def __init__(self, path: Path, sizes: dict[str, int]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.endpoint = f"ipc://{path}"
+        ready, child = ctx.Pipe(duplex=False)
+        args = (self.endpoint, sizes["lookup_reply"], sizes["plan_reply"], child)
+        self.proc = ctx.Process(target=echo_main, args=args, name="bench-echo", daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            started = ready.poll(60) and ready.recv()
+        except EOFError:  # it died first
+            started = False
+        ready.close()
+        if not started:
+            self.stop()
+            raise RuntimeError(f"the echo server did not start (exit code {self.proc.exitcode})")
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join(10)
+
+
+def measure(
+    fleet: Fleet, echo: str, sidecar: str, timing: Timing, rounds: int, sizes: dict[str, int]
+) -> dict[str, Any]:
+    """Every latency figure: {figure: {blocks: {clients: summary}}}, hash_us and
+    the rates. Each case runs `rounds` times for `timing.seconds`, in turn with
+    the other cases of the same blocks and clients."""
+    most = max(BLOCK_COUNTS)
+    kwargs = [{"endpoint": sidecar, "index": i, "gpu_blocks": most} for i in range(fleet.size)]
+    fleet.call("connect", fleet.size, kwargs)
+    (saved,) = fleet.call("presave", 1, [{"blocks": most}])
+    if saved != most * 16:
+        raise RuntimeError(f"pre-saving {most} blocks cached {saved} tokens")
+    hash_timing = timing._replace(seconds=timing.seconds * rounds)
+    out: dict[str, Any] = {"hash_us": {}}
+    for n in BLOCK_COUNTS:
+        samples = fleet.call("hash", 1, [_args(n, hash_timing)], hash_timing.seconds + 60)
+        out["hash_us"][str(n)] = _strip(summarize(samples))
+    floors = {
+        "lookup": {"endpoint": echo, "header_bytes": sizes["lookup_request"], "with_ids": False},
+        "load_save": {"endpoint": echo, "header_bytes": sizes["plan_request"], "with_ids": True},
+    }
+    out["floor_rtt_us"] = {shape: {str(n): {} for n in BLOCK_COUNTS} for shape in floors}
+    for figure in SIDECAR_FIGURES:
+        out[figure] = {str(n): {} for n in BLOCK_COUNTS}
+    # (where the summaries go, task, its arguments, the rate figure it gives at RATE_BLOCKS)
+    cases = [
+        (out["floor_rtt_us"][shape], "ping", kw, "raw" if shape == "lookup" else None)
+        for shape, kw in floors.items()
+    ]
+    cases += [
+        (out[figure], task, {}, RATE_FIGURES.get(figure))
+        for figure, (task, _) in SIDECAR_FIGURES.items()
+    ]
+    rates: dict[str, dict[str, float]] = {"raw": {}, "lookup": {}, "lookup_keys": {}}
+    for clients in CLIENT_COUNTS:
+        for n in BLOCK_COUNTS:
+            print(f"{n:,} block(s), {clients} client(s) ...", file=sys.stderr, flush=True)
+            tasks = [(task, {**_args(n, timing), **extra}) for _, task, extra, _ in cases]
+            summaries = run_in_rounds(fleet, tasks, clients, rounds, timing.seconds + 60)
+            for (table, _, _, rate), summary in zip(cases, summaries, strict=True):
+                table[str(n)][str(clients)] = _strip(summary)
+                if n == RATE_BLOCKS and rate is not None:
+                    rates[rate][str(clients)] = summary["rate_rps"]
+    out["raw_rate_rps"] = rates["raw"]
+    out["lookup_rate_rps"] = rates["lookup"]
+    out["lookup_keys_rate_rps"] = rates["lookup_keys"]
+    return out
+
+
+def run_in_rounds(
+    fleet: Fleet, tasks: list[tuple[str, dict]], clients: int, rounds: int, wait: float
+) -> list[dict[str, float]]:
+    """Each (task, kwargs) on `clients` processes, `rounds` times, every task in
+    turn, so a burst of noise on the shared machine hits the floors and the
+    sidecar cases alike; one summary per task over all its rounds."""
+    parts: list[list[list[Samples]]] = [[[] for _ in range(clients)] for _ in tasks]
+    for _ in range(rounds):
+        for k, (task, kwargs) in enumerate(tasks):
+            for i, samples in enumerate(fleet.call(task, clients, [kwargs] * clients, wait)):
+                parts[k][i].append(samples)
+    return [summarize([Samples.merge(p) for p in per_client]) for per_client in parts]
+
+
+def _args(blocks: int, timing: Timing) -> dict[str, Any]:
+    return {"blocks": blocks, "timing": timing}
+
+
+def _strip(summary: dict[str, float]) -> dict[str, float]:
+    """A latency summary without the rate (which, for cases with untimed work
+    between calls, is not a closed-loop rate of the timed calls)."""
+    return {k: v for k, v in summary.items() if k != "rate_rps"}
+
+
+def derive(r: dict[str, Any]) -> None:
+    """Add the ratios to the floors and the targets to result `r`."""
+    r["vs_floor"] = {}
+    for figure, (_, shape) in SIDECAR_FIGURES.items():
+        floor = r["floor_rtt_us"][shape]
+        r["vs_floor"][figure] = {
+            n: {
+                c: {q: s[q] / floor[n][c][q] for q in ("p50", "p99")} for c, s in by_clients.items()
+            }
+            for n, by_clients in r[figure].items()
+        }
+    r["vs_floor_uses"] = {
+        figure: f"floor_rtt_us.{shape}" for figure, (_, shape) in SIDECAR_FIGURES.items()
+    }
+    r["lookup_rate_vs_raw"] = {
+        c: r["lookup_rate_rps"][c] / r["raw_rate_rps"][c] for c in r["raw_rate_rps"]
+    }
+    r["lookup_keys_rate_vs_raw"] = {
+        c: r["lookup_keys_rate_rps"][c] / r["raw_rate_rps"][c] for c in r["raw_rate_rps"]
+    }
+    n, most = str(max(BLOCK_COUNTS)), str(max(CLIENT_COUNTS))
+    floor, hashing = r["floor_rtt_us"]["lookup"][n]["1"]["p50"], r["hash_us"][n]["p50"]
+    lookup = r["lookup_rtt_us"][n]["1"]["p50"]
+    limit = floor + hashing + LOOKUP_SLACK_US
+    ratio = r["lookup_rate_vs_raw"][most]
+    r["targets"] = {
+        "lookup_2048_p50_us": {
+            "value": lookup,
+            "limit": limit,
+            "rule": f"<= floor p50 ({floor:.1f}) + hashing p50 ({hashing:.1f}) + "
+            f"{LOOKUP_SLACK_US:g} us, 1 client",
+            "within": lookup <= limit,
+        },
+        "lookup_rate_4_clients_vs_raw": {
+            "value": ratio,
+            "limit": RATE_TARGET,
+            "rule": f">= {RATE_TARGET:g} x the raw closed-loop rate of {most} clients",
+            "within": ratio >= RATE_TARGET,
+        },
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("torch") is None:  # the clients need it; this process does not
+        print("bench control needs torch: pip install -e '.[torch]'", file=sys.stderr)
+        return 2
+    seconds = args.seconds or (0.03 if args.quick else 1.5)
+    if seconds <= 0:
+        print("--seconds must be > 0", file=sys.stderr)
+        return 2
+    rounds = 1 if args.quick else ROUNDS
+    timing = Timing(seconds, 2, 3) if args.quick else Timing(seconds / rounds, 10, 20)
+    sizes = message_sizes()
+    workdir = Path(tempfile.mkdtemp(prefix="kvsbench-"))
+    sidecar = SidecarProcess(workdir, capacity=CAPACITY)
+    fleet: Fleet | None = None
+    echo: EchoServer | None = None
+    try:
+        fleet = Fleet(ControlClient, max(CLIENT_COUNTS))
+        echo = EchoServer(workdir / "echo.sock", sizes)
+        sidecar.start()
+        result = measure(fleet, echo.endpoint, sidecar.endpoint, timing, rounds, sizes)
+        fleet.close()  # unregisters every client while the sidecar still runs
+    finally:
+        if fleet is not None:
+            fleet.close()
+        if echo is not None:
+            echo.stop()
+        exit_code = sidecar.stop()
+        log_tail = sidecar.log_tail() if exit_code != 0 else ""
+        leftovers = sidecar.remove_leftovers()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("measuring header encodings ...", file=sys.stderr, flush=True)
+    result.update(measure_codecs(0.01 if args.quick else 0.1))
+    derive(result)
+    result.update(
+        {
+            "message_header_bytes": sizes,
+            "kv_block_bytes": BLOCK_BYTES,
+            "block_counts": list(BLOCK_COUNTS),
+            "client_counts": list(CLIENT_COUNTS),
+            "rate_blocks": RATE_BLOCKS,
+            "seconds_per_case": seconds,
+            "rounds_per_case": rounds,
+            "quick": bool(args.quick),
+            "sidecar_instance": sidecar.instance,
+            "about": ABOUT,
+            "sidecar_exit_code": exit_code,
+            "shm_leftovers": leftovers,
+        }
+    )
+    print_report(result)
+    if args.json:
+        write_json(args.json, result)
+    if exit_code != 0 or leftovers:
+        print(
+            f"kvsidecar bench control: the sidecar exited with {exit_code} and left "
+            f"{len(leftovers)} shm segment(s) (removed); its log ends:\n{log_tail}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

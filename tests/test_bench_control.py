@@ -1,0 +1,73 @@
+"""`kvsidecar bench control --quick` end to end, through the CLI: every figure
+comes out, and the sidecar, the echo server and the clients leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from shm_helpers import shm_entries
+
+from sidecar.cli import main
+
+pytest.importorskip("torch")
+
+BLOCKS = ["1", "64", "2048"]
+CLIENTS = ["1", "4"]
+LATENCY_FIGURES = [
+    "lookup_rtt_us",
+    "lookup_keys_rtt_us",
+    "load_plan_rtt_us",
+    "save_plan_rtt_us",
+    "load_full_us",
+    "save_full_us",
+]
+
+
+def positive(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def check_latencies(table: dict, name: str) -> None:
+    assert sorted(table) == sorted(BLOCKS), name
+    for n in BLOCKS:
+        assert sorted(table[n]) == sorted(CLIENTS), (name, n)
+        for c in CLIENTS:
+            s = table[n][c]
+            assert all(positive(s[q]) for q in ("p50", "p99", "mean", "samples")), (name, n, c)
+            assert s["p50"] <= s["p99"], (name, n, c)
+
+
+def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
+    out = tmp_path / "control.json"
+    assert main(["bench", "control", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+
+    for shape in ("lookup", "load_save"):
+        check_latencies(r["floor_rtt_us"][shape], f"floor_rtt_us.{shape}")
+    for figure in LATENCY_FIGURES:
+        check_latencies(r[figure], figure)
+        for n in BLOCKS:
+            for c in CLIENTS:
+                assert all(positive(v) for v in r["vs_floor"][figure][n][c].values()), figure
+    assert sorted(r["hash_us"]) == sorted(BLOCKS)
+    assert all(positive(r["hash_us"][n]["p50"]) for n in BLOCKS)
+    for rate in ("raw_rate_rps", "lookup_rate_rps", "lookup_keys_rate_rps", "lookup_rate_vs_raw"):
+        assert sorted(r[rate]) == sorted(CLIENTS), rate
+        assert all(positive(v) for v in r[rate].values()), rate
+
+    for codec in ("msgspec_struct", "msgspec_dict", "msgpack_dict"):
+        assert sorted(r["encode_us"][codec]) == ["complete", "load", "lookup"], codec
+        assert all(positive(v) for v in r["encode_us"][codec].values()), codec
+    assert sorted(r["keys_encode_us"]) == ["msgpack_list", "msgspec_list", "raw_frame"]
+    assert all(positive(v) for v in r["keys_encode_us"].values())
+
+    for name, target in r["targets"].items():
+        assert positive(target["value"]) and positive(target["limit"]), name
+        assert isinstance(target["within"], bool), name
+
+    assert r["sidecar_exit_code"] == 0
+    assert r["shm_leftovers"] == []
+    assert shm_entries(f"kvsidecar.{os.getuid()}.{r['sidecar_instance']}") == []
