@@ -32,8 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from cuda_ext.copier import CpuBlockCopier, open_copier
+from cuda_ext.gpu import GpuBlockCopier
+from cuda_ext.layouts import KVPlanes, kv_planes
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
-from shm.copy import load_blocks, save_blocks
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar import protocol as p
@@ -87,7 +89,8 @@ class KVClient:
         self._channel = Channel(endpoint, timeout)
         self.session = uuid.uuid4().hex
         self._register_args: dict[str, Any] | None = None
-        self._kv_layers: list[torch.Tensor] = []
+        self._planes: KVPlanes | None = None
+        self._copier: CpuBlockCopier | GpuBlockCopier | None = None
         self._hasher: KeyHasher | None = None
         self._pool: ShmPool | None = None
         self._layout: BlockLayout | None = None
@@ -106,7 +109,7 @@ class KVClient:
 
     def register(
         self,
-        kv_layers: Sequence[torch.Tensor],
+        kv_layers: torch.Tensor | Sequence[torch.Tensor],
         *,
         model_name: str,
         model_revision: str,
@@ -121,44 +124,36 @@ class KVClient:
         secret: bytes = b"",
         key_hash: str = "blake2b",
     ) -> None:
-        """Describe this rank's paged KV cache: one CPU tensor per layer, shaped
-        [num_blocks, ...] (block-major), all of one dtype and shape. With TP,
+        """Describe this rank's paged KV cache, CPU or CUDA tensors in `layout`:
+        "paged" (= "block_major": one tensor per layer, [num_blocks, ...]),
+        "vllm_flash", "flashinfer", "cross_layer" or "mla" (cuda_ext.layouts).
+        CUDA tensors need libkvcopy.so (else cuda_ext.GpuUnavailable). With TP,
         every rank registers with the same `engine_id` and its own `tp_rank`.
         Raises SidecarUnavailable if the sidecar does not answer, SidecarError
         if it refuses (e.g. a layout another engine disagrees with)."""
-        layers = list(kv_layers)
-        if not layers or any(not isinstance(t, torch.Tensor) for t in layers):
-            raise TypeError("kv_layers must be a non-empty sequence of torch tensors")
-        first = layers[0]
-        for t in layers:
-            if t.device.type != "cpu" or t.dtype != first.dtype or t.shape != first.shape:
-                raise ValueError("kv_layers must be CPU tensors of one dtype and one shape")
-            if not t.is_contiguous():
-                raise ValueError("kv_layers must be contiguous")
-        num_blocks = int(first.shape[0])
-        layer_block_bytes = first[0].numel() * first.element_size()
+        planes = kv_planes(kv_layers, layout)  # TypeError / ValueError for bad tensors
         namespace = Namespace(
             model_name=model_name,
             model_revision=model_revision,
             layout=layout,
-            dtype=str(first.dtype).removeprefix("torch."),
+            dtype=str(planes.dtype).removeprefix("torch."),
             tp_size=tp_size,
-            num_layers=len(layers),
+            num_layers=len(planes.planes),  # planes: the slot layout counts these
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             tokens_per_block=tokens_per_block,
             tenant=tenant,
         )
         self._hasher = KeyHasher(namespace, secret, key_hash)
-        self._kv_layers = layers
+        self._planes = planes
         self.tp_rank = tp_rank
         self._register_args = {
             "engine_id": engine_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}",
             "kv": p.KVLayoutMsg(
                 **dataclasses.asdict(namespace),
                 tp_rank=tp_rank,
-                layer_block_bytes=layer_block_bytes,
-                num_gpu_blocks=num_blocks,
+                layer_block_bytes=planes.chunk_bytes,
+                num_gpu_blocks=planes.num_blocks,
             ),
             "pid": os.getpid(),
             "pid_ns": _pid_namespace(),
@@ -177,6 +172,9 @@ class KVClient:
         self.lease_seconds = float(reply["lease_seconds"])
 
     def _attach(self, reply: dict[str, Any]) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -187,6 +185,8 @@ class KVClient:
         if self._layout.slot_stride != reply["slot_stride"]:
             raise SidecarError("layout_mismatch", "the sidecar's slot stride differs from ours")
         self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
+        assert self._planes is not None
+        self._copier = open_copier(self._planes, self._pool)  # pins the pool once (GPU)
         self._boot_id = reply["boot_id"]
 
     def _call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[dict, list[bytes]]:
@@ -282,6 +282,9 @@ class KVClient:
             with contextlib.suppress(SidecarUnavailable, SidecarError):
                 self._channel.call(self._req(p.Unregister), timeout=min(self.timeout, 0.5))
             self._register_args = None
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -324,13 +327,18 @@ class KVClient:
         """Copy this rank's shard for every op, then report them all at once."""
         if plan is None:
             return TransferHandle(self, None, num_tokens, None)
-        assert self._pool is not None and self._layout is not None
+        copier, layout, rank = self._copier, self._layout, self.tp_rank
+        assert copier is not None and layout is not None
         try:
-            for _, kind, src, dst in plan.ops:
-                if kind == "H2D":
-                    load_blocks(self._kv_layers, dst, self._pool, src, self._layout, self.tp_rank)
-                else:
-                    save_blocks(self._kv_layers, src, self._pool, dst, self._layout, self.tp_rank)
+            handles = [
+                copier.load(dst, src, layout, rank)
+                if kind == "H2D"
+                else copier.save(src, dst, layout, rank)
+                for _, kind, src, dst in plan.ops
+            ]
+            # The sidecar may reuse the slots once told: the bytes must have landed.
+            for handle in handles:
+                handle.synchronize()
         except Exception as err:
             self._channel.send(
                 self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err))

@@ -1,0 +1,152 @@
+"""Block copies between one rank's KV planes and CPU slots, wherever the planes live.
+
+    planes = kv_planes(kv, "vllm_flash")           # cuda_ext.layouts
+    layout = planes.block_layout(tp_size)
+    with open_copier(planes, pool) as copier:      # GpuBlockCopier for CUDA planes, else CPU
+        copier.save(block_ids, slots, layout, rank).synchronize()
+        handle = copier.load(block_ids, slots, layout, rank)
+        handle.wait_layer(0)    # work queued next on the current stream sees layer 0
+
+Both copiers take the same arguments and reject bad ones the same way
+(`check_request`) before a byte moves. A CPU copy is done when it returns;
+its handle only keeps the interface the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from cuda_ext.layouts import KVPlanes
+from shm import copy as shm_copy
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+
+if TYPE_CHECKING:
+    from cuda_ext.gpu import GpuBlockCopier
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    """A checked save or load: every id in range, no two copies writing the same bytes."""
+
+    blocks: np.ndarray
+    """int64 engine block ids."""
+    segments: np.ndarray
+    """int64 pool segment of each slot."""
+    offsets: np.ndarray
+    """int64 byte offset, in its segment, of this rank's shard of each slot."""
+
+
+def check_request(
+    planes: KVPlanes,
+    pool: ShmPool,
+    block_ids: Any,
+    slots: Any,
+    layout: BlockLayout,
+    rank: int,
+    *,
+    save: bool,
+) -> CopyRequest:
+    """Check a copy of engine blocks block_ids[i] <-> slots[i]; TypeError or
+    ValueError says what is wrong. Slots must be distinct for a save (each
+    writes one), block ids for a load."""
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if (layout.num_layers, layout.layer_block_bytes) != (len(planes.planes), planes.chunk_bytes):
+        raise ValueError(
+            f"the layout has {layout.num_layers} planes of {layout.layer_block_bytes} bytes, "
+            f"the KV {len(planes.planes)} of {planes.chunk_bytes}: use planes.block_layout()"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < layout.tp_size:
+        raise ValueError(f"rank {rank} out of range 0..{layout.tp_size - 1}")
+    blocks, slots = _ids("block_ids", block_ids), _ids("slots", slots)
+    if blocks.size != slots.size:
+        raise ValueError(f"{blocks.size} block ids but {slots.size} slots")
+    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= planes.num_blocks):
+        raise ValueError(f"block id out of range 0..{planes.num_blocks - 1}")
+    unique, what = (slots, "slots") if save else (blocks, "block_ids")
+    if np.unique(unique).size != unique.size:
+        raise ValueError(f"{what} repeat: two copies would write the same bytes")
+    if not isinstance(pool, ShmPool):
+        raise TypeError(f"pool must be a ShmPool, got {type(pool).__name__}")
+    segments, offsets = pool.slot_locations(slots, layout.slot_stride)  # range-checks slots
+    return CopyRequest(blocks, segments, offsets + rank * layout.shard_bytes)
+
+
+def _ids(what: str, values: Any) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {array.dtype}")
+    return array.astype(np.int64) if array.size else np.zeros(0, np.int64)
+
+
+class DoneHandle:
+    """A copy that finished before it was returned."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._num_layers = num_layers
+
+    def wait(self, stream: Any = None) -> None:
+        """Nothing to wait for."""
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        if not 0 <= layer < self._num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{self._num_layers - 1}")
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuBlockCopier:
+    """CPU planes <-> slots with shm.copy (its C extension, else the torch
+    loop): the path for CPU-only engines and CI, for every layout."""
+
+    def __init__(self, planes: KVPlanes, pool: ShmPool, *, impl: str | None = None) -> None:
+        if planes.device.type != "cpu":
+            raise ValueError(f"CpuBlockCopier needs CPU planes, not {planes.device}")
+        self.planes, self.pool, self.impl = planes, pool, impl
+
+    def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
+        """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
+        check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
+        planes, pool = self.planes.planes, self.pool
+        shm_copy.save_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
+        return DoneHandle(self.planes.num_layers)
+
+    def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
+        """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
+        check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
+        planes, pool = self.planes.planes, self.pool
+        shm_copy.load_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
+        return DoneHandle(self.planes.num_layers)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> CpuBlockCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_copier(
+    planes: KVPlanes, pool: ShmPool, **gpu_options: Any
+) -> CpuBlockCopier | GpuBlockCopier:
+    """A GpuBlockCopier for CUDA planes (raises cuda_ext.GpuUnavailable if
+    libkvcopy.so cannot run here), a CpuBlockCopier for CPU ones."""
+    if planes.device.type == "cuda":
+        from cuda_ext.gpu import GpuBlockCopier
+
+        return GpuBlockCopier(planes, pool, **gpu_options)
+    return CpuBlockCopier(planes, pool)

@@ -1,0 +1,199 @@
+// Block copies between an engine's paged GPU KV cache and the shared-memory
+// CPU tier, behind a plain C ABI: cuda_ext/_lib.py loads this library with
+// ctypes. It includes no torch or Python headers, so nvcc alone builds it, and
+// cudart is linked statically, so it loads where no CUDA library is installed
+// (calls then return cudaErrorInsufficientDriver or cudaErrorNoDevice).
+//
+// Vocabulary (cuda_ext/layouts.py): a *plane* is a block-major GPU buffer
+// whose per-block *chunk* is `chunk_bytes` contiguous bytes, the same for every
+// plane. A CPU slot holds one rank's chunks plane after plane: chunk (plane p,
+// block i) lives at slot_i + p * chunk_bytes, where slot_i already includes
+// the rank's shard offset.
+//
+// Every function returns a cudaError_t (0: success) and leaves no pending
+// error behind. Those taking `device` select it (cudaSetDevice); callers make
+// it current first (cuda_ext/gpu.py does), so that never switches the engine
+// thread's context, and nothing here creates a context on another GPU.
+
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+
+namespace {
+
+constexpr int kAbiVersion = 1;
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB per CTA step
+
+// One unit is one piece (<= 16 KiB) of one chunk. Units run plane-major (every
+// block of one plane, then the next plane), so a launch over a plane range
+// covers exactly those planes. A thread loads all its vectors of a piece before
+// storing any: reads of mapped host memory cross PCIe, and only many reads in
+// flight hide that latency.
+__global__ void __launch_bounds__(kThreads)
+    copy_chunks(const uint64_t *__restrict__ planes, const int64_t *__restrict__ blocks,
+                const uint64_t *__restrict__ slots, int64_t n, int64_t plane_begin,
+                int64_t chunk_vecs, int64_t pieces, int64_t units, bool to_host) {
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int64_t chunk = unit / pieces;
+    const int64_t begin = (unit - chunk * pieces) * kPieceVecs;
+    const int64_t end = begin + kPieceVecs < chunk_vecs ? begin + kPieceVecs : chunk_vecs;
+    const int64_t plane = plane_begin + chunk / n;
+    const int64_t i = chunk % n;
+    uint4 *gpu = reinterpret_cast<uint4 *>(planes[plane]) + blocks[i] * chunk_vecs;
+    uint4 *host = reinterpret_cast<uint4 *>(slots[i]) + plane * chunk_vecs;
+    const uint4 *src = to_host ? gpu : host;
+    uint4 *dst = to_host ? host : gpu;
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = begin + threadIdx.x + u * kThreads;
+      if (j < end) v[u] = src[j];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t j = begin + threadIdx.x + u * kThreads;
+      if (j < end) dst[j] = v[u];
+    }
+  }
+}
+
+// Returns `err` after clearing the runtime's last-error slot, so a failure
+// reported here never resurfaces as the launch error of a later call.
+int done(cudaError_t err) {
+  cudaGetLastError();
+  return static_cast<int>(err);
+}
+
+}  // namespace
+
+#define KV_EXPORT __attribute__((visibility("default")))
+
+extern "C" {
+
+KV_EXPORT int kv_abi_version(void) { return kAbiVersion; }
+
+KV_EXPORT int kv_runtime_version(void) { return CUDART_VERSION; }
+
+KV_EXPORT int kv_has_batch_memcpy(void) { return CUDART_VERSION >= 13000; }
+
+KV_EXPORT const char *kv_error_name(int err) { return cudaGetErrorName(static_cast<cudaError_t>(err)); }
+
+KV_EXPORT const char *kv_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+KV_EXPORT int kv_driver_version(int *version) {
+  *version = 0;
+  return done(cudaDriverGetVersion(version));
+}
+
+KV_EXPORT int kv_device_count(int *count) {
+  *count = 0;
+  return done(cudaGetDeviceCount(count));
+}
+
+KV_EXPORT int kv_sm_count(int device, int *count) {
+  *count = 0;
+  return done(cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, device));
+}
+
+// Pin [ptr, ptr + bytes) for every device and map it into their address
+// space; *device_ptr is the address kernels use.
+KV_EXPORT int kv_host_register(int device, void *ptr, size_t bytes, void **device_ptr) {
+  *device_ptr = nullptr;
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) {
+    err = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  }
+  if (err == cudaSuccess) {
+    err = cudaHostGetDevicePointer(device_ptr, ptr, 0);
+    if (err != cudaSuccess) cudaHostUnregister(ptr);
+  }
+  return done(err);
+}
+
+// The device address of memory someone else registered (mapped) already.
+KV_EXPORT int kv_host_device_pointer(int device, void *ptr, void **device_ptr) {
+  *device_ptr = nullptr;
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaHostGetDevicePointer(device_ptr, ptr, 0);
+  return done(err);
+}
+
+KV_EXPORT int kv_host_unregister(void *ptr) { return done(cudaHostUnregister(ptr)); }
+
+// One kernel launch on `stream` copies chunk (p, i) for every plane p in
+// [plane_begin, plane_end) and every i < n. `planes` (device, uint64 per
+// plane) are the planes' base addresses; `index` (device, 2n int64) holds the
+// n block ids, then the n slots' device addresses. to_host: GPU -> slots.
+// chunk_bytes and every address must be multiples of 16 (checked by the caller).
+KV_EXPORT int kv_copy_sm(int device, const uint64_t *planes, const int64_t *index, int64_t n,
+               int64_t plane_begin, int64_t plane_end, int64_t chunk_bytes, int to_host,
+               int max_ctas, void *stream) {
+  if (n <= 0 || plane_begin < 0 || plane_end <= plane_begin || chunk_bytes <= 0 ||
+      chunk_bytes % 16 != 0 || max_ctas <= 0) {
+    return done(cudaErrorInvalidValue);
+  }
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return done(err);
+  cudaGetLastError();
+  const int64_t chunk_vecs = chunk_bytes / 16;
+  const int64_t pieces = (chunk_vecs + kPieceVecs - 1) / kPieceVecs;
+  const int64_t units = (plane_end - plane_begin) * n * pieces;
+  const int64_t ctas = units < max_ctas ? units : max_ctas;
+  copy_chunks<<<static_cast<unsigned>(ctas), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      planes, index, reinterpret_cast<const uint64_t *>(index + n), n, plane_begin, chunk_vecs,
+      pieces, units, to_host != 0);
+  return done(cudaGetLastError());
+}
+
+// `count` copies of `bytes` each, srcs[i] -> dsts[i] (host arrays of UVA
+// addresses), on the copy engines. With try_batch and a CUDA 13 runtime: one
+// cudaMemcpyBatchAsync; if the driver refuses it, *batch_error says why and a
+// loop of cudaMemcpyAsync runs instead. *used_batch says which one ran.
+KV_EXPORT int kv_copy_dma(int device, void *const *dsts, const void *const *srcs, size_t bytes,
+                size_t count, int try_batch, void *stream, int *used_batch, int *batch_error) {
+  *used_batch = 0;
+  *batch_error = 0;
+  if (count == 0) return 0;
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return done(err);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#if CUDART_VERSION >= 13000
+  if (try_batch) {
+    size_t *sizes = static_cast<size_t *>(malloc(count * sizeof(size_t)));
+    if (sizes == nullptr) return done(cudaErrorMemoryAllocation);
+    for (size_t i = 0; i < count; ++i) sizes[i] = bytes;
+    cudaMemcpyAttributes attr = {};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t first = 0;
+    err = cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attr, &first, 1, s);
+    free(sizes);
+    if (err == cudaSuccess) {
+      *used_batch = 1;
+      return 0;
+    }
+    *batch_error = done(err);
+  }
+#else
+  (void)try_batch;
+#endif
+  for (size_t i = 0; i < count; ++i) {
+    err = cudaMemcpyAsync(dsts[i], srcs[i], bytes, cudaMemcpyDefault, s);
+    if (err != cudaSuccess) return done(err);
+  }
+  return 0;
+}
+
+// One contiguous copy: the floor the benchmark compares with.
+KV_EXPORT int kv_memcpy(int device, void *dst, const void *src, size_t bytes, void *stream) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
+  }
+  return done(err);
+}
+
+}  // extern "C"

@@ -1,0 +1,325 @@
+"""`GpuBlockCopier`: one rank's CUDA KV planes <-> CPU slots, with libkvcopy.so.
+
+    copier = GpuBlockCopier(planes, pool)   # pins and maps the pool once: register_seconds
+    copier.save(block_ids, slots, layout, rank)           # D2H: one kernel launch
+    handle = copier.load(block_ids, slots, layout, rank)  # H2D: one launch per model layer
+    handle.wait_layer(0)     # the current stream waits for layer 0 only
+    handle.synchronize()     # the host waits for everything
+
+Streams: every op runs on the copier's own stream (`copier.stream`), after
+the work already queued on the caller's current stream, so a save reads what
+the engine wrote and a load does not overwrite blocks still being read. Until
+`handle.query()` is True the copy is in flight: a saved block's GPU memory
+must not be rewritten, a loaded block must not be read without `wait_layer`
+or `wait`, and the sidecar must not be told the op completed (it could evict
+or overwrite the slots).
+
+Paths (`path=`), each one launch or one batch per group of planes:
+- "sm": the copy_chunks kernel moves 16-byte vectors between GPU memory and
+  the mapped pinned shm; needs chunk_bytes and plane addresses multiples of 16.
+- "dma": the copy engines: one cudaMemcpyBatchAsync (CUDA 13 runtime and a
+  driver that has it), else a loop of cudaMemcpyAsync, one copy per chunk.
+- "auto" (default): "dma" for chunks of dma_min_chunk_bytes or more, or when
+  "sm" cannot run; "sm" otherwise. `kvsidecar bench gpu` measures both.
+
+Planes must stay allocated at the same addresses for the copier's life, and
+the pool stays mapped and pinned until `close()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from cuda_ext import _lib
+from cuda_ext.copier import CopyRequest, check_request
+from cuda_ext.layouts import KVPlanes
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+
+PATHS = ("auto", "sm", "dma")
+# Not yet measured on a GPU (docs/gpu.md): per-copy DMA setup costs a few
+# microseconds, so below ~1 MiB per chunk the kernel is expected to win.
+DMA_MIN_CHUNK_BYTES = 1 << 20
+# One 256-thread CTA per SM keeps ~16 KiB in flight per SM, far more than
+# PCIe latency needs, and leaves most of each SM to the engine's kernels.
+CTAS_PER_SM = 1
+
+
+class _Registrations:
+    """cudaHostRegister once per process per segment, however many copiers
+    use it; unregistered when the last of them closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (address, bytes) -> [device pointer, copiers using it, whether we registered it]
+        self._entries: dict[tuple[int, int], list] = {}
+
+    def acquire(self, device: int, address: int, nbytes: int) -> int:
+        with self._lock:
+            entry = self._entries.get((address, nbytes))
+            if entry is None:
+                pointer, ours = _lib.host_register(device, address, nbytes)
+                entry = self._entries[(address, nbytes)] = [pointer, 0, ours]
+            entry[1] += 1
+            return int(entry[0])
+
+    def release(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            entry = self._entries[(address, nbytes)]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._entries[(address, nbytes)]
+                if entry[2]:
+                    _lib.host_unregister(address)
+
+
+_REGISTRATIONS = _Registrations()
+
+
+class GpuCopyHandle:
+    """A copy queued on a copier's stream; one CUDA event per group of planes."""
+
+    def __init__(
+        self, device: torch.device, events: list, event_of_layer: list[int], keep: list
+    ) -> None:
+        self._device = device
+        self._events = events
+        self._event_of_layer = event_of_layer
+        self._keep = keep  # device index arrays and DMA address lists, alive until done
+
+    def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current stream) wait until model layer
+        `layer` has landed; returns at once. Layers land in order."""
+        self._stream(stream).wait_event(self._events[self._event(layer)])
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: the current one) wait for the whole copy."""
+        self._stream(stream).wait_event(self._events[-1])
+
+    def synchronize_layer(self, layer: int) -> None:
+        """Block the host until layer `layer` has landed."""
+        self._events[self._event(layer)].synchronize()
+
+    def synchronize(self) -> None:
+        """Block the host until the whole copy is done."""
+        self._events[-1].synchronize()
+        self._keep = []
+
+    def query(self) -> bool:
+        """Whether the whole copy is done."""
+        return bool(self._events[-1].query())
+
+    def _event(self, layer: int) -> int:
+        if isinstance(layer, bool) or not 0 <= layer < len(self._event_of_layer):
+            raise ValueError(f"layer {layer} out of range 0..{len(self._event_of_layer) - 1}")
+        return self._event_of_layer[layer]
+
+    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self._device) if stream is None else stream
+
+
+class GpuBlockCopier:
+    """Copies between CUDA planes and the slots of one ShmPool (see the module doc)."""
+
+    def __init__(
+        self,
+        planes: KVPlanes,
+        pool: ShmPool,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        path: str = "auto",
+        dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES,
+        ctas_per_sm: int = CTAS_PER_SM,
+    ) -> None:
+        """Raises GpuUnavailable if libkvcopy.so is missing or cannot run
+        here, ValueError for CPU planes or a bad option."""
+        if not isinstance(planes, KVPlanes) or planes.device.type != "cuda":
+            raise ValueError("GpuBlockCopier needs KVPlanes of CUDA tensors")
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if not isinstance(pool, ShmPool):
+            raise TypeError(f"pool must be a ShmPool, got {type(pool).__name__}")
+        _lib.probe()
+        self.planes, self.pool, self.path = planes, pool, path
+        self.dma_min_chunk_bytes = int(dma_min_chunk_bytes)
+        self.device = planes.device
+        self._index = self.device.index if self.device.index is not None else 0
+        self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        self._lib = _lib.load()
+        self._plane_addrs = np.array([p.data_ptr() for p in planes.planes], dtype=np.uint64)
+        with torch.cuda.stream(self.stream):
+            self._plane_addrs_dev = torch.from_numpy(self._plane_addrs.view(np.int64)).to(
+                self.device
+            )
+        self.stream.synchronize()
+        self.sm_capable = planes.chunk_bytes % 16 == 0 and not (self._plane_addrs % 16).any()
+        self._max_ctas = max(1, _lib.sm_count(self._index) * int(ctas_per_sm))
+        self._try_batch = bool(self._lib.kv_has_batch_memcpy())
+        self.dma_kind: str | None = None
+        """"batch" or "loop": what the last DMA op used."""
+        self.batch_error: str | None = None
+        """Why cudaMemcpyBatchAsync was given up, if it was."""
+        self.closed = False
+        self._pins = [pool.segment_view(i) for i in range(len(pool.segment_sizes))]
+        self._registered: list[tuple[int, int]] = []
+        start = time.perf_counter()
+        try:
+            devs = []
+            with torch.cuda.device(self.device):
+                for pin in self._pins:
+                    devs.append(_REGISTRATIONS.acquire(self._index, pin.ctypes.data, pin.nbytes))
+                    self._registered.append((pin.ctypes.data, pin.nbytes))
+        except BaseException:
+            self.close()
+            raise
+        self.register_seconds = time.perf_counter() - start
+        """How long pinning and mapping the pool took (0 if done earlier in this process)."""
+        self._host_bases = np.array([pin.ctypes.data for pin in self._pins], dtype=np.uint64)
+        self._dev_bases = np.array(devs, dtype=np.uint64)
+
+    def save(
+        self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, *, path: str | None = None
+    ) -> GpuCopyHandle:
+        """Queue engine block block_ids[i] -> this rank's shard of slot slots[i]."""
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
+        return self._run(request, save=True, path=path, layer_events=False)
+
+    def load(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        path: str | None = None,
+        layer_events: bool = True,
+    ) -> GpuCopyHandle:
+        """Queue this rank's shard of slot slots[i] -> engine block block_ids[i].
+        With layer_events (one launch per layer) `wait_layer(l)` waits for layer
+        l alone; without, one launch and every layer lands at the end."""
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
+        return self._run(request, save=False, path=path, layer_events=layer_events)
+
+    def choose_path(self, path: str | None = None) -> str:
+        """The path ("sm" or "dma") an op asking for `path` takes."""
+        path = self.path if path is None else path
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if path == "auto":
+            large = self.planes.chunk_bytes >= self.dma_min_chunk_bytes
+            return "dma" if large or not self.sm_capable else "sm"
+        if path == "sm" and not self.sm_capable:
+            raise ValueError(
+                f"the sm path copies 16-byte vectors: chunk_bytes ({self.planes.chunk_bytes}) "
+                "and plane addresses must be multiples of 16; use path='dma'"
+            )
+        return path
+
+    def close(self) -> None:
+        """Wait for queued copies, then unpin the pool. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stream.synchronize()
+        with torch.cuda.device(self.device):
+            for address, nbytes in self._registered:
+                _REGISTRATIONS.release(address, nbytes)
+        self._registered, self._pins = [], []
+
+    def __enter__(self) -> GpuBlockCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(
+        self, request: CopyRequest, *, save: bool, path: str | None, layer_events: bool
+    ) -> GpuCopyHandle:
+        if self.closed:
+            raise RuntimeError("the copier is closed")
+        path = self.choose_path(path)
+        groups, event_of_layer = self._groups(layer_events)
+        events = [torch.cuda.Event() for _ in groups]
+        keep: list = []
+        n = int(request.blocks.size)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        # libkvcopy selects the device itself; being current already, it never
+        # switches the engine thread's context.
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            index = self._upload(request) if n and path == "sm" else None
+            for (begin, end), event in zip(groups, events, strict=True):
+                if index is not None:
+                    self._launch_sm(index, n, begin, end, save)
+                elif n:
+                    keep.append(self._launch_dma(request, begin, end, save))
+                event.record(self.stream)
+        keep.append(index)
+        return GpuCopyHandle(self.device, events, event_of_layer, keep)
+
+    def _groups(self, layer_events: bool) -> tuple[list[tuple[int, int]], list[int]]:
+        """Plane ranges launched one after another, and which range completes each layer."""
+        ends = self.planes.layer_ends
+        if not layer_events:
+            return [(0, len(self.planes.planes))], [0] * len(ends)
+        distinct = sorted(set(ends))
+        groups = list(zip([0, *distinct[:-1]], distinct, strict=True))
+        return groups, [distinct.index(end) for end in ends]
+
+    def _slot_addresses(self, request: CopyRequest, bases: np.ndarray) -> np.ndarray:
+        return bases[request.segments] + request.offsets.astype(np.uint64)
+
+    def _upload(self, request: CopyRequest) -> torch.Tensor:
+        """Block ids, then slot device addresses, as one int64 device array
+        (queued on the copier's stream, from pinned memory)."""
+        slots = self._slot_addresses(request, self._dev_bases).view(np.int64)
+        staged = torch.from_numpy(np.concatenate([request.blocks, slots])).pin_memory()
+        return staged.to(self.device, non_blocking=True)
+
+    def _launch_sm(self, index: torch.Tensor, n: int, begin: int, end: int, save: bool) -> None:
+        code = self._lib.kv_copy_sm(
+            self._index,
+            self._plane_addrs_dev.data_ptr(),
+            index.data_ptr(),
+            n,
+            begin,
+            end,
+            self.planes.chunk_bytes,
+            int(save),
+            self._max_ctas,
+            self.stream.cuda_stream,
+        )
+        _lib.check(code, "copy_chunks kernel launch")
+
+    def _launch_dma(self, request: CopyRequest, begin: int, end: int, save: bool) -> list:
+        """One copy per (plane, block), plane-major; returns the address arrays."""
+        chunk = np.uint64(self.planes.chunk_bytes)
+        blocks = request.blocks.astype(np.uint64)
+        gpu = self._plane_addrs[begin:end, None] + blocks[None, :] * chunk
+        host = self._slot_addresses(request, self._host_bases)
+        host = host[None, :] + np.arange(begin, end, dtype=np.uint64)[:, None] * chunk
+        srcs, dsts = (gpu, host) if save else (host, gpu)
+        srcs, dsts = np.ascontiguousarray(srcs.ravel()), np.ascontiguousarray(dsts.ravel())
+        used, batch_error = ctypes.c_int(0), ctypes.c_int(0)
+        code = self._lib.kv_copy_dma(
+            self._index,
+            dsts.ctypes.data,
+            srcs.ctypes.data,
+            self.planes.chunk_bytes,
+            srcs.size,
+            int(self._try_batch),
+            self.stream.cuda_stream,
+            ctypes.byref(used),
+            ctypes.byref(batch_error),
+        )
+        _lib.check(code, "DMA copy")
+        if batch_error.value:
+            self._try_batch = False
+            self.batch_error = _lib.error_name(batch_error.value)
+        self.dma_kind = "batch" if used.value else "loop"
+        return [srcs, dsts]

@@ -1,0 +1,145 @@
+"""Every engine KV-cache layout as a list of block-major *planes*.
+
+A plane is a tensor whose first dimension indexes blocks and whose per-block
+*chunk* is contiguous; all planes of one rank have the same chunk size. Copies
+then need one rule for every layout: chunk (plane p, block b) of a rank goes
+to that rank's shard of the block's CPU slot at p * chunk_bytes (shm.layout's
+BlockLayout with num_layers = number of planes, layer_block_bytes = chunk bytes).
+
+| layout        | engine tensors (one rank)              | planes                          |
+|---------------|----------------------------------------|---------------------------------|
+| `block_major` | per layer `[N, ...]`                   | the tensors                     |
+| `vllm_flash`  | per layer `[2, N, bs, heads, dim]`     | per layer: t[0] (K), t[1] (V)   |
+| `flashinfer`  | per layer `[N, 2, bs, heads, dim]`     | the tensors                     |
+| `cross_layer` | one `[N, layers, ...]` for all layers  | that tensor                     |
+| `mla`         | per layer `[N, bs, latent]`            | the tensors                     |
+
+`paged` (the engine shim's historical name) means `block_major`. For the same
+KV, vllm_flash, flashinfer and cross_layer (`[N, layers, 2, bs, heads, dim]`)
+give the same slot bytes: layer 0 K, layer 0 V, layer 1 K, ...
+
+Planes are uint8 views `[N, chunk_bytes]` of the engine's memory, so fp8 and
+every other dtype copy as bytes; `KVPlanes.dtype` keeps the engine's dtype for
+the namespace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shm.layout import BlockLayout
+
+LAYOUTS = ("block_major", "vllm_flash", "flashinfer", "cross_layer", "mla")
+ALIASES = {"paged": "block_major"}
+
+
+@dataclass(frozen=True)
+class KVPlanes:
+    """One rank's KV cache as planes, and which planes hold which model layer."""
+
+    layout: str
+    planes: tuple[torch.Tensor, ...]
+    """uint8 views [num_blocks, chunk_bytes] of the engine's tensors, slot order."""
+    dtype: torch.dtype
+    """The engine tensors' dtype (fp8 included), for the namespace."""
+    layer_ends: tuple[int, ...]
+    """For model layer l, the plane index just past the last plane holding it:
+    once planes [0, layer_ends[l]) have landed, layer l has."""
+
+    @property
+    def num_layers(self) -> int:
+        """Model layers (not planes)."""
+        return len(self.layer_ends)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.planes[0].shape[0])
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.planes[0].shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes[0].device
+
+    def block_layout(self, tp_size: int = 1) -> BlockLayout:
+        """The CPU slot layout these planes copy into."""
+        return BlockLayout(len(self.planes), self.chunk_bytes, tp_size)
+
+
+def as_planes(kv: torch.Tensor | Sequence[torch.Tensor], layout: str) -> list[torch.Tensor]:
+    """The planes of `kv` in `layout` (see the module docstring)."""
+    return list(kv_planes(kv, layout).planes)
+
+
+def kv_planes(kv: torch.Tensor | Sequence[torch.Tensor], layout: str) -> KVPlanes:
+    """Check `kv` against `layout` and describe it as planes. Raises TypeError
+    or ValueError, saying what is wrong, for anything else; never copies."""
+    name = ALIASES.get(layout, layout)
+    if name not in LAYOUTS:
+        raise ValueError(f"unknown KV layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    tensors = _tensors(kv, name)
+    first = tensors[0]
+    if name == "vllm_flash":
+        _expect(first, 5, "[2, num_blocks, block_size, kv_heads, head_dim]", 0)
+        planes = [half for t in tensors for half in (t[0], t[1])]
+        ends = tuple(2 * (i + 1) for i in range(len(tensors)))
+    elif name == "cross_layer":
+        if first.dim() < 3:
+            raise ValueError(f"cross_layer KV is [num_blocks, num_layers, ...], not {_s(first)}")
+        planes, ends = [first], (1,) * int(first.shape[1])
+    else:
+        if name == "flashinfer":
+            _expect(first, 5, "[num_blocks, 2, block_size, kv_heads, head_dim]", 1)
+        elif name == "mla":
+            _expect(first, 3, "[num_blocks, block_size, latent_dim]", None)
+        planes, ends = list(tensors), tuple(range(1, len(tensors) + 1))
+    if planes[0].shape[0] == 0 or math.prod(planes[0].shape[1:]) == 0:
+        raise ValueError(f"{name} KV holds no blocks or empty blocks: {_s(first)}")
+    views = tuple(p.reshape(p.shape[0], -1).view(torch.uint8) for p in planes)
+    return KVPlanes(name, views, first.dtype, ends)
+
+
+def _tensors(kv: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    if isinstance(kv, torch.Tensor):
+        if name != "cross_layer":
+            raise TypeError(f"{name} KV is a sequence of per-layer tensors, not one tensor")
+        tensors = [kv]
+    elif isinstance(kv, Sequence) and len(kv) > 0:
+        tensors = list(kv)
+    else:
+        raise TypeError(f"{name} KV must be a non-empty sequence of tensors")
+    if name == "cross_layer" and len(tensors) != 1:
+        raise ValueError(f"cross_layer KV is one tensor for all layers, got {len(tensors)}")
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"KV tensor {i} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided or t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KV tensor {i} must be a dense CPU or CUDA tensor, not {_s(t)}")
+        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+            raise ValueError(
+                f"KV tensor {i} must be contiguous (a permuted or strided view is not a "
+                f"paged cache this layout describes): {_s(t)}"
+            )
+        if t.dim() == 0:
+            raise ValueError(f"KV tensor {i} is a scalar, not a paged cache")
+        if t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"KV tensor {i} has dtype {t.dtype}: not a KV cache dtype")
+        if (t.dtype, t.shape, t.device) != (first.dtype, first.shape, first.device):
+            raise ValueError(f"KV tensor {i} is {_s(t)} but tensor 0 is {_s(first)}")
+    return tensors
+
+
+def _expect(t: torch.Tensor, dims: int, shape: str, two_at: int | None) -> None:
+    if t.dim() != dims or (two_at is not None and t.shape[two_at] != 2):
+        raise ValueError(f"expected per-layer KV tensors shaped {shape}, got {_s(t)}")
+
+
+def _s(t: torch.Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}"

@@ -1,0 +1,36 @@
+"""`kvsidecar bench gpu`: measures on a GPU, and says plainly that it did not
+(exit 0, JSON `skipped`) anywhere else. Never a made-up figure."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench.gpu import unavailable_reason
+from sidecar.cli import main
+
+pytest.importorskip("torch")
+
+
+def test_gpu_bench_runs_or_says_why_not(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    assert main(["bench", "gpu", "--quick", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    reason = unavailable_reason()
+    assert data["skipped"] is (reason is not None)
+    if reason is not None:
+        assert data["reason"] == reason
+        assert "nothing measured" in capsys.readouterr().out
+        assert not any(k.endswith(("_gbps", "_vs_floor")) for k in data)
+        return
+    for case in data["cases"].values():
+        for key in ("floor_d2h_gbps", "floor_h2d_gbps", "dma_d2h_gbps", "dma_h2d_gbps"):
+            assert math.isfinite(case[key]) and case[key] > 0, key
+        assert case["auto_path"] in ("sm", "dma")
+
+
+def test_gpu_bench_rejects_unknown_models(capsys):
+    assert main(["bench", "gpu", "--models", "gpt-5"]) == 2
+    assert "unknown models" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""libkvcopy.so: built by `pip install -e .` wherever nvcc is, loadable without a
+GPU, and failing with GpuUnavailable (not a crash) where no GPU or driver is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cuda_ext import _lib
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "cuda_ext" / "csrc" / "kvcopy.cu"
+
+
+def nvcc_present() -> bool:
+    """Where setup.py looks for nvcc."""
+    homes = [os.environ.get(name) for name in ("CUDA_HOME", "CUDA_PATH")]
+    return bool(shutil.which("nvcc") or any(h and Path(h, "bin", "nvcc").exists() for h in homes))
+
+
+@pytest.mark.skipif(not nvcc_present(), reason="no nvcc: the library is not built here")
+def test_the_library_is_built_wherever_nvcc_is():
+    assert _lib.LIB_PATH.exists(), (
+        f"nvcc is installed but {_lib.LIB_PATH} is missing: `pip install -v -e .` shows why"
+    )
+    assert _lib.LIB_PATH.stat().st_mtime >= SOURCE.stat().st_mtime, (
+        f"{_lib.LIB_PATH.name} is older than {SOURCE.name}: rebuild with `pip install -e .`"
+    )
+
+
+PROBE = """
+from cuda_ext import _lib
+lib = _lib.load()
+print("runtime", _lib.runtime_version(), "abi", lib.kv_abi_version())
+try:
+    print("gpus", _lib.probe())
+except _lib.GpuUnavailable as exc:
+    print("unavailable", exc)
+"""
+
+
+@pytest.mark.skipif(not _lib.LIB_PATH.exists(), reason="libkvcopy.so is not built")
+def test_loading_without_a_gpu_gives_a_clear_error_not_a_crash():
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first.startswith("runtime 13.") or first.startswith("runtime 12."), first
+    assert first.endswith(f"abi {_lib.ABI_VERSION}")
+    if second.startswith("unavailable"):
+        assert "driver" in second and "CPU path" in second, second
+    else:
+        assert int(second.split()[1]) >= 1
+
+
+@pytest.mark.skipif(not _lib.LIB_PATH.exists(), reason="libkvcopy.so is not built")
+def test_cuda_errors_map_to_the_two_exceptions():
+    with pytest.raises(_lib.CudaError, match="cudaErrorInvalidValue") as info:
+        _lib.check(1, "a call")
+    assert info.value.code == 1 and info.value.name == "cudaErrorInvalidValue"
+    with pytest.raises(_lib.GpuUnavailable, match="cudaErrorNoDevice"):
+        _lib.check(100, "a call")
+    _lib.check(0, "a call")
+
+
+@pytest.mark.skipif(not _lib.LIB_PATH.exists(), reason="libkvcopy.so is not built")
+def test_only_the_c_abi_is_exported():
+    """cudart is linked statically and kept private: an engine's own
+    libcudart never binds to ours, nor ours to it."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm")
+    out = subprocess.run(
+        [nm, "-D", "--defined-only", str(_lib.LIB_PATH)], capture_output=True, text=True
+    ).stdout
+    names = {line.split()[-1] for line in out.splitlines() if line.split()[1:2] == ["T"]}
+    assert names == set(_lib._SIGNATURES), names ^ set(_lib._SIGNATURES)
+    needed = subprocess.run(["ldd", str(_lib.LIB_PATH)], capture_output=True, text=True).stdout
+    assert "libcudart" not in needed and "libcuda.so" not in needed, needed
+
+
+def test_a_missing_library_is_gpu_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setattr(_lib, "LIB_PATH", tmp_path / "libkvcopy.so")
+    with pytest.raises(_lib.GpuUnavailable, match=r"not built.*nvcc"):
+        _lib.load.__wrapped__()
+
+
+def test_gpu_copier_refuses_cpu_planes_and_open_copier_picks_the_cpu_one():
+    torch = pytest.importorskip("torch")
+    from cuda_ext.copier import CpuBlockCopier, open_copier
+    from cuda_ext.gpu import GpuBlockCopier
+    from cuda_ext.layouts import kv_planes
+
+    planes = kv_planes([torch.zeros(4, 64)], "block_major")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        GpuBlockCopier(planes, None)  # type: ignore[arg-type]
+    assert isinstance(open_copier(planes, None), CpuBlockCopier)  # type: ignore[arg-type]

@@ -1,0 +1,175 @@
+"""GpuBlockCopier on a real GPU (skipped without one): both copy paths give
+exactly the bytes of the CPU path for every layout and dtype, with random
+block ids and TP shards; bad ids are rejected before any launch; per-layer
+events complete in layer order; the pool is registered once per process."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from shm_helpers import checked_prefix
+
+from cuda_ext import _lib
+from shm.pool import ShmPool
+
+torch = pytest.importorskip("torch")
+
+from kv_helpers import BLOCKS, DTYPES, LAYERS, engine_kv, expected_shard, logical_kv, raw  # noqa: E402
+
+from cuda_ext import gpu  # noqa: E402
+from cuda_ext.gpu import GpuBlockCopier  # noqa: E402
+from cuda_ext.layouts import LAYOUTS, kv_planes  # noqa: E402
+
+
+def _why_no_gpu() -> str | None:
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    try:
+        _lib.probe()
+    except _lib.GpuUnavailable as exc:
+        return str(exc)
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+SENTINEL = 0xAB
+
+
+@pytest.fixture
+def pool():
+    with checked_prefix("cudagpu") as prefix, ShmPool.create(prefix, 1 << 20) as created:
+        created.segment_view(0)[:] = SENTINEL
+        yield created
+
+
+def gpu_planes(layout: str, kv: torch.Tensor):
+    return kv_planes(engine_kv(layout, kv.cuda()), layout)
+
+
+@pytest.mark.parametrize("path", ["sm", "dma"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_is_byte_exact_for_every_layout_and_dtype(pool, layout, dtype, path):
+    tp = 2
+    kvs = [logical_kv(dtype, seed=7 * rank + 3) for rank in range(tp)]
+    planes = [gpu_planes(layout, kv) for kv in kvs]
+    block_layout = planes[0].block_layout(tp)
+    rng = np.random.default_rng(10 * LAYOUTS.index(layout) + DTYPES.index(dtype))
+    blocks = rng.permutation(BLOCKS)[:7]
+    slots = rng.permutation(pool.num_slots(block_layout.slot_stride))[:7]
+    for rank in range(tp):
+        with GpuBlockCopier(planes[rank], pool, path=path) as copier:
+            copier.save(blocks, slots, block_layout, rank).synchronize()
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), block_layout.slot_stride)
+        shards = [expected_shard(kv, int(block)) for kv in kvs]
+        assert np.array_equal(view[: block_layout.block_bytes], np.concatenate(shards))
+        assert (view[block_layout.block_bytes :] == SENTINEL).all()
+    targets = rng.permutation(BLOCKS)[:7]
+    for rank in range(tp):
+        back = gpu_planes(layout, torch.zeros_like(kvs[rank]))
+        with GpuBlockCopier(back, pool, path=path) as copier:
+            copier.load(targets, slots, block_layout, rank).synchronize()
+        for target, block in zip(targets, blocks, strict=True):
+            got = np.concatenate([raw(p[int(target)]) for p in back.planes])
+            assert np.array_equal(got, expected_shard(kvs[rank], int(block)))
+        untouched = torch.as_tensor(np.setdiff1d(np.arange(BLOCKS), targets), device="cuda")
+        assert not any(p[untouched].any() for p in back.planes)
+
+
+def test_bad_ids_are_rejected_before_any_launch(pool):
+    planes = gpu_planes("vllm_flash", logical_kv(torch.float16, seed=1))
+    layout = planes.block_layout()
+    with GpuBlockCopier(planes, pool) as copier:
+        torch.cuda.synchronize()
+        for blocks, slots in [([0, BLOCKS], [0, 1]), ([-1], [0]), ([0], [10**6])]:
+            with pytest.raises(ValueError, match="out of range"):
+                copier.save(blocks, slots, layout, 0)
+            with pytest.raises(ValueError, match="out of range"):
+                copier.load(blocks, slots, layout, 0)
+        with pytest.raises(ValueError, match="rank"):
+            copier.save([0], [0], layout, 1)
+        assert copier.stream.query()
+    assert (pool.segment_view(0) == SENTINEL).all()
+
+
+def test_unaligned_chunks_take_the_dma_path(pool):
+    kv = [torch.randint(0, 256, (BLOCKS, 6), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    planes = kv_planes(kv, "block_major")
+    layout = planes.block_layout()
+    with GpuBlockCopier(planes, pool) as copier:
+        assert not copier.sm_capable and copier.choose_path() == "dma"
+        with pytest.raises(ValueError, match="16"):
+            copier.choose_path("sm")
+        copier.save([3, 5], [1, 0], layout, 0).synchronize()
+        view = pool.slot_view(1, layout.slot_stride)
+        assert np.array_equal(view[:12], np.concatenate([raw(t[3]) for t in kv]))
+
+
+def test_layer_events_complete_in_layer_order(pool):
+    layers, blocks = 8, 32  # 64 KiB chunks, 32 MiB in all: long enough to watch
+    shape = (2, blocks, 16, 8, 256)
+    kv = [torch.randint(0, 256, shape, dtype=torch.int16).cuda() for _ in range(layers)]
+    planes = kv_planes(kv, "vllm_flash")
+    layout = planes.block_layout()
+    with (
+        checked_prefix("cudaevents") as prefix,
+        ShmPool.create(prefix, blocks * layout.slot_stride) as big,
+        GpuBlockCopier(planes, big, path="sm") as copier,
+    ):
+        ids = np.arange(blocks)
+        copier.save(ids, ids, layout, 0).synchronize()
+        saved = [t.cpu() for t in kv]
+        for t in kv:
+            t.zero_()
+        handle = copier.load(ids, ids, layout, 0)
+        seen = []
+        deadline = time.monotonic() + 30
+        while not handle.query() and time.monotonic() < deadline:
+            seen.append([bool(e.query()) for e in handle._events])
+        assert len(handle._events) == layers
+        for states in seen:  # done layers always form a prefix
+            assert states == sorted(states, reverse=True), states
+        other = torch.cuda.Stream()
+        handle.wait_layer(0, other)
+        with torch.cuda.stream(other):
+            first = kv[0].clone()
+        other.synchronize()
+        assert torch.equal(first.cpu(), saved[0])
+        handle.synchronize()
+    cross = kv_planes(engine_kv("cross_layer", logical_kv(torch.bfloat16, 2).cuda()), "cross_layer")
+    with GpuBlockCopier(cross, pool) as copier:
+        handle = copier.load([0], [0], cross.block_layout(), 0)
+        handle.wait_layer(LAYERS - 1)
+        handle.synchronize()
+        with pytest.raises(ValueError, match="layer"):
+            handle.wait_layer(LAYERS)
+
+
+def test_a_save_waits_for_work_queued_on_the_engine_stream(pool):
+    planes = gpu_planes("flashinfer", logical_kv(torch.float16, seed=4))
+    layout = planes.block_layout()
+    with GpuBlockCopier(planes, pool) as copier:
+        torch.cuda._sleep(100_000_000)  # ~0.1 s of GPU time ahead of the write
+        planes.planes[0][2].fill_(7)
+        copier.save([2], [0], layout, 0).synchronize()
+        assert (pool.slot_view(0, layout.slot_stride)[: planes.chunk_bytes] == 7).all()
+
+
+def test_the_pool_is_registered_once_per_process(pool):
+    planes = gpu_planes("mla", logical_kv(torch.bfloat16, seed=5))
+    first = GpuBlockCopier(planes, pool)
+    second = GpuBlockCopier(planes, pool)
+    address = pool.segment_view(0).ctypes.data
+    entries = gpu._REGISTRATIONS._entries
+    assert [key[0] for key in entries].count(address) == 1
+    assert entries[(address, pool.nbytes)][1] == 2
+    first.close()
+    second.save([0], [0], planes.block_layout(), 0).synchronize()
+    second.close()
+    second.close()
+    assert (address, pool.nbytes) not in entries
+    with pytest.raises(RuntimeError, match="closed"):
+        second.save([0], [0], planes.block_layout(), 0)

@@ -1,0 +1,143 @@
+"""cuda_ext.layouts and the CPU copier: every engine layout and KV dtype round
+trips byte-exact through real shm slots, with random block ids and TP ranks
+writing disjoint shards; equivalent layouts give identical slot bytes; bad
+input raises before a byte moves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from shm_helpers import checked_prefix
+
+from shm import copy as shm_copy
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+
+torch = pytest.importorskip("torch")
+
+from kv_helpers import (  # noqa: E402
+    BLOCKS,
+    DIM,
+    DTYPES,
+    HEADS,
+    LAYERS,
+    TOKENS,
+    engine_kv,
+    expected_shard,
+    logical_kv,
+    raw,
+)
+
+from cuda_ext.copier import CpuBlockCopier, open_copier  # noqa: E402
+from cuda_ext.layouts import LAYOUTS, as_planes, kv_planes  # noqa: E402
+
+SENTINEL = 0xAB
+
+
+@pytest.fixture
+def pool():
+    with checked_prefix("cudaext") as prefix, ShmPool.create(prefix, 1 << 20) as created:
+        created.segment_view(0)[:] = SENTINEL
+        yield created
+
+
+@pytest.mark.parametrize("impl", shm_copy.IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_round_trips_byte_exact_with_tp_shards(pool, layout, dtype, impl):
+    tp = 2
+    kvs = [logical_kv(dtype, seed=10 * rank + 1) for rank in range(tp)]
+    engines = [engine_kv(layout, kv) for kv in kvs]
+    planes = [kv_planes(engine, layout) for engine in engines]
+    block_layout = planes[0].block_layout(tp)
+    assert block_layout.shard_bytes == LAYERS * 2 * TOKENS * HEADS * DIM * dtype.itemsize
+    rng = np.random.default_rng(10 * LAYOUTS.index(layout) + DTYPES.index(dtype))
+    blocks = rng.permutation(BLOCKS)[:7]
+    slots = rng.permutation(pool.num_slots(block_layout.slot_stride))[:7]
+    for rank in range(tp):
+        copier = CpuBlockCopier(planes[rank], pool, impl=impl)
+        copier.save(blocks, slots, block_layout, rank).synchronize()
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), block_layout.slot_stride)
+        shards = [expected_shard(kv, int(block)) for kv in kvs]
+        assert np.array_equal(view[: block_layout.block_bytes], np.concatenate(shards))
+        assert (view[block_layout.block_bytes :] == SENTINEL).all()
+    targets = rng.permutation(BLOCKS)[:7]
+    for rank in range(tp):
+        back = engine_kv(layout, torch.zeros_like(kvs[rank]))
+        back_planes = kv_planes(back, layout)
+        with open_copier(back_planes, pool) as copier:
+            copier.load(targets, slots, block_layout, rank).wait_layer(LAYERS - 1)
+        for target, block in zip(targets, blocks, strict=True):
+            got = np.concatenate([raw(p[int(target)]) for p in back_planes.planes])
+            assert np.array_equal(got, expected_shard(kvs[rank], int(block)))
+        untouched = np.setdiff1d(np.arange(BLOCKS), targets)
+        assert not any(raw(p[torch.as_tensor(untouched)]).any() for p in back_planes.planes)
+
+
+def test_planes_are_views_of_the_engine_memory():
+    kv = engine_kv("vllm_flash", logical_kv(torch.bfloat16, seed=3))
+    planes = kv_planes(kv, "vllm_flash")
+    assert planes.layer_ends == (2, 4, 6) and planes.num_layers == LAYERS
+    assert planes.dtype == torch.bfloat16 and planes.num_blocks == BLOCKS
+    assert planes.chunk_bytes == TOKENS * HEADS * DIM * 2
+    assert [p.data_ptr() for p in as_planes(kv, "vllm_flash")] == [
+        t[half].data_ptr() for t in kv for half in (0, 1)
+    ]
+    planes.planes[3][5] = 7  # layer 1, V, block 5
+    assert (kv[1][1, 5].view(torch.uint8) == 7).all()
+    cross = kv_planes(engine_kv("cross_layer", logical_kv(torch.float16, seed=4)), "cross_layer")
+    assert cross.layer_ends == (1, 1, 1) and len(cross.planes) == 1
+    assert kv_planes(kv, "paged").layout == "block_major"
+
+
+@pytest.mark.parametrize(
+    "kv, layout, error, match",
+    [
+        (lambda: [torch.zeros(2, 4, 8)], "vllm", ValueError, "unknown KV layout"),
+        (lambda: [torch.zeros(3, 4, 2, 2, 8)], "vllm_flash", ValueError, r"\[2, num_blocks"),
+        (lambda: [torch.zeros(4, 3, 2, 2, 8)], "flashinfer", ValueError, r"\[num_blocks, 2"),
+        (lambda: [torch.zeros(4, 2, 8, 1)], "mla", ValueError, "latent_dim"),
+        (lambda: torch.zeros(4, 3, 2, 2, 8), "mla", TypeError, "not one tensor"),
+        (lambda: [torch.zeros(4, 3, 8)] * 2, "cross_layer", ValueError, "one tensor"),
+        (lambda: [], "block_major", TypeError, "non-empty"),
+        (lambda: [torch.zeros(4, 8).t()], "block_major", ValueError, "contiguous"),
+        (
+            lambda: [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.half)],
+            "mla",
+            ValueError,
+            "tensor 1 is",
+        ),
+        (lambda: [torch.zeros(4, 8), torch.zeros(5, 8)], "block_major", ValueError, "tensor 0"),
+        (lambda: [torch.zeros(0, 8)], "block_major", ValueError, "no blocks"),
+        (lambda: [torch.zeros(4, 8), "x"], "block_major", TypeError, "not a torch.Tensor"),
+        (lambda: [torch.zeros(4, 2, dtype=torch.bool)], "block_major", ValueError, "dtype"),
+    ],
+)
+def test_bad_kv_is_rejected_with_a_clear_error(kv, layout, error, match):
+    with pytest.raises(error, match=match):
+        kv_planes(kv(), layout)
+
+
+def test_bad_requests_raise_and_copy_nothing(pool):
+    planes = kv_planes(engine_kv("flashinfer", logical_kv(torch.float16, seed=5)), "flashinfer")
+    layout = planes.block_layout(2)
+    copier = CpuBlockCopier(planes, pool)
+    cases = [
+        (([0, BLOCKS], [0, 1], layout, 0), ValueError, "block id out of range"),
+        (([-1], [0], layout, 0), ValueError, "block id out of range"),
+        (([0, 1], [3, 3], layout, 0), ValueError, "slots repeat"),
+        (([0, 1], [0], layout, 0), ValueError, "2 block ids but 1 slots"),
+        (([0], [0], layout, 2), ValueError, "rank 2 out of range"),
+        (([0], [0], layout, True), TypeError, "rank"),
+        (([0], [10**6], layout, 0), ValueError, "slot out of range"),
+        (([0.5], [0], layout, 0), TypeError, "integers"),
+        (([0], [0], BlockLayout(6, planes.chunk_bytes), 0), ValueError, "6 planes"),
+        (([0], [0], "layout", 0), TypeError, "BlockLayout"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            copier.save(*args)
+    with pytest.raises(ValueError, match="block_ids repeat"):
+        copier.load([1, 1], [0, 1], layout, 0)
+    assert (pool.segment_view(0) == SENTINEL).all()
