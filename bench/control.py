@@ -50,7 +50,7 @@ from bench.control_client import BLOCK_BYTES, ControlClient, echo_main
 from bench.control_report import print_report
 from bench.fleet import Fleet, Samples, Timing, summarize
 from bench.report import write_json
-from bench.serve import SidecarProcess
+from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from sidecar import protocol as p
 
 BLOCK_COUNTS = (1, 64, 2048)
@@ -282,7 +282,9 @@ def run(args: argparse.Namespace) -> int:
     timing = Timing(seconds, 2, 3) if args.quick else Timing(seconds / rounds, 10, 20)
     sizes = message_sizes()
     workdir = Path(tempfile.mkdtemp(prefix="kvsbench-"))
-    sidecar = SidecarProcess(workdir, capacity=CAPACITY)
+    sidecar = LocalSidecar(
+        workdir, cpu_capacity=CAPACITY, settings=BENCH_SIDECAR_SETTINGS, tag="bench"
+    )
     fleet: Fleet | None = None
     echo: EchoServer | None = None
     try:

@@ -27,7 +27,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,6 +44,14 @@ from sidecar.config import load_config
 from sidecar.runtime import endpoint_of
 
 __all__ = ["KVClient", "PlanOps", "SidecarError", "SidecarUnavailable", "TransferHandle"]
+
+
+class TierTokens(NamedTuple):
+    """Tokens counted by the tier they are (or were loaded) from."""
+
+    cpu: int
+    ssd: int
+    remote: int
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,9 @@ class KVClient:
             tenant=tenant,
         )
         self._hasher = KeyHasher(namespace, secret, key_hash)
+        if self._copier is not None:  # registering again, maybe with other tensors
+            self._copier.close()
+            self._copier = None
         self._planes = planes
         self.tp_rank = tp_rank
         self._register_args = {
@@ -169,25 +180,31 @@ class KVClient:
         )
         if reply["boot_id"] != self._boot_id or self._pool is None:
             self._attach(reply)
+        if self._copier is None:
+            self._open_copier(reply)
         self.lease_seconds = float(reply["lease_seconds"])
 
     def _attach(self, reply: dict[str, Any]) -> None:
+        """Map the (new) sidecar's segments."""
         if self._copier is not None:
             self._copier.close()
             self._copier = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
+        self._boot_id = reply["boot_id"]
+
+    def _open_copier(self, reply: dict[str, Any]) -> None:
+        """The copier between the registered tensors and the mapped pool."""
         kv = self._register_args["kv"]  # type: ignore[index]
         self._layout = BlockLayout(
             num_layers=kv.num_layers, layer_block_bytes=kv.layer_block_bytes, tp_size=kv.tp_size
         )
         if self._layout.slot_stride != reply["slot_stride"]:
             raise SidecarError("layout_mismatch", "the sidecar's slot stride differs from ours")
-        self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
-        assert self._planes is not None
+        assert self._planes is not None and self._pool is not None
         self._copier = open_copier(self._planes, self._pool)  # pins the pool once (GPU)
-        self._boot_id = reply["boot_id"]
 
     def _call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[dict, list[bytes]]:
         """A request on this session; re-registers once if the sidecar forgot us."""
@@ -206,14 +223,20 @@ class KVClient:
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Leading tokens of `token_ids` the sidecar can load (a multiple of
         tokens_per_block). 0 when the sidecar is down, slow or refuses."""
+        return sum(self.lookup_tiers(token_ids))
+
+    def lookup_tiers(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> TierTokens:
+        """`lookup`, split by the tier each leading block is in now (the
+        fastest that holds it). All zero when the sidecar is down, slow or refuses."""
         keys = self._keys(token_ids)
         if len(keys) == 0:
-            return 0
+            return TierTokens(0, 0, 0)
         try:
             reply, _ = self._call(self._req(p.Lookup), [p.keys_frame(keys)])
         except (SidecarUnavailable, SidecarError):
-            return 0
-        return int(reply["num_blocks"]) * self._tokens_per_block
+            return TierTokens(0, 0, 0)
+        t = self._tokens_per_block
+        return TierTokens(int(reply["cpu"]) * t, int(reply["ssd"]) * t, int(reply["remote"]) * t)
 
     def load(
         self,

@@ -1,16 +1,23 @@
-"""The CPU-tier block pool: POSIX shared-memory segments mapped into this process.
+"""The CPU-tier block pool: shared-memory segments mapped into this process.
 
 The sidecar creates the segments (`ShmPool.create`) and every engine shim maps
 the same ones (`ShmPool.attach`). Slots are carved out later, at a stride the
 sidecar learns when the first engine registers its layout; a slot never
 straddles two segments.
 
+Segments are POSIX shm (4 KiB pages on a default /dev/shm), or, given a
+`directory`, files on a hugetlbfs mount or a tmpfs mounted with huge=always
+or within_size, so that the pool is backed by huge pages: each is one
+physically contiguous DMA segment, and O_DIRECT reads into them ran 1.2-2x
+faster here than into scattered 4 KiB pages. Their names (`shm.names`) tell
+`attach` which kind they are; `page_kind` says what the mappings actually got.
+
 Lifetimes:
 - Mappings live as long as the pool object (or the last `slot_view` /
   `segment_view` array taken from it): `close()` unmaps at once when no such
   array is alive, otherwise the mapping goes with the last of them. No fd is
   kept open: each is closed right after its segment is mapped.
-- Segments (the names in /dev/shm) outlive every process until unlinked. The
+- Segments (names in /dev/shm, or files) outlive every process until unlinked. The
   creator unlinks them (`unlink()`, or leaving a `with` block of a created
   pool). Attached pools never unlink. A sidecar that died without unlinking
   leaves its segments behind; its successor calls `remove_stale_segments`
@@ -29,20 +36,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import posix_ipc
 
 from shm.layout import PAGE_BYTES
-from shm.names import SHM_DIR, remove_stale_segments, segment_name, validate_name, validate_prefix
+from shm.names import (
+    SHM_DIR,
+    is_file_path,
+    remove_stale_segments,
+    segment_name,
+    validate_name,
+    validate_prefix,
+)
+from shm.pages import PageReport, page_report
+from shm.segments import (
+    SEGMENT_MODE,
+    ShmPoolError,
+    check_room,
+    open_segment,
+    place_of,
+    remove_segment,
+)
 
-SEGMENT_MODE = 0o600
 # Linux >= 5.14; the mmap module exports it from Python 3.13.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 __all__ = ["SHM_DIR", "ShmPool", "ShmPoolError", "remove_stale_segments"]
-
-
-class ShmPoolError(RuntimeError):
-    """A segment is missing, already exists, has the wrong size, or the pool is closed."""
 
 
 @dataclass
@@ -53,17 +71,17 @@ class _Segment:
     address: int
 
 
-def _map(name: str, memory: posix_ipc.SharedMemory, size: int) -> _Segment:
-    mapping = mmap.mmap(memory.fd, size)
+def _map(name: str, fd: int, size: int) -> _Segment:
+    mapping = mmap.mmap(fd, size)
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     return _Segment(name, size, mapping, address)
 
 
-def _prefault(memory: posix_ipc.SharedMemory, segment: _Segment) -> str:
+def _prefault(fd: int, segment: _Segment) -> str:
     """Allocate every page (ENOSPC here is an error, not a SIGBUS later) and
     map it; returns how. First touch of a tmpfs page costs ~1 GB/s, a
     faulted page is copied at ~16 GB/s."""
-    os.posix_fallocate(memory.fd, 0, segment.size)
+    os.posix_fallocate(fd, 0, segment.size)
     try:
         segment.mapping.madvise(MADV_POPULATE_WRITE)
         return "fallocate+populate"
@@ -96,31 +114,42 @@ class ShmPool:
         self.owner = owner
         self.prefault_seconds = prefault_seconds
         self.prefault_method = prefault_method
+        self.pages: PageReport = page_report([(s.address, s.size) for s in segments])
+        """What the mappings got when the pool was built (`shm.pages`): for a
+        tmpfs pool, `huge_bytes` is complete only if it was prefaulted."""
         self.closed = False
         self._unlinked = False
 
     @classmethod
     def create(
-        cls, prefix: str, nbytes: int, *, segment_bytes: int = 1 << 30, prefault: bool = True
+        cls,
+        prefix: str,
+        nbytes: int,
+        *,
+        directory: str | None = None,
+        segment_bytes: int = 1 << 30,
+        prefault: bool = True,
     ) -> ShmPool:
-        """Create segments `/{prefix}.0`, `/{prefix}.1`, ... (mode 0600) holding at
-        least `nbytes`, each a whole number of pages and at most `segment_bytes`.
+        """Create segments `{prefix}.0`, `{prefix}.1`, ... (mode 0600) holding at
+        least `nbytes`, each at most `segment_bytes`: POSIX shm `/{prefix}.N`, or
+        with `directory` (absolute; a hugetlbfs or tmpfs mount) files
+        `{directory}/{prefix}.N`. Sizes are whole pages: 4 KiB for POSIX shm,
+        huge pages (`Place.page_bytes`) in a directory, which `segment_bytes`
+        must then be a multiple of.
 
-        Raises ShmPoolError if a segment of that name exists or /dev/shm lacks
-        the space; on any failure the segments created so far are unlinked.
+        Raises ShmPoolError if a segment of that name exists, the directory is
+        not on tmpfs or hugetlbfs, or the space (or the huge pages) is lacking;
+        on any failure the segments created so far are unlinked.
         """
         validate_prefix(prefix)
         _check_positive("nbytes", nbytes)
         _check_positive("segment_bytes", segment_bytes)
-        if segment_bytes % PAGE_BYTES:
-            raise ValueError(f"segment_bytes must be a multiple of {PAGE_BYTES}")
-        total = -(-nbytes // PAGE_BYTES) * PAGE_BYTES
-        stat = os.statvfs(SHM_DIR)
-        if stat.f_bavail * stat.f_frsize < total:
-            raise ShmPoolError(
-                f"{SHM_DIR} has {stat.f_bavail * stat.f_frsize:,} bytes free, "
-                f"the pool needs {total:,}: shrink the CPU tier or free shared memory"
-            )
+        place = place_of(directory)
+        page = place.page_bytes
+        if segment_bytes % page:
+            raise ValueError(f"segment_bytes must be a multiple of {page} in {place.fs}")
+        total = -(-nbytes // page) * page
+        check_room(place, total)
         sizes = [segment_bytes] * (total // segment_bytes)
         if total % segment_bytes:
             sizes.append(total % segment_bytes)
@@ -129,33 +158,32 @@ class ShmPool:
         seconds, method = 0.0, "none"
         try:
             for i, size in enumerate(sizes):
-                name = segment_name(prefix, i)
-                memory = _create_segment(name)
-                created.append(name)
-                try:
-                    os.fchmod(memory.fd, SEGMENT_MODE)  # the umask may have narrowed it
-                    os.ftruncate(memory.fd, size)
-                    segments.append(_map(name, memory, size))
+                name = segment_name(prefix, i, directory)
+                with open_segment(name, create=True) as fd:
+                    created.append(name)
+                    os.fchmod(fd, SEGMENT_MODE)  # the umask may have narrowed it
+                    os.ftruncate(fd, size)
+                    segments.append(_map(name, fd, size))
                     if prefault:
                         start = time.perf_counter()
-                        method = _prefault(memory, segments[-1])
+                        method = _prefault(fd, segments[-1])
                         seconds += time.perf_counter() - start
-                finally:
-                    memory.close_fd()
         except BaseException as exc:
             for segment in segments:
                 segment.mapping.close()
             for name in created:
-                with contextlib.suppress(posix_ipc.ExistentialError):
-                    posix_ipc.unlink_shared_memory(name)
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                raise ShmPoolError(f"out of space in {SHM_DIR} creating {prefix}") from exc
+                remove_segment(name)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                where = directory or SHM_DIR
+                raise ShmPoolError(f"out of space in {where} creating {prefix}") from exc
             raise
         return cls(segments, owner=True, prefault_seconds=seconds, prefault_method=method)
 
     @classmethod
     def attach(cls, names: Sequence[str], segment_bytes: Sequence[int]) -> ShmPool:
-        """Map existing segments read/write; each must have exactly its listed size."""
+        """Map existing segments read/write, POSIX names or file paths as the
+        creator's `segment_names` gives them; each must have exactly its listed
+        size."""
         if len(names) != len(segment_bytes) or not names:
             raise ValueError("attach needs one size per segment name, and at least one")
         segments: list[_Segment] = []
@@ -163,22 +191,27 @@ class ShmPool:
             for name, size in zip(names, segment_bytes, strict=True):
                 validate_name(name)
                 _check_positive("segment size", size)
-                try:
-                    memory = posix_ipc.SharedMemory(name, 0)
-                except posix_ipc.ExistentialError as exc:
-                    raise ShmPoolError(f"shm segment {name} does not exist") from exc
-                try:
-                    actual = os.fstat(memory.fd).st_size
+                with open_segment(name, create=False) as fd:
+                    actual = os.fstat(fd).st_size
                     if actual != size:
                         raise ShmPoolError(f"shm segment {name} is {actual} bytes, not {size}")
-                    segments.append(_map(name, memory, size))
-                finally:
-                    memory.close_fd()
+                    segments.append(_map(name, fd, size))
         except BaseException:
             for segment in segments:
                 segment.mapping.close()
             raise
         return cls(segments, owner=False)
+
+    @property
+    def page_kind(self) -> str:
+        """What backs the mappings: "4k", "thp" or "hugetlbfs" (`shm.pages`)."""
+        return self.pages.kind
+
+    @property
+    def directory(self) -> str | None:
+        """The directory of a directory pool; None for POSIX shm."""
+        first = self._names[0]
+        return os.path.dirname(first) if is_file_path(first) else None
 
     @property
     def segment_names(self) -> tuple[str, ...]:
@@ -229,6 +262,24 @@ class ShmPool:
         mapping = self._segments[int(segments[0])].mapping
         return np.frombuffer(mapping, dtype=np.uint8, count=stride, offset=int(offsets[0]))
 
+    def populate(self) -> float:
+        """Map every page of the pool into this process now, so that first
+        accesses (an attached pool's first copies, O_DIRECT pinning) take no
+        page faults; the bytes are not changed. Returns the seconds it took
+        (~0.1 s per GiB of 4 KiB pages here; the faults it saves cost about
+        half that when taken during copies instead)."""
+        self._check_open()
+        start = time.perf_counter()
+        for segment in self._segments:
+            try:
+                # Read-populating a shared shmem mapping maps its pages writable.
+                segment.mapping.madvise(MADV_POPULATE_READ)
+            except OSError:  # kernel older than 5.14: read one byte per page
+                pages = np.frombuffer(segment.mapping, dtype=np.uint8)
+                int(pages[::PAGE_BYTES].sum())
+                del pages
+        return time.perf_counter() - start
+
     def segment_view(self, index: int) -> np.ndarray:
         """A writable uint8 view of a whole segment."""
         self._check_open()
@@ -254,8 +305,7 @@ class ShmPool:
             return
         self._unlinked = True
         for name in self._names:
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(name)
+            remove_segment(name)
 
     def __enter__(self) -> ShmPool:
         return self
@@ -279,18 +329,6 @@ class ShmPool:
     def _check_open(self) -> None:
         if self.closed:
             raise ShmPoolError("the pool is closed")
-
-
-def _create_segment(name: str) -> posix_ipc.SharedMemory:
-    """Create an empty segment: sized by the caller once its name is recorded
-    for cleanup."""
-    try:
-        return posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=SEGMENT_MODE)
-    except posix_ipc.ExistentialError as exc:
-        raise ShmPoolError(
-            f"shm segment {name} already exists: another sidecar owns this prefix, "
-            "or a dead one left it (remove_stale_segments, once you hold the lock)"
-        ) from exc
 
 
 def _check_positive(what: str, value: int) -> None:

@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=_status if name == "status" else _stats)
     from bench.cli import add_bench_parser
+    from engine_shim.demo import add_parser as add_demo_parser
 
+    add_demo_parser(sub)
     add_bench_parser(sub)
     return parser
 
@@ -95,7 +97,8 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"kvsidecar: instance {server.config.instance!r} (pid {server.stats()['pid']}) "
         f"serving on {server.endpoint}; CPU tier {format_size(server.capacity)} in "
-        f"{len(server.pool.segment_names)} shm segment(s), prefaulted in "
+        f"{len(server.pool.segment_names)} shm segment(s) ({server.pool.page_kind} pages), "
+        f"prefaulted in "
         f"{server.pool.prefault_seconds:.2f} s; policy {server.config.eviction_policy}{metrics}",
         flush=True,
     )

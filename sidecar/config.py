@@ -106,6 +106,14 @@ class Config:
         low=_MiB,
         optional=True,
     )
+    shm_dir: str | None = config_key(
+        None,
+        "str",
+        "Directory on a hugetlbfs or huge=always tmpfs mount for the CPU tier (huge pages "
+        "double O_DIRECT reads); engines must see the same path. None = POSIX shm (/dev/shm).",
+        prefixes=("/",),
+        optional=True,
+    )
     ssd_dirs: tuple[str, ...] = config_key(
         (), "str_list", "SSD tier directories, blocks striped across them; empty = SSD tier off."
     )

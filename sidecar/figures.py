@@ -33,6 +33,9 @@ def server_stats(server: Server) -> dict[str, Any]:
     if server.pool is not None:
         cpu["prefault_seconds"] = server.pool.prefault_seconds
         cpu["segments"] = len(server.pool.segment_names)
+        cpu["directory"] = server.pool.directory or "/dev/shm"
+        cpu["page_kind"] = server.pool.page_kind
+        cpu["huge_bytes"] = server.pool.pages.huge_bytes
     if server.cache is not None and server.layout is not None:
         tier = server.cache.cpu
         cpu.update(

@@ -116,14 +116,22 @@ class Server:
         CPU tier and bind. On failure, undo what was done and re-raise."""
         try:
             self.lock = InstanceLock(self.paths)
-            stale = remove_stale_segments(self.paths.shm_prefix)
+            stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
             if stale:
                 log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
             if self.endpoint.startswith("ipc://"):
                 self.paths.socket_path.unlink(missing_ok=True)
             self.pool = ShmPool.create(
-                self.paths.shm_prefix, self.capacity, prefault=self.config.prefault
+                self.paths.shm_prefix,
+                self.capacity,
+                directory=self.config.shm_dir,
+                prefault=self.config.prefault,
             )
+            if self.config.shm_dir and self.pool.page_kind == "4k":
+                log.warning(
+                    "shm_dir %s gave 4 KiB pages: mount it as hugetlbfs or tmpfs huge=always",
+                    self.config.shm_dir,
+                )
             self.ctx = zmq.Context()
             self.sock = self.ctx.socket(zmq.ROUTER)
             self.sock.setsockopt(zmq.LINGER, 0)

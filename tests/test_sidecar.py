@@ -13,6 +13,7 @@ import pytest
 import sidecar_proc as sp
 from sidecar_proc import Sidecar, connect, expected_blocks, make_kv, tokens
 
+from bench.hugepages import HugePagesUnavailable, thp_tmpfs
 from engine_shim import SidecarError, SidecarUnavailable
 from engine_shim.channel import Channel
 from sidecar import protocol as p
@@ -101,6 +102,16 @@ def test_only_full_blocks_are_cached_and_lookup_counts_tokens(sidecar):
         assert stats_of(sidecar)["tiers"]["cpu"]["cached_blocks"] == 6
         assert client.delete(tokens(5)) == 2
         assert client.lookup(tokens(6)) == 4 * sp.TOKENS_PER_BLOCK
+
+
+def test_lookup_tiers_and_registering_again_with_other_tensors(sidecar):
+    with connect(sidecar.endpoint, make_kv(3)) as client:
+        assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        assert client.lookup_tiers(tokens(3, tail=1)) == (3 * sp.TOKENS_PER_BLOCK, 0, 0)
+        fresh = make_kv(None)
+        client.register(fresh, **sp.MODEL)  # the copies now go to and from `fresh`
+        assert client.load(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        assert [layer[:3].numpy().tobytes() for layer in fresh] == expected_blocks(3, 3)
 
 
 def test_concurrent_saves_of_one_prefix_store_it_once(sidecar):
@@ -204,6 +215,37 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
     wait_for(saved_again)
     assert client.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
     client.close()
+
+
+def test_cpu_tier_on_a_huge_page_mount_and_its_leftovers_cleaned():
+    try:
+        mount = thp_tmpfs(8 << 20)
+        path = mount.__enter__()
+    except HugePagesUnavailable as err:
+        pytest.skip(f"no huge=always tmpfs here: {err}")
+    s = Sidecar("--set", f"shm_dir={path}")
+    try:
+        s.start()
+        assert run(sp.save_worker, s.endpoint, 4, 3) == 3 * sp.TOKENS_PER_BLOCK
+        assert run(sp.load_worker, s.endpoint, 3)[1] == expected_blocks(4, 3)
+        cpu = stats_of(s)["tiers"]["cpu"]
+        assert cpu["directory"] == path and cpu["page_kind"] in ("thp", "4k")
+        assert f"({cpu['page_kind']} pages)" in s.banner
+        names = sorted(os.listdir(path))
+        assert names and all(n.startswith(s.shm_prefix + ".") for n in names)
+        s.kill()  # SIGKILL leaves the segment files; the next start removes them
+        stale = {n: os.stat(os.path.join(path, n)).st_ino for n in names}
+        s.start()
+        fresh = {n: os.stat(os.path.join(path, n)).st_ino for n in os.listdir(path)}
+        assert fresh and not set(fresh.items()) & set(stale.items()), "stale segments reused"
+        assert s.stop() == 0
+        assert os.listdir(path) == []
+    finally:
+        s.kill()
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        s.cleanup()
+        mount.__exit__(None, None, None)
 
 
 def test_refusals_are_structured_and_change_nothing(sidecar):

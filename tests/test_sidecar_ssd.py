@@ -72,6 +72,7 @@ class Instance:
             *self.extra,
             capacity=CPU,
         )
+        os.rmdir(s.runtime_dir)  # the one Sidecar made: this instance keeps its own
         s.instance, s.runtime_dir = self.name, self.runtime_dir
         s.args[1], s.args[3] = self.name, f"runtime_dir={self.runtime_dir}"
         s.endpoint = f"ipc://{self.runtime_dir}/{self.name}.sock"

@@ -1,0 +1,156 @@
+"""The SSD tier and its raw O_DIRECT floor, driven alike for `bench ssd`.
+
+Both move a batch of n blocks between shm slots and a file in the benchmark's
+directory. A batch is split as `DataPlane._jobs` splits an op: parts of
+ceil(n / threads) consecutive blocks, one job each on an `IoPool` of
+`threads` threads, the caller waiting on the pool's eventfd as the sidecar's
+loop does. Only what a job does differs:
+- tier: `SsdStore.write` / `read`, as the sidecar calls them (a journal
+  record before and after each write; a key check and an xxh3 checksum of
+  each block read);
+- floor: one `os.pwritev` / `os.preadv` per block, O_DIRECT, on a file of the
+  same layout (block i at i * slot_bytes) in the same directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import select
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sidecar.ssd import SsdStore
+from sidecar.workers import IoPool
+
+Job = Callable[[int, int], None]
+"""Moves blocks lo..hi-1 of a batch."""
+
+
+def key(i: int) -> bytes:
+    return (i + 1).to_bytes(16, "little")
+
+
+def run_batch(io: IoPool, n: int, job: Job) -> None:
+    """Run `job` over blocks 0..n-1 in parts across the pool's threads and wait
+    for every part; re-raises the first error."""
+    step = max(1, -(-n // io.threads))
+    parts = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    for lo, hi in parts:
+        io.submit(None, lambda lo=lo, hi=hi: job(lo, hi))
+    left, errors = len(parts), []
+    while left:
+        select.select([io.fd], [], [])
+        for done in io.collect():
+            left -= 1
+            if done.error is not None:
+                errors.append(done.error)
+    if errors:
+        raise errors[0]
+
+
+class Tier:
+    """An `SsdStore` of `nslots` slots in `directory`, one block per slot."""
+
+    def __init__(self, directory: Path, slot_bytes: int, nslots: int) -> None:
+        self.store = SsdStore([str(directory)], nslots * slot_bytes, slot_bytes, slot_bytes, "kvsb")
+        self.direct = self.store.direct
+
+    def writer(self, src: list[memoryview]) -> Job:
+        def write(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                self.store.write(i, src[i], key(i), key(i - 1) if i else b"\0" * 16, i == 0)
+
+        return write
+
+    def reader(self, dst: list[memoryview]) -> Job:
+        def read(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                if not self.store.read(i, dst[i], key(i)):
+                    raise RuntimeError(f"block {i} failed its checksum: the benchmark is broken")
+
+        return read
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class Floor:
+    """A file of at least `nslots` slots, preallocated (an existing one is
+    left as it is), opened with O_DIRECT."""
+
+    def __init__(self, path: Path, slot_bytes: int, nslots: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.slot_bytes = slot_bytes
+        flags = os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC
+        self.fd = os.open(self.path, flags, 0o600)
+        try:
+            os.posix_fallocate(self.fd, 0, nslots * slot_bytes)
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def writer(self, src: list[memoryview]) -> Job:
+        def write(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                _whole(os.pwritev(self.fd, [src[i]], i * self.slot_bytes), src[i])
+
+        return write
+
+    def reader(self, dst: list[memoryview]) -> Job:
+        def read(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                _whole(os.preadv(self.fd, [dst[i]], i * self.slot_bytes), dst[i])
+
+        return read
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _whole(done: int, view: memoryview) -> None:
+    # O_DIRECT transfers of whole aligned blocks are never short on a local
+    # filesystem; if one is, the floor is not what it claims to be.
+    if done != len(view):
+        raise OSError(errno.EIO, f"short transfer: {done} of {len(view)} bytes")
+
+
+def drop_page_cache() -> bool:
+    """Drop the page cache (root only); whether it was."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def fio_rates(path: Path, block: int, n: int, threads: int) -> dict[str, Any]:
+    """fio's GB/s for the floor's transfer (sequential O_DIRECT, psync, one
+    job per thread, each over its share of the n blocks), or why there is none.
+    fio reads into its own malloc'd buffers: scattered 4 KiB pages, which on a
+    virtio disk cost it more than half its read rate against huge pages."""
+    fio = shutil.which("fio")
+    if fio is None:
+        return {"available": False, "note": "fio is not on PATH"}
+    per_job = -(-n // threads) * block
+    out: dict[str, Any] = {"available": True, "buffers": "fio's own (malloc, 4 KiB pages)"}
+    for rw in ("write", "read"):
+        cmd = [
+            fio, "--name=kvsbench", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+            f"--size={per_job}", f"--offset_increment={per_job}", f"--numjobs={threads}",
+            "--direct=1", "--ioengine=psync", "--group_reporting", "--output-format=json",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"available": True, "error": done.stderr.strip()[-500:]}
+        with contextlib.suppress(ValueError, KeyError, IndexError):
+            job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]
+            out[f"{rw}_gbps"] = job[rw]["bw_bytes"] / 1e9
+    return out

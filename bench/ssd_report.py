@@ -1,0 +1,112 @@
+"""`bench ssd`'s figures from its timings, and its tables."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench.report import print_table
+
+TARGET_VS_FLOOR = 0.8
+
+
+def case_name(n: int, kib: int) -> str:
+    return f"{n}x{kib}k"
+
+
+def figures(times: dict, pools: dict, cases: list[tuple[int, int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for who, prefix in (("tier", ""), ("floor", "floor_")):
+        for phase in ("write", "read"):
+            out[f"{prefix}{phase}_gbps"] = {
+                kind: {
+                    case_name(n, kib): n
+                    * (kib << 10)
+                    / statistics.median(times[(kind, n, kib, who, phase)])
+                    / 1e9
+                    for n, kib in cases
+                }
+                for kind in pools
+            }
+    for phase in ("write", "read"):
+        out[f"{phase}_vs_floor"] = {
+            kind: {case: v / out[f"floor_{phase}_gbps"][kind][case] for case, v in by_case.items()}
+            for kind, by_case in out[f"{phase}_gbps"].items()
+        }
+    if "huge" in pools:
+        out["huge_vs_4k"] = {
+            f"{who}{phase}": {
+                case: out[f"{who}{phase}_gbps"]["huge"][case] / v
+                for case, v in out[f"{who}{phase}_gbps"]["4k"].items()
+            }
+            for who in ("", "floor_")
+            for phase in ("write", "read")
+        }
+    return out
+
+
+def _mean(values: list) -> float | str:
+    known = [v for v in values if v is not None]
+    return round(statistics.mean(known), 1) if known else "n/a"
+
+
+def _note(ratios: dict[str, float]) -> str:
+    below = [f"{k} {v:.2f}" for k, v in ratios.items() if v < TARGET_VS_FLOOR]
+    return "within target" if not below else "below target: " + ", ".join(below)
+
+
+def print_report(r: dict[str, Any]) -> None:
+    rows = []
+    for kind in r["write_gbps"]:
+        for case in r["write_gbps"][kind]:
+            w, r_ = r["write_vs_floor"][kind][case], r["read_vs_floor"][kind][case]
+            runs = r["pools"][kind]["phys_runs_per_2mib"]
+            rows.append((
+                case, r["pools"][kind]["page_kind"], "n/a" if runs is None else round(runs, 1),
+                r["write_gbps"][kind][case], r["floor_write_gbps"][kind][case], w,
+                r["read_gbps"][kind][case], r["floor_read_gbps"][kind][case], r_,
+                _note({"write": w, "read": r_}),
+            ))  # fmt: skip
+    print_table(
+        ("case", "pages", "runs/2MiB", "write GB/s", "floor", "ratio", "read GB/s", "floor",
+         "ratio", f"target >= {TARGET_VS_FLOOR} x floor"),
+        rows,
+    )  # fmt: skip
+    if r["e2e"]:
+        print()
+        print_table(
+            ("GET from SSD", "GB/s", "floor", "ratio", "runs/block", "fresh-pool floor",
+             "tier read", "target"),
+            [
+                (case, e["gbps"], e["floor_read_gbps"], e["vs_floor"],
+                 _mean(e["phys_runs_per_block"]), e["table_floor_read_gbps"],
+                 e["tier_read_gbps"], _note({"GET": e["vs_floor"]}))
+                for case, e in r["e2e"].items()
+            ],
+        )  # fmt: skip
+        print(
+            "GET floor: raw O_DIRECT into the sidecar's own CPU-tier slots; runs/block: "
+            "physically contiguous runs of pages per block there (root only)"
+        )
+    huge = r["pools"]["huge"]
+    print(
+        f"\n{r['threads']} I/O threads, {r['filesystem']} at {r['dir']}, O_DIRECT "
+        f"{'on' if r['direct_io'] else 'OFF'}; page cache "
+        f"{'dropped' if r['page_cache_dropped'] else 'NOT dropped (not root)'} before reads; "
+        f"huge pool: {huge.get('skipped') or huge['how'] + ' -> ' + huge['page_kind']}; "
+        f"xxh3 {', '.join(f'{k} {v:.1f}' for k, v in r['checksum_gbps'].items())} GB/s "
+        f"on one thread"
+    )
+    print("fio (psync, one job per thread, its own buffers): " + _fio(r["fio"]))
+
+
+def _fio(fio: dict[str, dict[str, Any]]) -> str:
+    first = next(iter(fio.values()))
+    if not first.get("available"):
+        return str(first.get("note"))
+    return "; ".join(
+        f"{case} write {f['write_gbps']:.2f} read {f['read_gbps']:.2f} GB/s"
+        if "read_gbps" in f
+        else f"{case} failed: {f.get('error', '?')}"
+        for case, f in fio.items()
+    )

@@ -1,0 +1,316 @@
+"""`CachedLM`: a transformers causal LM that uses kvsidecar as its prefix cache.
+
+    lm = CachedLM(model, KVClient.connect())
+    logits, info = lm.prefill(prompt_ids)         # load the cached prefix, compute the rest, save
+    out = lm.generate(prompt_ids, max_new_tokens=32)
+
+One prefill: `lookup` the prompt -> `load` the cached full blocks into the
+paged pool -> a DynamicCache from those blocks -> forward over the uncached
+suffix only, positions continuing after the prefix -> copy the prompt's new
+full blocks from the model's cache into the pool -> `save` them. The sidecar
+is an optimisation: when it is down, slow or refuses, the prompt is simply
+computed (and a warning logged).
+
+The prefill schedule (`chunk_tokens`):
+- None (default): everything past the loaded prefix in one forward. Logits
+  equal a one-shot recompute up to float rounding, not bit for bit: CPU and
+  GPU kernels round differently for different sequence lengths (sdpa splits
+  keys by length, matmuls pick kernels by row count). See docs/engines.md.
+- an int S (a multiple of tokens_per_block): the prompt is computed in
+  forwards over [0, S), [S, 2S), ... and loads stop on a multiple of S. A run
+  that loads a prefix then runs exactly the forwards, on exactly the same
+  inputs, that a recompute with the same S runs from there on, so its logits
+  and KV are bit-identical to that recompute on any kernel. S =
+  tokens_per_block reuses every cached block; a larger S recomputes faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from engine_shim.client import KVClient, SidecarError, SidecarUnavailable, TierTokens
+from engine_shim.hf.models import kv_geometry, weights_fingerprint
+from engine_shim.hf.paged import PagedKV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    prompt_tokens: int
+    cached_tokens: int
+    """What the sidecar's lookup said it holds: leading full-block tokens,
+    short of the last token and within the pool."""
+    loaded_tokens: int
+    """Prefix tokens taken from the sidecar instead of computed."""
+    computed_tokens: int
+    loaded_from: TierTokens
+    saved_tokens: int
+    """Leading full-block tokens of the prompt the sidecar holds after this
+    prefill's save (blocks it already had count); 0 when nothing was saved
+    (no sidecar, or save=False)."""
+    ttft_s: float
+    """Start to last-token logits: lookup + load + forward (the save that
+    follows is not on the first token's path)."""
+    lookup_s: float
+    load_s: float
+    compute_s: float
+    save_s: float
+
+
+class Prefill(NamedTuple):
+    logits: torch.Tensor
+    """The last prompt token's logits, [vocab_size], in the model's dtype."""
+    info: PrefillInfo
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: torch.Tensor
+    """The new token ids, [max_new_tokens] (greedy)."""
+    logits: torch.Tensor
+    """The prompt's last-token logits (the first new token's distribution)."""
+    info: PrefillInfo
+    decode_s: float
+
+
+class CachedLM:
+    """A causal LM whose prompt prefixes are cached by a kvsidecar.
+
+    `client` is a connected KVClient (or None: no cache at all). The pool
+    holds `max_tokens` tokens of KV on the CPU; a longer prompt caches only
+    its first `max_tokens`. Works for models whose every layer keeps the
+    full-attention KV of all tokens in a DynamicCache (Llama, Mistral without
+    sliding window, Qwen2, ...); others are refused at construction.
+    `model_revision` names the weights in the cache namespace; by default a
+    fingerprint of the config and weights (`weights_fingerprint`). The pool
+    is registered with `client` here: use one client per CachedLM. A sidecar
+    that refuses the layout raises SidecarError; one that is down only
+    costs the cache until it answers.
+
+    Only prompt KV computed by prefill is saved: decode computes a token's
+    KV alone, which rounds differently from a prefill, so a next turn
+    recomputes the generated tokens instead of loading them.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        client: KVClient | None,
+        *,
+        model_name: str | None = None,
+        model_revision: str | None = None,
+        tokens_per_block: int = 16,
+        chunk_tokens: int | None = None,
+        max_tokens: int = 8192,
+    ) -> None:
+        if chunk_tokens is not None and (chunk_tokens <= 0 or chunk_tokens % tokens_per_block):
+            raise ValueError(
+                f"chunk_tokens must be a multiple of tokens_per_block={tokens_per_block}"
+            )
+        if max_tokens < tokens_per_block:
+            raise ValueError(f"max_tokens must hold at least one block of {tokens_per_block}")
+        config = model.config.get_text_config(decoder=True)
+        probe = DynamicCache(config=model.config)
+        num_layers, num_kv_heads, head_dim = kv_geometry(model)
+        if len(probe.layers) != num_layers or any(
+            type(x) is not DynamicLayer for x in probe.layers
+        ):
+            raise ValueError(
+                f"{type(model).__name__}: CachedLM needs full-attention KV in every layer "
+                "(no sliding-window or linear-attention layers)"
+            )
+        self.model = model
+        self.client = client
+        self.tokens_per_block = tokens_per_block
+        self.chunk_tokens = chunk_tokens
+        self.pool = PagedKV(
+            num_layers=num_layers,
+            num_blocks=max_tokens // tokens_per_block,
+            tokens_per_block=tokens_per_block,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=model.dtype,
+        )
+        if client is not None:
+            try:
+                client.register(
+                    self.pool.layers,
+                    model_name=model_name or Path(config.name_or_path).name or config.model_type,
+                    model_revision=model_revision or weights_fingerprint(model),
+                    tokens_per_block=tokens_per_block,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                )
+            except SidecarUnavailable as err:  # it registers by itself once one answers
+                log.warning("no kvsidecar answers yet, computing every prompt: %s", err)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ---- prefill and generation -----------------------------------------------------
+
+    def prefill(self, input_ids: Any, *, use_sidecar: bool = True, save: bool = True) -> Prefill:
+        """The last token's logits for the prompt `input_ids` (1-D token ids),
+        with the cached prefix loaded rather than computed. `use_sidecar=False`
+        computes everything and saves nothing: the recompute baseline, with
+        the same schedule. `save=False` loads but offers nothing new (a
+        prompt not worth caching; a benchmark that repeats one hit)."""
+        logits, info, _ = self._prefill(_as_ids(input_ids), use_sidecar, save)
+        return Prefill(logits, info)
+
+    def generate(
+        self,
+        input_ids: Any,
+        max_new_tokens: int,
+        *,
+        use_sidecar: bool = True,
+        save: bool = True,
+    ) -> Generation:
+        """Greedy decoding of `max_new_tokens` after a cached `prefill`."""
+        ids = _as_ids(input_ids)
+        logits, info, cache = self._prefill(ids, use_sidecar, save)
+        start = time.perf_counter()
+        new = []
+        step_logits = logits
+        with torch.no_grad():
+            for i in range(max_new_tokens):
+                token = int(torch.argmax(step_logits))
+                new.append(token)
+                if i + 1 == max_new_tokens:
+                    break
+                pos = ids.numel() + i
+                out = self.model(
+                    input_ids=torch.tensor([[token]], device=self.device),
+                    past_key_values=cache,
+                    position_ids=torch.tensor([[pos]], device=self.device),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                step_logits = out.logits[0, -1]
+        _synchronize(self.device)
+        tokens = torch.tensor(new, dtype=torch.long)
+        return Generation(tokens, logits, info, time.perf_counter() - start)
+
+    def _prefill(
+        self, ids: torch.Tensor, use_sidecar: bool, save: bool
+    ) -> tuple[torch.Tensor, PrefillInfo, DynamicCache]:
+        client = self.client if use_sidecar else None
+        tpb = self.tokens_per_block
+        n = ids.numel()
+        ids_np = ids.numpy()
+        start = time.perf_counter()
+
+        # When every token hits the cache we must still compute the last one
+        # to get its logits: load at most n - 1 tokens' worth of full blocks.
+        limit = min(n - 1, self.pool.num_blocks * tpb) // tpb * tpb
+        cached = TierTokens(0, 0, 0) if client is None else client.lookup_tiers(ids_np[:limit])
+        lookup_done = time.perf_counter()
+        loaded = self._load(client, ids_np, self._on_schedule(sum(cached)))
+        cache = self.pool.to_cache(loaded // tpb, self.device, self.model.config)
+        load_done = time.perf_counter()
+
+        logits = self._forward(ids, loaded, cache)
+        _synchronize(self.device)
+        compute_done = time.perf_counter()
+
+        saved = 0 if client is None or not save else self._save(client, ids_np, loaded, cache)
+        info = PrefillInfo(
+            prompt_tokens=n,
+            cached_tokens=sum(cached),
+            loaded_tokens=loaded,
+            computed_tokens=n - loaded,
+            loaded_from=_split(cached, loaded),
+            saved_tokens=saved,
+            ttft_s=compute_done - start,
+            lookup_s=lookup_done - start,
+            load_s=load_done - lookup_done,
+            compute_s=compute_done - load_done,
+            save_s=time.perf_counter() - compute_done,
+        )
+        return logits, info, cache
+
+    def _on_schedule(self, tokens: int) -> int:
+        """`tokens` rounded down to where the schedule lets a computation start."""
+        step = self.chunk_tokens or self.tokens_per_block
+        return tokens // step * step
+
+    def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache) -> torch.Tensor:
+        """Compute tokens [start, n) on top of `cache` (holding [0, start));
+        the last token's logits."""
+        n = ids.numel()
+        step = self.chunk_tokens or n - start
+        device = self.device
+        with torch.no_grad():
+            for a in range(start, n, step):
+                end = min(a + step, n)
+                out = self.model(
+                    input_ids=ids[a:end].unsqueeze(0).to(device),
+                    past_key_values=cache,
+                    position_ids=torch.arange(a, end, device=device).unsqueeze(0),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+        return out.logits[0, -1]
+
+    # ---- the sidecar -------------------------------------------------------------------
+
+    def _load(self, client: KVClient | None, ids: np.ndarray, tokens: int) -> int:
+        """Load the first `tokens` of `ids` into pool blocks 0..; tokens loaded,
+        on the schedule (fewer if blocks were evicted since the lookup)."""
+        if client is None or tokens == 0:
+            return 0
+        try:
+            loaded = client.load(ids[:tokens], np.arange(tokens // self.tokens_per_block)).wait()
+        except (SidecarUnavailable, SidecarError) as err:
+            log.warning("kvsidecar load failed, computing the prefix instead: %s", err)
+            return 0
+        return self._on_schedule(min(loaded, tokens))
+
+    def _save(self, client: KVClient, ids: np.ndarray, loaded: int, cache: DynamicCache) -> int:
+        """Offer the prompt's full blocks; the pool already holds the loaded ones.
+        With a schedule, only blocks of whole chunks: a block that a shorter
+        last chunk computed has other rounding than a recompute's full chunk."""
+        tpb = self.tokens_per_block
+        first, end = loaded // tpb, min(self._on_schedule(ids.size) // tpb, self.pool.num_blocks)
+        if end <= first:
+            return loaded
+        self.pool.from_cache(cache, first, end)
+        try:
+            return client.save(ids[: end * tpb], np.arange(end)).wait()
+        except (SidecarUnavailable, SidecarError) as err:
+            log.warning("kvsidecar save failed, the prompt stays uncached: %s", err)
+            return 0
+
+
+def _as_ids(input_ids: Any) -> torch.Tensor:
+    """1-D int64 CPU token ids from a list, numpy array or tensor ([1, n] accepted)."""
+    ids = torch.as_tensor(np.asarray(input_ids) if not torch.is_tensor(input_ids) else input_ids)
+    ids = ids.detach().to("cpu", torch.long)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError("input_ids must be one non-empty sequence of token ids")
+    return ids.contiguous()
+
+
+def _split(cached: TierTokens, loaded: int) -> TierTokens:
+    """Loaded tokens by tier: the sidecar serves the CPU prefix first, then SSD, then remote."""
+    cpu = min(cached.cpu, loaded)
+    ssd = min(cached.ssd, loaded - cpu)
+    return TierTokens(cpu, ssd, loaded - cpu - ssd)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

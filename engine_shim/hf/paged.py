@@ -1,0 +1,72 @@
+"""`PagedKV`: the engine-side paged KV pool the HF adapter registers with the
+sidecar, and the copies between it and a transformers `DynamicCache`.
+
+One tensor per layer, block-major:
+
+    layers[i][block, 0] = keys,   [tokens_per_block, num_kv_heads, head_dim]
+    layers[i][block, 1] = values, [tokens_per_block, num_kv_heads, head_dim]
+
+The pool holds one prompt at a time: pool block j holds the prompt's j-th
+block of tokens, so a block id is simply the block's index in the prompt.
+A `DynamicCache` layer holds keys and values as [batch=1, num_kv_heads,
+tokens, head_dim]; keys are stored after RoPE, exactly as the model caches
+them, so loaded keys need no rotation.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+
+class PagedKV:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        tokens_per_block: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (num_blocks, 2, tokens_per_block, num_kv_heads, head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.tokens_per_block = tokens_per_block
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers (what one sidecar slot holds)."""
+        first = self.layers[0]
+        return len(self.layers) * first[0].numel() * first.element_size()
+
+    def to_cache(
+        self, num_blocks: int, device: torch.device, config: PretrainedConfig
+    ) -> DynamicCache:
+        """A DynamicCache holding blocks [0, num_blocks) as its first
+        num_blocks * tokens_per_block tokens (empty for 0), on `device`."""
+        cache = DynamicCache(config=config)
+        if num_blocks == 0:
+            return cache
+        tokens = num_blocks * self.tokens_per_block
+        for i, layer in enumerate(self.layers):
+            # [n, 2, t, h, d] -> [2, h, n*t, d]: block order is token order.
+            kv = layer[:num_blocks].permute(1, 3, 0, 2, 4)
+            kv = kv.reshape(2, self.num_kv_heads, tokens, self.head_dim).to(device)
+            cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
+        return cache
+
+    def from_cache(self, cache: DynamicCache, first: int, end: int) -> None:
+        """Copy blocks [first, end) of the prompt from `cache` into the pool."""
+        if end <= first:
+            return
+        t = self.tokens_per_block
+        for layer, cached in zip(self.layers, cache.layers, strict=True):
+            for side, states in enumerate((cached.keys, cached.values)):
+                # [1, h, tokens, d] -> [n, t, h, d]
+                blocks = states[0, :, first * t : end * t].to("cpu")
+                blocks = blocks.reshape(self.num_kv_heads, end - first, t, self.head_dim)
+                layer[first:end, side].copy_(blocks.permute(1, 2, 0, 3))

@@ -1,0 +1,120 @@
+"""`LocalSidecar`: a private `kvsidecar serve` subprocess, for the demo and
+the benchmarks that need one sidecar of their own.
+
+It gets its own instance name and runtime directory inside the caller's work
+directory, so it never touches a sidecar someone else runs. Its log goes to
+`sidecar.log` there. `stop()` stops it with SIGTERM (the sidecar then
+removes its shm segments, socket and lock) and reports what, if anything,
+it left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NamedTuple
+
+from shm.names import SHM_DIR, remove_stale_segments
+
+BENCH_SIDECAR_SETTINGS = {"lease_seconds": 60.0, "drain_seconds": 1}
+"""For benchmarks: a client busy measuring is never dropped; a stop is quick."""
+
+
+class Shutdown(NamedTuple):
+    exit_code: int | None
+    """The sidecar's exit status; None if it had to be killed."""
+    leftovers: list[str]
+    """shm segments it left behind (now removed); [] after a clean stop."""
+
+
+class LocalSidecar:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        cpu_capacity: str,
+        settings: Mapping[str, object] | None = None,
+        tag: str = "local",
+    ) -> None:
+        """`settings`: configuration keys passed as `--set key=value`."""
+        self.instance = f"{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.runtime_dir = Path(workdir) / "run"
+        self.log_path = Path(workdir) / "sidecar.log"
+        self.endpoint = f"ipc://{self.runtime_dir}/{self.instance}.sock"
+        self.args = ["--instance", self.instance, "--cpu-capacity", cpu_capacity]
+        for key, value in {"runtime_dir": self.runtime_dir, **(settings or {})}.items():
+            self.args += ["--set", f"{key}={value}"]
+        self.proc: subprocess.Popen[str] | None = None
+        self.banner = ""
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"kvsidecar.{os.getuid()}.{self.instance}"
+
+    def shm_segments(self) -> list[str]:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(self.shm_prefix + "."))
+
+    def start(self, timeout: float = 60.0) -> LocalSidecar:
+        """Start it and wait for its "serving on" line; RuntimeError if it does not come."""
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sidecar", "serve", *self.args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if ready:
+                self.banner = self.proc.stdout.readline()
+                if "serving on" in self.banner:
+                    return self
+        shutdown = self.close()
+        raise RuntimeError(
+            f"the sidecar did not start (exit {shutdown.exit_code}): {self.banner!r} "
+            f"{self.log_tail()}"
+        )
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM and wait; the exit code (None if it had to be killed).
+        The instance can be started again: same name, same runtime directory."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = None
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def remove_leftovers(self) -> list[str]:
+        """Remove the shm segments a dead or broken sidecar left; their names."""
+        return remove_stale_segments(self.shm_prefix)
+
+    def close(self, timeout: float = 15.0) -> Shutdown:
+        """`stop`, then remove whatever it left in /dev/shm."""
+        return Shutdown(self.stop(timeout), self.remove_leftovers())
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text()[-2000:]
+        except OSError:
+            return ""

@@ -1,0 +1,64 @@
+"""`kvsidecar bench ssd --quick` end to end, through the CLI: the figures are
+there, every ratio has its floor, and nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from shm_helpers import shm_entries
+
+from shm.pages import PAGE_KINDS
+from sidecar.cli import main
+
+pytest.importorskip("torch")
+
+CASES = ["16x2048k", "16x256k"]
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
+    out, where = tmp_path / "ssd.json", tmp_path / "dir"
+    where.mkdir()
+    assert main(["bench", "ssd", "--quick", "--dir", str(where), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    kinds = ["4k"] + (["huge"] if "page_kind" in data["pools"]["huge"] else [])
+    for figure in ("write", "read"):
+        for key in (f"{figure}_gbps", f"floor_{figure}_gbps", f"{figure}_vs_floor"):
+            assert sorted(data[key]) == sorted(kinds), key
+            for kind in kinds:
+                assert sorted(data[key][kind]) == sorted(CASES), key
+                assert all(positive(v) for v in data[key][kind].values()), key
+    assert data["pools"]["4k"]["page_kind"] in PAGE_KINDS
+    if "huge" in kinds:
+        assert data["pools"]["huge"]["page_kind"] in ("thp", "hugetlbfs")
+        assert sorted(data["huge_vs_4k"]) == ["floor_read", "floor_write", "read", "write"]
+    else:
+        assert data["pools"]["huge"]["skipped"]
+    get = data["e2e"]["16x256k"]
+    for key in ("gbps", "floor_read_gbps", "vs_floor", "tier_read_gbps"):
+        assert positive(get[key]), key
+    assert get["blocks"] == 16 and get["block_bytes"] == 256 << 10
+    assert data["target_vs_floor"] == 0.8 and data["threads"] == 4
+    assert isinstance(data["page_cache_dropped"], bool) and data["direct_io"] is True
+    assert all("available" in v for v in data["fio"].values())
+    assert sorted(data["checksum_gbps"]) == ["2048k", "256k"]
+    assert os.listdir(where) == []  # files, mounts and mount points all gone
+    assert shm_entries(f"kvsbench.{os.getpid()}.") == []
+    assert shm_entries(f"kvsidecar.{os.getuid()}.bench{os.getpid()}-") == []
+    with open("/proc/self/mounts") as mounts:
+        assert str(where) not in mounts.read()
+
+
+def test_ssd_cli_rejects_bad_arguments(capsys):
+    assert main(["bench", "ssd", "--quick", "--block-kib", "6", "--no-e2e"]) == 2
+    assert "whole 4 KiB pages" in capsys.readouterr().err
+    assert main(["bench", "ssd", "--quick", "--block-kib", "8"]) == 2  # too small end to end
+    assert "multiple of 16384" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "ssd", "--counts", "0"])
