@@ -27,35 +27,40 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB per CTA step
 
-// One unit is one piece (<= 16 KiB) of one chunk. Units run plane-major (every
-// block of one plane, then the next plane), so a launch over a plane range
-// covers exactly those planes. A thread loads all its vectors of a piece before
-// storing any: reads of mapped host memory cross PCIe, and only many reads in
-// flight hide that latency.
+// The launch's chunks, plane-major (every block of one plane, then the next
+// plane, so a launch over a plane range covers exactly those planes), laid
+// end to end form one run of 16-byte vectors; a unit is the next 16 KiB of it.
+// A unit may span several small chunks (4 KiB per K or V of a small-head
+// layer) or be a piece of a large one, so every thread always has kUnroll
+// vectors to move. A thread loads all its vectors before storing any: reads
+// of mapped host memory cross PCIe, and only many reads in flight hide that
+// latency.
 __global__ void __launch_bounds__(kThreads)
     copy_chunks(const uint64_t *__restrict__ planes, const int64_t *__restrict__ blocks,
                 const uint64_t *__restrict__ slots, int64_t n, int64_t plane_begin,
-                int64_t chunk_vecs, int64_t pieces, int64_t units, bool to_host) {
-  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int64_t chunk = unit / pieces;
-    const int64_t begin = (unit - chunk * pieces) * kPieceVecs;
-    const int64_t end = begin + kPieceVecs < chunk_vecs ? begin + kPieceVecs : chunk_vecs;
-    const int64_t plane = plane_begin + chunk / n;
-    const int64_t i = chunk % n;
-    uint4 *gpu = reinterpret_cast<uint4 *>(planes[plane]) + blocks[i] * chunk_vecs;
-    uint4 *host = reinterpret_cast<uint4 *>(slots[i]) + plane * chunk_vecs;
-    const uint4 *src = to_host ? gpu : host;
-    uint4 *dst = to_host ? host : gpu;
+                int64_t chunk_vecs, int64_t total_vecs, bool to_host) {
+  for (int64_t base = blockIdx.x * kPieceVecs; base < total_vecs;
+       base += static_cast<int64_t>(gridDim.x) * kPieceVecs) {
     uint4 v[kUnroll];
+    uint4 *dst[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t j = begin + threadIdx.x + u * kThreads;
-      if (j < end) v[u] = src[j];
+      const int64_t f = base + threadIdx.x + u * kThreads;
+      dst[u] = nullptr;
+      if (f < total_vecs) {
+        const int64_t chunk = f / chunk_vecs;
+        const int64_t offset = f - chunk * chunk_vecs;
+        const int64_t plane = plane_begin + chunk / n;
+        const int64_t i = chunk % n;
+        uint4 *gpu = reinterpret_cast<uint4 *>(planes[plane]) + blocks[i] * chunk_vecs + offset;
+        uint4 *host = reinterpret_cast<uint4 *>(slots[i]) + plane * chunk_vecs + offset;
+        v[u] = to_host ? *gpu : *host;
+        dst[u] = to_host ? host : gpu;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t j = begin + threadIdx.x + u * kThreads;
-      if (j < end) dst[j] = v[u];
+      if (dst[u] != nullptr) *dst[u] = v[u];
     }
   }
 }
@@ -139,12 +144,12 @@ KV_EXPORT int kv_copy_sm(int device, const uint64_t *planes, const int64_t *inde
   if (err != cudaSuccess) return done(err);
   cudaGetLastError();
   const int64_t chunk_vecs = chunk_bytes / 16;
-  const int64_t pieces = (chunk_vecs + kPieceVecs - 1) / kPieceVecs;
-  const int64_t units = (plane_end - plane_begin) * n * pieces;
+  const int64_t total_vecs = (plane_end - plane_begin) * n * chunk_vecs;
+  const int64_t units = (total_vecs + kPieceVecs - 1) / kPieceVecs;
   const int64_t ctas = units < max_ctas ? units : max_ctas;
   copy_chunks<<<static_cast<unsigned>(ctas), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       planes, index, reinterpret_cast<const uint64_t *>(index + n), n, plane_begin, chunk_vecs,
-      pieces, units, to_host != 0);
+      total_vecs, to_host != 0);
   return done(cudaGetLastError());
 }
 
