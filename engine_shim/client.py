@@ -68,22 +68,49 @@ class PlanOps:
 
 class TransferHandle:
     """A load or save in flight. `wait()` returns once the sidecar has
-    acknowledged it: after a save's wait, any engine's lookup sees the blocks."""
+    acknowledged it: after a save's wait, any engine's lookup sees the blocks.
 
-    def __init__(self, client: KVClient, plan: PlanOps | None, num_tokens: int, ack: int | None):
+    A load into CUDA tensors returns while its copies are still queued on the
+    copier's stream: `wait_layer(i)` lets the engine's stream start on layer
+    i while later layers load; `wait()` blocks until every layer has landed,
+    then tells the sidecar, which keeps the blocks' slots locked until then
+    (so always call it)."""
+
+    def __init__(
+        self,
+        client: KVClient,
+        plan: PlanOps | None,
+        num_tokens: int,
+        ack: int | None,
+        copies: Sequence[Any] = (),
+    ):
         self.plan = plan
         self.num_tokens = num_tokens
         """Load: tokens now in the engine's KV cache. Save: tokens now cached."""
         self._client = client
         self._ack = ack
+        self._copies = list(copies)  # queued GPU copies not yet reported complete
 
     @property
     def done(self) -> bool:
-        return self._ack is None
+        return self._ack is None and not self._copies
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Make `stream` (default: the current CUDA stream) wait until model
+        layer `layer` of a load has landed; returns at once. Copies into CPU
+        tensors have landed already."""
+        for copy in self._copies:
+            copy.wait_layer(layer, stream)
 
     def wait(self, timeout: float | None = None) -> int:
-        """Block until the sidecar confirmed; returns `num_tokens`.
-        Raises SidecarUnavailable after `timeout` (default: the client's)."""
+        """Block until the copies have landed and the sidecar confirmed;
+        returns `num_tokens`. Raises SidecarUnavailable after `timeout`
+        (default: the client's), or the copy's error (reported to the sidecar
+        as a failed op)."""
+        if self._copies:
+            copies, self._copies = self._copies, []
+            assert self.plan is not None
+            self._ack = self._client._report(self.plan, copies)
         if self._ack is not None:
             self._client._channel.wait_reply(self._ack, timeout)
             self._ack = None
@@ -347,29 +374,44 @@ class KVClient:
         return keys, blocks[: len(keys)].astype(np.int64)
 
     def _run(self, plan: PlanOps | None, num_tokens: int) -> TransferHandle:
-        """Copy this rank's shard for every op, then report them all at once."""
+        """Copy this rank's shard for every op and report them all at once: a
+        save's at once (the sidecar may overwrite nothing until the bytes
+        are in the slots, so the copy is waited for), a load's once its
+        copies have landed (at once for CPU tensors; GPU: `handle.wait()`)."""
         if plan is None:
             return TransferHandle(self, None, num_tokens, None)
         copier, layout, rank = self._copier, self._layout, self.tp_rank
         assert copier is not None and layout is not None
         try:
-            handles = [
+            copies = [
                 copier.load(dst, src, layout, rank)
                 if kind == "H2D"
                 else copier.save(src, dst, layout, rank)
                 for _, kind, src, dst in plan.ops
             ]
-            # The sidecar may reuse the slots once told: the bytes must have landed.
-            for handle in handles:
-                handle.synchronize()
         except Exception as err:
-            self._channel.send(
-                self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err))
-            )
+            self._fail(plan, err)
+            raise
+        if plan.kind == "load" and not all(copy.query() for copy in copies):
+            return TransferHandle(self, plan, num_tokens, None, copies)
+        return TransferHandle(self, plan, num_tokens, self._report(plan, copies))
+
+    def _report(self, plan: PlanOps, copies: Sequence[Any]) -> int:
+        """Wait for the copies, then tell the sidecar; the id of its reply."""
+        try:
+            # The sidecar may reuse the slots once told: the bytes must have landed.
+            for copy in copies:
+                copy.synchronize()
+        except Exception as err:
+            self._fail(plan, err)
             raise
         op_ids = [op[0] for op in plan.ops]
-        ack = self._channel.send(self._req(p.Complete, plan_id=plan.plan_id, op_ids=op_ids))
-        return TransferHandle(self, plan, num_tokens, ack)
+        return self._channel.send(self._req(p.Complete, plan_id=plan.plan_id, op_ids=op_ids))
+
+    def _fail(self, plan: PlanOps, err: Exception) -> None:
+        self._channel.send(
+            self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err))
+        )
 
 
 def _plan_ops(reply: dict[str, Any], arrays: list[bytes], kind: str) -> PlanOps | None:

@@ -73,10 +73,19 @@ def test_gpu_kv_saved_by_one_engine_loads_byte_exact_in_another(sidecar):
     with client_for(sidecar, source) as a, client_for(sidecar, target) as b:
         assert a.save(prompt, saved_ids).wait() == 9 * TPB
         assert b.lookup(prompt) == 9 * TPB
-        assert b.load(prompt, loaded_ids).wait() == 9 * TPB
+        handle = b.load(prompt, loaded_ids)
+        # Work queued on the engine's stream after wait_layer(i) sees layer i
+        # landed, whatever later layers are doing.
+        seen = []
+        for layer in range(LAYERS):
+            handle.wait_layer(layer)
+            seen.append(target[layer][:, loaded_ids].clone())
+        assert not handle.done
+        assert handle.wait() == 9 * TPB and handle.done
         torch.cuda.synchronize()
-        for src, dst in zip(source, target, strict=True):
-            moved, original = dst[:, loaded_ids], src[:, saved_ids]
-            assert torch.equal(moved.view(torch.int16), original.view(torch.int16))
+        for src, dst, early in zip(source, target, seen, strict=True):
+            original = src[:, saved_ids].view(torch.int16)
+            assert torch.equal(dst[:, loaded_ids].view(torch.int16), original)
+            assert torch.equal(early.view(torch.int16), original)
         untouched = np.setdiff1d(np.arange(BLOCKS), loaded_ids)
         assert all(int(t[:, untouched].count_nonzero()) == 0 for t in target)
