@@ -67,6 +67,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="vllm_flash")
     p.add_argument("--repeats", type=int, default=None, help="timed passes per figure (5)")
     p.add_argument("--no-contention", action="store_true", help="skip the matmul runs")
+    p.add_argument(
+        "--max-ctas", type=int, default=None, help="the sm path's CTAs (default 8 saves, 16 loads)"
+    )
+    p.add_argument(
+        "--shm-dir",
+        metavar="DIR",
+        help="put the pool in DIR (a hugetlbfs or huge=always tmpfs mount) instead of /dev/shm",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -108,11 +116,18 @@ def run(args: argparse.Namespace) -> int:
         for n in blocks:
             print(f"case {name}/{n} ...", file=sys.stderr, flush=True)
             cases[f"{name}/{n}"] = measure_case(
-                MODELS[name], n, args.layout, repeats, args.seed + i, not args.no_contention
+                MODELS[name],
+                n,
+                args.layout,
+                repeats,
+                args.seed + i,
+                not args.no_contention,
+                args.shm_dir,
+                args.max_ctas,
             )
     result = _summary(cases, args)
     print_table(
-        ("case", "MiB", "path", "dir", "GB/s", "floor", "ratio", "w/ matmul", "ratio"),
+        ("case", "MiB", "path", "dir", "GB/s", "floor", "ratio", "w/ matmul", "ratio", "mm slow"),
         _rows(cases),
     )
     for name, case in cases.items():
@@ -129,7 +144,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_case(
-    model: Model, n: int, layout_name: str, repeats: int, seed: int, contention: bool
+    model: Model,
+    n: int,
+    layout_name: str,
+    repeats: int,
+    seed: int,
+    contention: bool,
+    shm_dir: str | None = None,
+    max_ctas: int | None = None,
 ) -> dict[str, Any]:
     import torch
 
@@ -137,6 +159,7 @@ def measure_case(
     from cuda_ext.gpu import GpuBlockCopier
     from cuda_ext.layouts import kv_planes
     from shm.pool import ShmPool
+    from shm.segments import place_of
 
     device = torch.device("cuda", torch.cuda.current_device())
     kv = _engine_kv(model, 2 * n, layout_name, device, seed)
@@ -147,9 +170,11 @@ def measure_case(
     blocks, slots = rng.permutation(2 * n)[:n], rng.permutation(n)
     prefix = f"kvsbench.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     pool_bytes = n * layout.slot_stride
+    page = place_of(shm_dir).page_bytes
+    segment_bytes = -(-pool_bytes // page) * page  # one segment: the floor copies it whole
     with (
-        ShmPool.create(prefix, pool_bytes, segment_bytes=-(-pool_bytes // 4096) * 4096) as pool,
-        GpuBlockCopier(planes, pool) as copier,
+        ShmPool.create(prefix, pool_bytes, directory=shm_dir, segment_bytes=segment_bytes) as pool,
+        GpuBlockCopier(planes, pool, max_ctas=max_ctas) as copier,
     ):
         stream, lib, index = copier.stream, _lib.load(), device.index or 0
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -172,7 +197,7 @@ def measure_case(
             fns[f"{path}_d2h"] = _op(copier.save, blocks, slots, layout, path)
             fns[f"{path}_h2d"] = _op(copier.load, blocks, slots, layout, path)
         times = _time_interleaved(fns, repeats)
-        busy = _with_matmul(fns, times, repeats, device) if contention else {}
+        busy, slowdown = _with_matmul(fns, times, repeats, device) if contention else ({}, {})
         _check_bytes(copier, planes, pool, blocks, slots, layout)
         result = {
             "layers": model.layers,
@@ -188,11 +213,16 @@ def measure_case(
             "auto_path": copier.choose_path("auto"),
             "dma_kind": copier.dma_kind,
             "batch_error": copier.batch_error,
+            "pool_dir": pool.directory or "/dev/shm",
+            "pool_page_kind": pool.page_kind,
+            "max_ctas": max_ctas,
         }
     for name, seconds in times.items():
         result[f"{name}_gbps"] = nbytes / statistics.median(seconds) / 1e9
     for name, seconds in busy.items():
         result[f"{name}_matmul_gbps"] = nbytes / statistics.median(seconds) / 1e9
+    for name, ratio in slowdown.items():
+        result[f"{name}_matmul_slowdown"] = ratio
     for key in [k for k in result if k.endswith("_gbps") and k[:3] in ("sm_", "dma")]:
         direction = "d2h" if "_d2h" in key else "h2d"
         busy = "_matmul" if "_matmul" in key else ""
@@ -241,33 +271,54 @@ def _time_interleaved(fns: dict[str, Callable[[], None]], repeats: int) -> dict[
 
 def _with_matmul(
     fns: dict[str, Callable[[], None]], alone: dict[str, list[float]], repeats: int, device: Any
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Each fn's seconds while a backlog of bf16 matmuls, queued first on
-    another stream and long enough to outlast it, keeps the SMs busy."""
+    another stream and long enough to outlast it, keeps the SMs busy; and
+    how much each fn, called back to back, slows a fixed run of matmuls
+    (matmul GPU time with it / alone; 1.0 = no interference)."""
     import torch
 
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(a)
     mm_stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(mm_stream):
-        torch.matmul(a, a, out=out)
-        start = time.perf_counter()
-        for _ in range(5):
-            torch.matmul(a, a, out=out)
-        mm_stream.synchronize()
-    per_matmul = (time.perf_counter() - start) / 5
+
+    def matmuls(count: int) -> tuple[Any, Any]:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(mm_stream):
+            begin.record(mm_stream)
+            for _ in range(count):
+                torch.matmul(a, a, out=out)
+            end.record(mm_stream)
+        return begin, end
+
+    matmuls(1)
+    begin, end = matmuls(5)
+    end.synchronize()
+    per_matmul = begin.elapsed_time(end) / 1e3 / 5
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             count = math.ceil(2 * statistics.median(alone[name]) / per_matmul) + 2
-            with torch.cuda.stream(mm_stream):
-                for _ in range(count):
-                    torch.matmul(a, a, out=out)
+            matmuls(count)
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
             mm_stream.synchronize()
-    return times
+    count = max(8, math.ceil(0.05 / per_matmul))  # ~50 ms of matmuls
+    slowdown: dict[str, float] = {}
+    for name, fn in fns.items():
+        ratios = []
+        for _ in range(repeats):
+            begin, end = matmuls(count)
+            end.synchronize()
+            quiet = begin.elapsed_time(end)
+            begin, end = matmuls(count)
+            while not end.query():
+                fn()
+            end.synchronize()
+            ratios.append(begin.elapsed_time(end) / quiet)
+        slowdown[name] = statistics.median(ratios)
+    return times, slowdown
 
 
 def _check_bytes(copier: Any, planes: Any, pool: Any, blocks: np.ndarray, slots: Any, layout: Any):
@@ -335,5 +386,6 @@ def _rows(cases: dict[str, dict[str, Any]]) -> list[tuple]:
                 busy_ratio = c.get(f"{path}_{d}_matmul_vs_floor", math.nan)
                 gbps, ratio = c[f"{path}_{d}_gbps"], c[f"{path}_{d}_vs_floor"]
                 mib = c["bytes"] / (1 << 20)
-                rows.append((name, mib, path, d, gbps, floor, ratio, busy, busy_ratio))
+                slow = c.get(f"{path}_{d}_matmul_slowdown", math.nan)
+                rows.append((name, mib, path, d, gbps, floor, ratio, busy, busy_ratio, slow))
     return rows

@@ -46,9 +46,14 @@ PATHS = ("auto", "sm", "dma")
 # Not yet measured on a GPU (docs/gpu.md): per-copy DMA setup costs a few
 # microseconds, so below ~1 MiB per chunk the kernel is expected to win.
 DMA_MIN_CHUNK_BYTES = 1 << 20
-# One 256-thread CTA per SM keeps ~16 KiB in flight per SM, far more than
-# PCIe latency needs, and leaves most of each SM to the engine's kernels.
-CTAS_PER_SM = 1
+# The sm path's CTAs per launch (256 threads, 16 KiB in flight each), fewer
+# than the SMs on purpose: PCIe, not the SMs, limits the copy, and a CTA holds
+# its SM until the copy ends, slowing the engine's kernels there. Measured on
+# an H100 (docs/gpu.md), 2 MiB blocks: saves reach 0.93x the cudaMemcpy floor
+# with 8 CTAs and slow a concurrent matmul 1.12x (5x with one CTA per SM);
+# loads need 16 for 0.93x and slow it 1.17x (1.6x with one per SM).
+SAVE_CTAS = 8
+LOAD_CTAS = 16
 
 
 class _Registrations:
@@ -135,7 +140,7 @@ class GpuBlockCopier:
         stream: torch.cuda.Stream | None = None,
         path: str = "auto",
         dma_min_chunk_bytes: int = DMA_MIN_CHUNK_BYTES,
-        ctas_per_sm: int = CTAS_PER_SM,
+        max_ctas: int | None = None,
     ) -> None:
         """Raises GpuUnavailable if libkvcopy.so is missing or cannot run
         here, ValueError for CPU planes or a bad option."""
@@ -159,7 +164,13 @@ class GpuBlockCopier:
             )
         self.stream.synchronize()
         self.sm_capable = planes.chunk_bytes % 16 == 0 and not (self._plane_addrs % 16).any()
-        self._max_ctas = max(1, _lib.sm_count(self._index) * int(ctas_per_sm))
+        if max_ctas is not None and (isinstance(max_ctas, bool) or max_ctas < 1):
+            raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
+        sms = _lib.sm_count(self._index)
+        self._ctas = {  # by direction: save (D2H) or not
+            save: min(sms, int(max_ctas) if max_ctas else default)
+            for save, default in ((True, SAVE_CTAS), (False, LOAD_CTAS))
+        }
         self._try_batch = bool(self._lib.kv_has_batch_memcpy())
         self.dma_kind: str | None = None
         """"batch" or "loop": what the last DMA op used."""
@@ -291,7 +302,7 @@ class GpuBlockCopier:
             end,
             self.planes.chunk_bytes,
             int(save),
-            self._max_ctas,
+            self._ctas[save],
             self.stream.cuda_stream,
         )
         _lib.check(code, "copy_chunks kernel launch")
