@@ -1,5 +1,5 @@
 """The SSD tier through a real sidecar: staging, write policies, restart
-recovery, checksums, a full filesystem."""
+recovery, checksums, a full filesystem, a disk that fails writes with EIO."""
 
 from __future__ import annotations
 
@@ -215,3 +215,60 @@ def test_a_small_filesystem_caps_the_tier_and_nothing_breaks(tmp_path):
     finally:
         inst.cleanup()
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def failing_disk(tmp_path):
+    """An ext4 on a loop device whose backing file can be made immutable:
+    the loop driver then fails every write with EIO, as a dying disk does.
+    Yields (mount point, make_writes_fail)."""
+    image, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(32 << 20)
+    loop = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True)
+    if loop.returncode != 0:
+        pytest.skip(f"no loop device here: {loop.stderr.strip()}")
+    device = loop.stdout.strip()
+    try:
+        for cmd in (["mkfs.ext4", "-q", "-O", "^has_journal", device], ["mount", device, str(mnt)]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"{cmd[0]} failed here: {done.stderr.strip()}")
+
+        def make_writes_fail() -> None:
+            done = subprocess.run(["chattr", "+i", str(image)], capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"chattr failed here: {done.stderr.strip()}")
+
+        yield mnt, make_writes_fail
+    finally:
+        subprocess.run(["chattr", "-i", str(image)], capture_output=True)
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+        subprocess.run(["losetup", "-d", device], capture_output=True)
+
+
+def test_disk_write_errors_are_counted_and_the_sidecar_keeps_serving(failing_disk):
+    mnt, make_writes_fail = failing_disk
+    inst = Instance(str(mnt / "ssd"))
+    try:
+        s = inst.start()
+        src = kv(8)
+        with client(s.endpoint, src) as c:
+            assert c.save(tokens(3), np.arange(3)).wait() == 3 * BLOCK_TOKENS
+            wait_for(lambda: on_ssd(c, 3))
+            make_writes_fail()
+            c.save(tokens(3, start=5000), np.arange(3, 6)).wait()
+            wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+            assert ssd_stats(c)["io_errors"] >= 1
+            assert ssd_stats(c)["cached_blocks"] == 3  # nothing half-written counts
+            # The blocks are not on SSD, but the CPU tier still serves them.
+            assert c.lookup(tokens(3, start=5000)) == 3 * BLOCK_TOKENS
+            fill_cpu(c)  # the first prefix now lives on SSD alone: reads still work
+            dst = kv(None)
+            with client(s.endpoint, dst) as d:
+                assert d.load(tokens(3), np.arange(3)).wait() == 3 * BLOCK_TOKENS
+                assert blocks_of(dst, np.arange(3)) == blocks_of(src, np.arange(3))
+        assert s.stop() == 0
+    finally:
+        inst.cleanup()
