@@ -1,5 +1,6 @@
 """The SSD tier through a real sidecar: staging, write policies, restart
-recovery, checksums, a full filesystem, a disk that fails writes with EIO."""
+recovery, checksums, a full filesystem, a disk that fails writes with EIO, a
+vanished directory."""
 
 from __future__ import annotations
 
@@ -272,3 +273,22 @@ def test_disk_write_errors_are_counted_and_the_sidecar_keeps_serving(failing_dis
         assert s.stop() == 0
     finally:
         inst.cleanup()
+
+
+def test_a_vanished_directory_costs_its_blocks_and_nothing_else(instance):
+    s = instance.start()
+    src = kv(9)
+    with client(s.endpoint, src) as c:
+        assert c.save(tokens(3), np.arange(3)).wait() == 3 * BLOCK_TOKENS
+        wait_for(lambda: on_ssd(c, 3))
+        shutil.rmtree(instance.ssd_dir)  # its files stay open: writes go on, unseen
+        assert c.save(tokens(2, start=7000), np.arange(3, 5)).wait() == 2 * BLOCK_TOKENS
+        wait_for(lambda: on_ssd(c, 5))
+    assert s.stop() == 0
+    s = instance.start()  # the directory is made again, empty
+    with client(s.endpoint, kv(None)) as c:
+        assert ssd_stats(c)["cached_blocks"] == 0 and c.lookup(tokens(3)) == 0
+        assert c.save(tokens(3), np.arange(3)).wait() == 3 * BLOCK_TOKENS
+        wait_for(lambda: on_ssd(c, 3))
+    assert s.stop() == 0
+    assert os.path.isdir(instance.ssd_dir)
