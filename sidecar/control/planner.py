@@ -14,6 +14,11 @@ and remote per the write policy:
 - write_back: a block is written down when it is evicted from the CPU tier;
   its CPU slot is reused only after the write has landed.
 
+The remote tier follows AIBrix's rules for its L2 (`control/admission.py`):
+it is read only when the double-get rule allows it, and its writes are
+bounded by an in-flight quota (blocks past it are DENIED and counted). A
+lower tier marked offline (`set_online`) is neither read nor written.
+
 Every block a plan reads or writes stays locked until the plan ends; every
 block it inserts stays unready until its op completes. Failing or cancelling
 a plan drops what had not landed and releases the rest, so a half-written
@@ -27,6 +32,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from sidecar.control.admission import DoubleGetRule, PutQuota
 from sidecar.control.engine import CacheEngine
 from sidecar.control.graph import OpKind, TransferGraph, TransferOp
 from sidecar.control.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
@@ -60,6 +66,8 @@ class GlobalCacheEngine:
         remote: CacheEngine | None = None,
         write_policy: str | WritePolicy = WritePolicy.WRITE_THROUGH,
         write_through_min_hits: int = 2,
+        remote_rule: DoubleGetRule | None = None,
+        remote_quota: int | None = None,
     ) -> None:
         self.cpu = cpu
         self.lower: dict[str, CacheEngine] = {}
@@ -71,6 +79,10 @@ class GlobalCacheEngine:
         if write_through_min_hits < 1:
             raise ValueError(f"write_through_min_hits must be >= 1, got {write_through_min_hits}")
         self.write_through_min_hits = write_through_min_hits
+        self.remote_rule = remote_rule or DoubleGetRule()
+        self.quota = PutQuota(remote_quota) if remote_quota is not None else None
+        """In-flight quota of remote writes, in blocks (None: unbounded)."""
+        self.offline: set[str] = set()
         self._runs: dict[int, RunningPlan] = {}
         self._next_id = 1
         self._background: list[Plan] = []
@@ -79,11 +91,63 @@ class GlobalCacheEngine:
 
     # ---- queries -------------------------------------------------------------
 
+    def set_online(self, name: str, online: bool) -> None:
+        """Mark a lower tier usable or not (its store is down): an offline
+        tier is left out of lookups, GETs and writes until it is back."""
+        if name not in self.lower:
+            raise ValueError(f"no lower tier {name!r}")
+        if online:
+            self.offline.discard(name)
+        else:
+            self.offline.add(name)
+
     def lookup(self, keys: BlockKeys) -> TierCounts:
-        """Ready prefix length in each tier; changes nothing."""
-        lower = {name: tier.match(keys).num_blocks for name, tier in self.lower.items()}
+        """Ready prefix length in each tier a GET would read; changes nothing."""
+        lower = {name: tier.match(keys).num_blocks for name, tier in self._online()}
         cpu = self.cpu.match(keys).num_blocks
-        return TierCounts(cpu, lower.get("ssd", 0), lower.get("remote", 0))
+        remote = lower.get("remote", 0)
+        local = max(cpu, lower.get("ssd", 0))
+        if not self.remote_rule.allows(len(keys) - local, len(keys)):
+            remote = 0
+        return TierCounts(cpu, lower.get("ssd", 0), remote)
+
+    def remote_probe_start(self, keys: BlockKeys) -> int | None:
+        """Where a probe of the remote store for `keys` should start (the
+        remote index's own prefix), or None when there is nothing to ask:
+        no remote tier, offline, blocks past it being written right now, or
+        the double-get rule says too little is missing locally."""
+        remote = self.lower.get("remote")
+        if remote is None or "remote" in self.offline:
+            return None
+        m = remote.match(keys)
+        if m.num_present > m.num_blocks:
+            return None
+        local = [t.match(keys).num_blocks for name, t in self._online() if name != "remote"]
+        have = max(m.num_blocks, self.cpu.match(keys).num_blocks, *local)
+        return m.num_blocks if self.remote_rule.allows(len(keys) - have, len(keys)) else None
+
+    def learn_remote(self, keys: BlockKeys, num_blocks: int) -> int:
+        """The remote store holds keys[:num_blocks] (a probe found them, or
+        another host saved them): the remote index adds what it lacked, ready.
+        Returns the blocks added (fewer when its index is full of locked
+        blocks, none when blocks there are in flight)."""
+        remote = self.lower.get("remote")
+        if remote is None or num_blocks <= 0:
+            return 0
+        prefix = BlockKeys(keys[:num_blocks])
+        m = remote.match(prefix)
+        if m.num_present > m.num_blocks or m.num_blocks >= num_blocks:
+            return 0
+        if m.node is not None:
+            remote.lock(m.node)  # the allocation may evict: keep the prefix
+        try:
+            slots = remote.allocate(num_blocks - m.num_blocks)
+        finally:
+            if m.node is not None:
+                remote.unlock(m.node)
+        if slots.size:
+            remote.insert(BlockKeys(prefix[: m.num_blocks + slots.size]), slots, ready=True)
+        return int(slots.size)
 
     @property
     def num_active_plans(self) -> int:
@@ -139,8 +203,10 @@ class GlobalCacheEngine:
         c = cpu_m.num_blocks
         frags: list[tuple[str, MatchResult, int, int]] = []
         end = c
-        for name, tier in self.lower.items():
+        for name, tier in self._online():
             m = tier.match(keys)
+            if name == "remote" and not self.remote_rule.allows(len(keys) - end, len(keys)):
+                continue
             if m.num_blocks > end:
                 frags.append((name, m, end, m.num_blocks))
                 end = m.num_blocks
@@ -240,13 +306,18 @@ class GlobalCacheEngine:
         are still landing by op `after`, so their writes depend on it.
         """
         n = len(keys)
-        for name, tier in self.lower.items():
+        for name, tier in self._online():
             m = tier.match(BlockKeys(keys))
             t = m.num_blocks
             if t >= n or m.num_present > t:
                 continue
+            want = n - t
+            if name == "remote" and self.quota is not None:
+                want = self.quota.admit(want)
+                if not want:
+                    continue
             run.lock(tier, m.node)
-            slots = tier.allocate(n - t)
+            slots = tier.allocate(want)
             if slots.size == 0:
                 continue
             end = t + slots.size
@@ -256,6 +327,8 @@ class GlobalCacheEngine:
             deps = (after,) if after is not None and end > after_from else ()
             op = graph.add(_STORE_OP[name], cpu_slots[t:end], slots, deps)
             run.waits.append(ReadyWait(tier, node, {op}))
+            if name == "remote" and self.quota is not None:
+                self.quota.hold(run.plan.plan_id, op, int(slots.size))
 
     # ---- write-back ------------------------------------------------------------
 
@@ -307,11 +380,24 @@ class GlobalCacheEngine:
         if missing:
             raise PlanError(f"plan {plan_id}: op {op_id} completed before its deps {missing}")
         run.mark_done(op_id)
+        if self.quota is not None:
+            self.quota.release_op(plan_id, op_id)
         if len(run.done) == len(run.plan.graph.ops):
-            del self._runs[plan_id]
-            run.release()
+            self._end(plan_id)
             return True
         return False
+
+    def skip(self, plan_id: int, op_id: int) -> bool:
+        """Write op `op_id` failed, but its plan goes on without it: the
+        blocks it would have filled are dropped when the plan ends. Only an
+        op no other op depends on can be skipped (PlanError otherwise).
+        Returns True when the plan ended."""
+        run = self._run(plan_id)
+        self._op(run, op_id)
+        if any(op_id in op.deps for op in run.plan.graph.ops):
+            raise PlanError(f"plan {plan_id}: other ops depend on op {op_id}")
+        run.waits = [w for w in run.waits if op_id not in w.ops]
+        return self.complete(plan_id, op_id)
 
     def fail(self, plan_id: int, op_id: int) -> None:
         """Op `op_id` failed: the plan ends; what had not landed is dropped."""
@@ -320,9 +406,13 @@ class GlobalCacheEngine:
         self.cancel(plan_id)
 
     def cancel(self, plan_id: int) -> None:
-        run = self._run(plan_id)
-        del self._runs[plan_id]
-        run.release()
+        self._run(plan_id)
+        self._end(plan_id)
+
+    def _end(self, plan_id: int) -> None:
+        self._runs.pop(plan_id).release()
+        if self.quota is not None:
+            self.quota.release_plan(plan_id)
 
     def op_target(self, plan_id: int, op_id: int) -> tuple[CacheEngine, RadixNode] | None:
         """The tier and node an unfinished op of a plan in flight fills."""
@@ -340,6 +430,9 @@ class GlobalCacheEngine:
 
     # ---- helpers -------------------------------------------------------------------
 
+    def _online(self) -> list[tuple[str, CacheEngine]]:
+        return [(n, t) for n, t in self.lower.items() if n not in self.offline]
+
     def _start(self, kind: PlanKind) -> tuple[RunningPlan, TransferGraph]:
         graph = TransferGraph()
         run = RunningPlan(Plan(self._next_id, kind, graph))
@@ -353,6 +446,8 @@ class GlobalCacheEngine:
             self._runs[plan.plan_id] = run
         else:
             run.release()
+            if self.quota is not None:
+                self.quota.release_plan(plan.plan_id)
         return plan
 
     def _run(self, plan_id: int) -> RunningPlan:
