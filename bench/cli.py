@@ -7,7 +7,14 @@ import importlib
 
 # Each module defines `add_parser(subparsers)` that registers its subcommand
 # and sets `func` on the parsed namespace.
-BENCH_MODULES = ("bench.index", "bench.replay", "bench.shm", "bench.control", "bench.gpu")
+BENCH_MODULES = (
+    "bench.index",
+    "bench.replay",
+    "bench.shm",
+    "bench.control",
+    "bench.gpu",
+    "bench.remote",
+)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -183,9 +183,7 @@ def test_a_server_killed_mid_load_gives_misses_then_hits_after_its_restart(tmp_p
         hosts.cleanup()
 
 
-def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(
-    tmp_path, server
-):
+def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(tmp_path, server):
     hosts = Hosts(
         tmp_path,
         server.url,
