@@ -39,7 +39,7 @@ import numpy as np
 import redis
 from redis.connection import Encoder, PythonRespSerializer
 
-from bench.report import print_table, write_json
+from bench.report import print_table, time_interleaved, write_json
 from shm.pool import ShmPool
 from sidecar.redis_connector import RedisConnector
 from sidecar.remote import ReadResult, RemoteStore
@@ -162,7 +162,7 @@ def measure(url: str, block: int, total: int, repeats: int, threads: int) -> dic
             "floor_read": floor_read,
             "tier_read": tier_read,
         }
-        times = _time_interleaved(fns, repeats)
+        times = time_interleaved(fns, repeats)
         if not all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True)):
             raise RuntimeError("blocks read back differ from those written")
     io.close()
@@ -181,19 +181,6 @@ def measure(url: str, block: int, total: int, repeats: int, threads: int) -> dic
         "write_vs_floor": gbps["tier_write"] / write_floor,
         "read_vs_floor": gbps["tier_read"] / gbps["floor_read"],
     }
-
-
-def _time_interleaved(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each fn, rounds interleaved so drift hits all
-    alike; a first untimed round warms up (connections, threads)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(repeats + 1):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def run(args: argparse.Namespace) -> int:

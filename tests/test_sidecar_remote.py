@@ -222,3 +222,27 @@ def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(t
         assert s.stop() == 0
     finally:
         hosts.cleanup()
+
+
+def test_a_value_failing_its_checksum_is_a_miss_and_leaves_the_store(tmp_path, server):
+    hosts = Hosts(tmp_path, server.url)
+    try:
+        src = kv(4)
+        with client(hosts.start(), src) as c:
+            c.save(tokens(N), np.arange(N)).wait()
+            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+            bad = b"kvsidecar:" + c._keys(tokens(N))[5].tobytes().hex().encode()
+        with server.client() as r:
+            value = bytearray(r.get(bad))
+            value[-1] ^= 0xFF
+            r.set(bad, bytes(value))
+        dst = kv(None)
+        with client(hosts.start(), dst) as c:
+            assert c.load(tokens(N), np.arange(N)).wait() == 5 * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(5)) == blocks_of(src, np.arange(5))
+            assert remote(c)["checksum_failures"] == 1
+            wait_for(lambda: settled(c))
+        with server.client() as r:
+            assert not r.exists(bad), "a corrupt value is removed from the store"
+    finally:
+        hosts.cleanup()
