@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import numpy as np
+import redis
 
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
@@ -79,21 +80,28 @@ def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
         c.remote_put_quota_blocks,
     )
     remote = open_remote_tier(c, cache, pool, layout) if remote_engine is not None else None
+    if remote_engine is not None and remote is None:
+        cache.set_online("remote", False)
     return Tiers(cache, store, io, remote)
 
 
 def open_remote_tier(
     config: Config, cache: GlobalCacheEngine, pool: ShmPool, layout: BlockLayout
-) -> RemoteTier:
-    """The remote tier's store and worker pool. Connections are made on first
-    use: a store that is down at start only marks the tier unavailable."""
+) -> RemoteTier | None:
+    """The remote tier's store and worker pool; None (logged) when its URL
+    cannot be used. Connections are made on first use: a store that is down
+    at start only marks the tier unavailable."""
     assert config.remote_url is not None
-    connector = RedisConnector(
-        config.remote_url,
-        timeout=config.remote_timeout_seconds,
-        cluster=config.remote_cluster,
-        max_connections=4 * config.remote_io_threads,
-    )
+    try:
+        connector = RedisConnector(
+            config.remote_url,
+            timeout=config.remote_timeout_seconds,
+            cluster=config.remote_cluster,
+            max_connections=4 * config.remote_io_threads,
+        )
+    except (ValueError, redis.RedisError) as err:
+        log.error("remote tier disabled: remote_url cannot be used: %s", err)
+        return None
     store = RemoteStore(connector, config.remote_namespace, layout.block_bytes)
     backoff = Backoff(config.remote_retry_seconds, config.remote_retry_max_seconds)
     tier = RemoteTier(cache, store, config.remote_io_threads, pool, layout, backoff)

@@ -246,3 +246,35 @@ def test_a_value_failing_its_checksum_is_a_miss_and_leaves_the_store(tmp_path, s
             assert not r.exists(bad), "a corrupt value is removed from the store"
     finally:
         hosts.cleanup()
+
+
+def test_a_store_down_at_start_is_used_once_it_comes_up(tmp_path, redis_bin):
+    late = RedisServer()  # its port is chosen now; nothing listens there yet
+    hosts = Hosts(tmp_path, late.url, *FAST_RETRY)
+    try:
+        with client(hosts.start(), kv(5)) as c:
+            assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
+            wait_for(lambda: not remote(c)["online"])
+            assert c.lookup(tokens(N)) == N * BLOCK_TOKENS  # the CPU tier serves meanwhile
+            late.start()
+            wait_for(lambda: remote(c)["online"])
+            c.save(tokens(N, start=3000), np.arange(N)).wait()
+            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+            with late.client() as r:
+                assert r.dbsize() == N
+    finally:
+        hosts.cleanup()
+        late.cleanup()
+
+
+def test_an_unusable_remote_url_leaves_the_other_tiers_serving(tmp_path):
+    hosts = Hosts(tmp_path, "redis://127.0.0.1:99999")
+    try:
+        s = hosts.start()
+        with client(s, kv(6)) as c:
+            assert c.save(tokens(2), np.arange(2)).wait() == 2 * BLOCK_TOKENS
+            assert c.lookup(tokens(2)) == 2 * BLOCK_TOKENS
+            assert "remote" not in c.stats()["tiers"]
+        assert s.stop() == 0
+    finally:
+        hosts.cleanup()
