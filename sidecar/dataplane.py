@@ -33,7 +33,7 @@ from sidecar.control.ids import BlockKeys
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.workers import Done, IoPool
+from sidecar.workers import IoPool
 
 log = logging.getLogger("kvsidecar")
 
@@ -145,16 +145,10 @@ class DataPlane:
             for lo in range(0, n, step):
                 ops.pool.submit(token, _part(job, lo, min(n, lo + step)))
 
-    def collect(self, pool: IoPool) -> list[Done]:
-        """Apply every op result `pool` has sent back; returns its other
-        results (not ops of plans) for their owner."""
-        others = []
+    def collect(self, pool: IoPool) -> None:
+        """Apply every op result `pool` has sent back."""
         for done in pool.collect():
-            if isinstance(done.token, OpToken):
-                self._apply(done.token, done.error)
-            else:
-                others.append(done)
-        return others
+            self._apply(done.token, done.error)
 
     def _apply(self, token: OpToken, error: BaseException | None) -> None:
         plan_id = token.plan_id

@@ -78,6 +78,9 @@ class RemoteTier:
         self.store = store
         self.pool = IoPool("remote", threads)
         self.ops = RemoteOps(store, self.pool, shm, layout, self.mark_offline)
+        self.control_pool = IoPool("remote-probe", 2)
+        """Probes and pings: engines wait on them, so they never queue
+        behind bulk transfers."""
         self.backoff = backoff
         self._clock = clock
         self._probes: dict[int, tuple[BlockKeys, int, Callable[[], None]]] = {}
@@ -97,7 +100,7 @@ class RemoteTier:
         self._next_probe += 1
         self._probes[probe_id] = (keys, start, then)
         wanted = [k.tobytes() for k in keys[start:]]
-        self.pool.submit(Probe(probe_id), lambda: self.store.exists(wanted))
+        self.control_pool.submit(Probe(probe_id), lambda: self.store.exists(wanted))
         self.counters["probes"] += 1
 
     @property
@@ -143,7 +146,7 @@ class RemoteTier:
 
     def _submit_ping(self) -> None:
         self._pinging = True
-        self.pool.submit(Ping(), self.store.connector.ping)
+        self.control_pool.submit(Ping(), self.store.connector.ping)
 
     def _pinged(self, done: Done) -> None:
         self._pinging = False
@@ -167,9 +170,10 @@ class RemoteTier:
 
     # ---- results and figures -------------------------------------------------------
 
-    def apply(self, results: list[Done]) -> None:
-        """Results of probes and pings (op results go to the data plane)."""
-        for done in results:
+    def collect(self) -> None:
+        """Apply the results of probes and pings (call when `control_pool.fd`
+        is readable; op results go to the data plane)."""
+        for done in self.control_pool.collect():
             if isinstance(done.token, Probe):
                 self._probed(done)
             elif isinstance(done.token, Ping):
@@ -208,4 +212,5 @@ class RemoteTier:
         """Wait for the pool's jobs (each bounded by the timeout), then drop
         the connections."""
         self.pool.close()
+        self.control_pool.close()
         self.store.connector.close()

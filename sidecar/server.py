@@ -165,10 +165,10 @@ class Server:
         if self.dataplane is not None:
             for io in self.dataplane.pools:
                 if io.fd in ready:
-                    others = self.dataplane.collect(io)
-                    if self.remote is not None:
-                        self.remote.apply(others)
+                    self.dataplane.collect(io)
         if self.remote is not None:
+            if self.remote.control_pool.fd in ready:
+                self.remote.collect()
             self.remote.tick()
         # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
         while sock.getsockopt(_EVENTS) & _POLLIN:
@@ -322,6 +322,8 @@ class Server:
             self.dataplane = DataPlane(self.cache, self.pool, layout, ops, self._plan_ended)
             for io in self.dataplane.pools:  # results wake the loop through their eventfds
                 self._poller.register(io.fd, zmq.POLLIN)
+        if self.remote is not None:
+            self._poller.register(self.remote.control_pool.fd, zmq.POLLIN)
         self.layout = layout
 
     def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> p.Reply | None:
@@ -417,6 +419,10 @@ class Server:
             reply = answer()
         except ProtocolError as err:
             reply = p.error(rid, err.code, err.message)
+        except Exception as err:  # a bug must not take the sidecar down
+            log.exception("internal error answering a deferred request")
+            self.errors[ErrorCode.INTERNAL.value] += 1
+            reply = p.error(rid, ErrorCode.INTERNAL, f"internal error: {err!r}")
         if reply is not None:
             self._send(identity, reply)
         self._adopt_background()
