@@ -12,7 +12,8 @@
   the tier back.
 
 Everything here runs on the control loop's thread except the jobs it
-submits to the pool, whose results come back through `apply`.
+submits to its pools, whose results come back through `collect` (probes,
+pings) and the data plane (ops).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ it is read only when the double-get rule allows it, and its writes are
 bounded by an in-flight quota (blocks past it are DENIED and counted). A
 lower tier marked offline (`set_online`) is neither read nor written.
 
+Plans in flight are tracked by the `PlanTable` base (`control/plans.py`).
 Every block a plan reads or writes stays locked until the plan ends; every
 block it inserts stays unready until its op completes. Failing or cancelling
 a plan drops what had not landed and releases the rest, so a half-written
@@ -28,24 +29,23 @@ block is never visible and no slot leaks.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 
 import numpy as np
 
 from sidecar.control.admission import DoubleGetRule, PutQuota
 from sidecar.control.engine import CacheEngine
-from sidecar.control.graph import OpKind, TransferGraph, TransferOp
+from sidecar.control.graph import OpKind, TransferGraph
 from sidecar.control.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
 from sidecar.control.index import EvictedRun, MatchResult
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import (
     Plan,
-    PlanError,
     PlanKind,
     ReadyWait,
     RunningPlan,
     TierCounts,
 )
+from sidecar.control.plans import PlanTable
 
 
 class WritePolicy(enum.Enum):
@@ -58,7 +58,7 @@ _LOAD_OP = {"ssd": OpKind.DISK2H, "remote": OpKind.REMOTE2H}
 _STORE_OP = {"ssd": OpKind.H2DISK, "remote": OpKind.H2REMOTE}
 
 
-class GlobalCacheEngine:
+class GlobalCacheEngine(PlanTable):
     def __init__(
         self,
         cpu: CacheEngine,
@@ -79,12 +79,9 @@ class GlobalCacheEngine:
         if write_through_min_hits < 1:
             raise ValueError(f"write_through_min_hits must be >= 1, got {write_through_min_hits}")
         self.write_through_min_hits = write_through_min_hits
+        super().__init__(PutQuota(remote_quota) if remote_quota is not None else None)
         self.remote_rule = remote_rule or DoubleGetRule()
-        self.quota = PutQuota(remote_quota) if remote_quota is not None else None
-        """In-flight quota of remote writes, in blocks (None: unbounded)."""
         self.offline: set[str] = set()
-        self._runs: dict[int, RunningPlan] = {}
-        self._next_id = 1
         self._background: list[Plan] = []
         if self.write_policy is WritePolicy.WRITE_BACK and self.lower:
             cpu.evict_hook = self._write_back
@@ -148,10 +145,6 @@ class GlobalCacheEngine:
         if slots.size:
             remote.insert(BlockKeys(prefix[: m.num_blocks + slots.size]), slots, ready=True)
         return int(slots.size)
-
-    @property
-    def num_active_plans(self) -> int:
-        return len(self._runs)
 
     def drain_background(self) -> list[Plan]:
         """Write-back plans created by CPU evictions, for the sidecar's pools."""
@@ -366,104 +359,8 @@ class GlobalCacheEngine:
             tier.index.check_removable(keys)
         return sum(tier.remove(keys) for tier in holding)
 
-    # ---- completion ------------------------------------------------------------
-
-    def complete(self, plan_id: int, op_id: int) -> bool:
-        """Op `op_id` of the plan is done; returns True when the plan ended.
-
-        An unknown plan or op, an op done twice, or an op whose dependencies
-        are not done raises PlanError and changes nothing.
-        """
-        run = self._run(plan_id)
-        op = self._op(run, op_id)
-        missing = [d for d in op.deps if d not in run.done]
-        if missing:
-            raise PlanError(f"plan {plan_id}: op {op_id} completed before its deps {missing}")
-        run.mark_done(op_id)
-        if self.quota is not None:
-            self.quota.release_op(plan_id, op_id)
-        if len(run.done) == len(run.plan.graph.ops):
-            self._end(plan_id)
-            return True
-        return False
-
-    def skip(self, plan_id: int, op_id: int) -> bool:
-        """Write op `op_id` failed, but its plan goes on without it: the
-        blocks it would have filled are dropped when the plan ends. Only an
-        op no other op depends on can be skipped (PlanError otherwise).
-        Returns True when the plan ended."""
-        run = self._run(plan_id)
-        self._op(run, op_id)
-        if any(op_id in op.deps for op in run.plan.graph.ops):
-            raise PlanError(f"plan {plan_id}: other ops depend on op {op_id}")
-        run.waits = [w for w in run.waits if op_id not in w.ops]
-        return self.complete(plan_id, op_id)
-
-    def fail(self, plan_id: int, op_id: int) -> None:
-        """Op `op_id` failed: the plan ends; what had not landed is dropped."""
-        run = self._run(plan_id)
-        self._op(run, op_id)
-        self.cancel(plan_id)
-
-    def cancel(self, plan_id: int) -> None:
-        self._run(plan_id)
-        self._end(plan_id)
-
-    def _end(self, plan_id: int) -> None:
-        self._runs.pop(plan_id).release()
-        if self.quota is not None:
-            self.quota.release_plan(plan_id)
-
-    def op_target(self, plan_id: int, op_id: int) -> tuple[CacheEngine, RadixNode] | None:
-        """The tier and node an unfinished op of a plan in flight fills."""
-        run = self._run(plan_id)
-        for wait in run.waits:
-            if op_id in wait.ops:
-                return wait.engine, wait.node
-        return None
-
-    def is_done(self, plan_id: int, op_id: int) -> bool:
-        return op_id in self._run(plan_id).done
-
-    def active_plan_ids(self) -> Iterator[int]:
-        return iter(list(self._runs))
-
-    # ---- helpers -------------------------------------------------------------------
-
     def _online(self) -> list[tuple[str, CacheEngine]]:
         return [(n, t) for n, t in self.lower.items() if n not in self.offline]
-
-    def _start(self, kind: PlanKind) -> tuple[RunningPlan, TransferGraph]:
-        graph = TransferGraph()
-        run = RunningPlan(Plan(self._next_id, kind, graph))
-        self._next_id += 1
-        return run, graph
-
-    def _launch(self, run: RunningPlan, graph: TransferGraph, **fields: object) -> Plan:
-        plan = Plan(run.plan.plan_id, run.plan.kind, graph, **fields)  # type: ignore[arg-type]
-        run.plan = plan
-        if graph.ops:
-            self._runs[plan.plan_id] = run
-        else:
-            run.release()
-            if self.quota is not None:
-                self.quota.release_plan(plan.plan_id)
-        return plan
-
-    def _run(self, plan_id: int) -> RunningPlan:
-        run = self._runs.get(plan_id)
-        if run is None:
-            raise PlanError(f"no plan {plan_id} in flight")
-        return run
-
-    @staticmethod
-    def _op(run: RunningPlan, op_id: int) -> TransferOp:
-        ops = run.plan.graph.ops
-        if not 0 <= op_id < len(ops):
-            raise PlanError(f"plan {run.plan.plan_id} has no op {op_id}")
-        if op_id in run.done:
-            raise PlanError(f"plan {run.plan.plan_id}: op {op_id} already completed")
-        return ops[op_id]
 
 
 def _depth_above(node: RadixNode) -> int:
