@@ -13,6 +13,7 @@ from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
 from sidecar_proc import MODEL, Sidecar, tokens
 
 from engine_shim import KVClient
+from sidecar.metrics import StatsCollector
 
 # 128 KiB blocks (2 layers of 64 KiB).
 SHAPE = (32, 2, 16, 8, 64)
@@ -219,6 +220,15 @@ def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(t
             assert c.lookup(tokens(4)) == 4 * BLOCK_TOKENS  # the CPU copies are whole
             c.save(tokens(2, start=11000), np.arange(2)).wait()  # the quota is free again
             wait_for(lambda: remote(c)["cached_blocks"] == 3 and settled(c))
+            gauges = {
+                (m.name, tuple(x.labels.values())): x.value
+                for m in StatsCollector(c.stats).collect()
+                for x in m.samples
+            }
+            assert gauges[("kvsidecar_remote_denied_blocks", ())] == 5
+            assert gauges[("kvsidecar_remote_outages", ())] == 1
+            assert gauges[("kvsidecar_remote_online", ())] == 1
+            assert gauges[("kvsidecar_tier_cached_blocks", ("remote",))] == 3
         assert s.stop() == 0
     finally:
         hosts.cleanup()
