@@ -163,10 +163,7 @@ class RedisConnector(Connector):
         with self._lock:
             try:
                 if self._cluster is None:
-                    options = {k: v for k, v in self._options.items() if k != "max_connections"}
-                    self._cluster = RedisCluster.from_url(
-                        self.url, max_connections=self._options["max_connections"], **options
-                    )
+                    self._cluster = RedisCluster.from_url(self.url, **self._options)
                     self._refresh = False
                 elif self._refresh:
                     self._refresh = False
