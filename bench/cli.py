@@ -15,6 +15,7 @@ BENCH_MODULES = (
     "bench.gpu",
     "bench.ssd",
     "bench.ttft",
+    "bench.remote",
 )
 
 

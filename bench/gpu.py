@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from bench.report import positive_int_list, print_table, write_json
+from bench.report import positive_int_list, print_table, time_interleaved, write_json
 
 TARGET_VS_FLOOR = 0.85
 TARGET_BLOCKS = 1024
@@ -196,7 +196,7 @@ def measure_case(
                 continue
             fns[f"{path}_d2h"] = _op(copier.save, blocks, slots, layout, path)
             fns[f"{path}_h2d"] = _op(copier.load, blocks, slots, layout, path)
-        times = _time_interleaved(fns, repeats)
+        times = time_interleaved(fns, repeats)
         busy, slowdown = _with_matmul(fns, times, repeats, device) if contention else ({}, {})
         _check_bytes(copier, planes, pool, blocks, slots, layout)
         result = {
@@ -254,19 +254,6 @@ def _op(method: Callable, blocks: np.ndarray, slots: np.ndarray, layout: Any, pa
         method(blocks, slots, layout, 0, path=path).synchronize()
 
     return copy
-
-
-def _time_interleaved(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call, rounds interleaved so drift hits floor and copies
-    alike; a first untimed round warms up (lazy module loading, pinned pools)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(repeats + 1):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _with_matmul(

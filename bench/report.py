@@ -14,7 +14,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -162,3 +162,17 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each fn over `repeats` rounds, interleaved so that
+    drift hits every fn (the floor and what is compared with it) alike; a
+    first untimed round warms up (lazy imports, first thread start, pools)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return times

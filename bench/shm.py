@@ -22,15 +22,13 @@ import mmap
 import os
 import statistics
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import numpy as np
 
-from bench.report import print_table, write_json
+from bench.report import print_table, time_interleaved, write_json
 from shm import copy as shm_copy
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
@@ -122,7 +120,7 @@ def measure_case(
             opts = {"impl": impl, "threads": threads}
             copies[f"save_{impl}"] = partial(shm_copy.save_blocks, *args, **opts)
             copies[f"load_{impl}"] = partial(shm_copy.load_blocks, *args, **opts)
-        times = _time_interleaved(
+        times = time_interleaved(
             {
                 "floor_save": partial(np.copyto, shm, plain),
                 "floor_load": partial(np.copyto, plain, shm),
@@ -144,20 +142,6 @@ def measure_case(
         }
     result.update({f"{k}_gbps": nbytes / statistics.median(v) / 1e9 for k, v in times.items()})
     return result
-
-
-def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each fn over `repeats` rounds, interleaved so that
-    drift hits the floor and the copies alike; a first untimed round warms up
-    (lazy imports, first thread start)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(repeats + 1):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if round_:
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 def _segment_bytes(pool_bytes: int) -> int:

@@ -131,7 +131,65 @@ class Config:
         optional=True,
     )
     remote_capacity: int = config_key(
-        1024 * _GiB, "size", "Bytes of blocks the remote index assumes it may hold.", low=_MiB
+        1024 * _GiB,
+        "size",
+        "Bytes of blocks the remote index assumes it may hold (at most 1M blocks).",
+        low=_MiB,
+    )
+    remote_cluster: bool = config_key(
+        False, "bool", "remote_url is one node of a Redis Cluster: use the cluster client."
+    )
+    remote_namespace: str = config_key(
+        "kvsidecar",
+        "str",
+        "Prefix of every remote key (<namespace>:<block key>); separates deployments "
+        "sharing a store.",
+        pattern=r"[A-Za-z0-9_.:{}-]{1,64}",
+    )
+    remote_io_threads: int = config_key(
+        4,
+        "int",
+        "Threads (each with its own connection) running remote reads and writes.",
+        low=1,
+        high=64,
+    )
+    remote_timeout_seconds: float = config_key(
+        0.5,
+        "float",
+        "Bound on each remote connect, send and reply; past it the tier is marked unavailable.",
+        low=0.01,
+        high=60.0,
+    )
+    remote_retry_seconds: float = config_key(
+        1.0,
+        "float",
+        "First wait before an unavailable remote tier is tried again (doubling after each "
+        "failed try).",
+        low=0.01,
+        high=3600.0,
+    )
+    remote_retry_max_seconds: float = config_key(
+        30.0, "float", "Longest wait between tries of an unavailable remote tier.", low=0.01
+    )
+    remote_put_quota_blocks: int = config_key(
+        256,
+        "int",
+        "Remote writes in flight at most, in blocks; blocks past it are DENIED (not written, "
+        "counted).",
+        low=0,
+    )
+    remote_double_get_min_blocks: int = config_key(
+        4,
+        "int",
+        "Ask the remote tier only when at least this many blocks are missing locally.",
+        low=1,
+    )
+    remote_double_get_min_share: float = config_key(
+        0.1,
+        "float",
+        "... and the missing blocks are at least this share of the request.",
+        low=0.0,
+        high=1.0,
     )
     write_policy: str = config_key(
         "write_through",

@@ -1,12 +1,18 @@
-"""The sidecar-side ops of plans: SSD reads and writes, run on the I/O pool.
+"""The sidecar-side ops of plans, run on the tiers' worker pools.
 
-The control loop calls `pump(plan)` whenever a plan may have ops whose
-dependencies are all done (after it was created, after an engine reported,
-after another sidecar op landed); `pump` submits them. `collect` applies the
-results on the loop's thread: success completes the op in the cache; a
-failed write fails its plan (the block is simply not cached on SSD); a read
-whose block fails its key or checksum drops that block (and the blocks
-below it, unreachable without it) from the SSD tier, and fails the plan.
+Each lower tier brings a `TierOps`: which op kinds it runs, on which
+`IoPool`, and how one op becomes jobs (`sidecar/ssd_ops.py`,
+`sidecar/remote_ops.py`). The control loop calls `pump(plan)` whenever a
+plan may have ops whose dependencies are all done (after it was created,
+after an engine reported, after another sidecar op landed); `pump` submits
+them. `collect(pool)` applies a pool's results on the loop's thread:
+
+- success completes the op in the cache;
+- a failed write (H2DISK, H2REMOTE) is skipped: those blocks are simply not
+  cached in that tier, and the rest of the plan goes on;
+- a failed read fails its plan. A read whose blocks fail their checksum (or
+  are gone from the store) drops them, and the blocks below them, from that
+  tier's index first, so the next attempt loads the good prefix.
 
 A plan with sidecar ops in flight is never cancelled: its slots are in use
 by a thread. `busy(plan_id)` tells the owner so.
@@ -16,28 +22,61 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple, Protocol
 
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
+from sidecar.control.engine import CacheEngine
 from sidecar.control.graph import OpKind, TransferOp
 from sidecar.control.ids import BlockKeys
+from sidecar.control.node import RadixNode
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.ssd import SsdStore
-from sidecar.workers import Done, IoPool
+from sidecar.workers import IoPool
 
 log = logging.getLogger("kvsidecar")
 
-SIDECAR_OPS = frozenset({OpKind.DISK2H, OpKind.H2DISK})
+STORE_OPS = frozenset({OpKind.H2DISK, OpKind.H2REMOTE})
+Job = Callable[[int, int], Any]
+"""Runs blocks [lo, hi) of an op on a worker thread."""
 
 
-class ChecksumMismatch(Exception):
-    def __init__(self, failed: list[BlockKeys]) -> None:
-        super().__init__(f"{len(failed)} block(s) failed their key or checksum")
+class BadBlocks(Exception):
+    """Blocks of a read that must not be served: they failed their key or
+    checksum (`corrupt`), or the store no longer has them (`missing`)."""
+
+    def __init__(self, failed: list[BlockKeys], corrupt: int, missing: int = 0) -> None:
+        super().__init__(f"{corrupt} block(s) failed their checksum, {missing} missing")
         self.failed = failed
         """The key path of every block that failed."""
+        self.corrupt = corrupt
+        self.missing = missing
+
+
+class OpToken(NamedTuple):
+    plan_id: int
+    op_id: int
+
+
+class TierOps(Protocol):
+    tier: str
+    kinds: frozenset[OpKind]
+    pool: IoPool
+    counters: Counter[str]
+
+    def job(self, op: TransferOp, tier: CacheEngine, node: RadixNode) -> Job:
+        """The op as a job over a range of its blocks. Runs on the loop's
+        thread; the job it returns runs on a worker thread."""
+        ...
+
+    def record_failure(self, error: BaseException) -> None:
+        """Count and log a failed op (on the loop's thread)."""
+        ...
+
+    def drop(self, tier: CacheEngine, prefixes: list[BlockKeys]) -> None:
+        """Remove blocks that failed a read (and what hangs below them)."""
+        ...
 
 
 class DataPlane:
@@ -46,24 +85,28 @@ class DataPlane:
         cache: GlobalCacheEngine,
         pool: ShmPool,
         layout: BlockLayout,
-        ssd: SsdStore,
-        io: IoPool,
+        tiers: Iterable[TierOps],
         on_plan_end: Callable[[int, bool], None],
     ) -> None:
         self.cache = cache
         self.pool = pool
         self.layout = layout
-        self.ssd = ssd
-        self.io = io
+        self.tiers = {ops.tier: ops for ops in tiers}
+        self._by_kind = {kind: ops for ops in self.tiers.values() for kind in ops.kinds}
         self._on_plan_end = on_plan_end
         """Called with (plan_id, ok) when a plan this data plane ran ends."""
         self.plans: dict[int, Plan] = {}
         self._submitted: dict[int, set[int]] = {}
         self._running: Counter[int] = Counter()
         self._failed: set[int] = set()
-        self._parts_left: dict[tuple[int, int], int] = {}
-        self._op_errors: dict[tuple[int, int], list[BaseException]] = {}
+        self._parts_left: dict[OpToken, int] = {}
+        self._op_errors: dict[OpToken, list[BaseException]] = {}
+        self._bad: dict[int, list[tuple[TransferOp, BadBlocks]]] = {}
         self.counters: Counter[str] = Counter()
+
+    @property
+    def pools(self) -> list[IoPool]:
+        return [ops.pool for ops in self.tiers.values()]
 
     def busy(self, plan_id: int) -> bool:
         return self._running[plan_id] > 0
@@ -74,7 +117,7 @@ class DataPlane:
 
     def adopt(self, plan: Plan) -> None:
         """Track a plan with sidecar-side ops and start what can start."""
-        if any(op.kind in SIDECAR_OPS for op in plan.graph.ops):
+        if any(op.kind in self._by_kind for op in plan.graph.ops):
             self.plans[plan.plan_id] = plan
             self._submitted.setdefault(plan.plan_id, set())
             self.pump(plan.plan_id)
@@ -85,117 +128,64 @@ class DataPlane:
             return
         submitted = self._submitted[plan_id]
         for op in plan.graph.ops:
-            if op.kind not in SIDECAR_OPS or op.op_id in submitted:
+            ops = self._by_kind.get(op.kind)
+            if ops is None or op.op_id in submitted:
                 continue
             if not all(self.cache.is_done(plan_id, d) for d in op.deps):
                 continue
             submitted.add(op.op_id)
-            parts = self._jobs(plan_id, op)
-            self._parts_left[(plan_id, op.op_id)] = len(parts)
-            self._running[plan_id] += len(parts)
-            for job in parts:
-                self.io.submit((plan_id, op.op_id), job)
+            target = self.cache.op_target(plan_id, op.op_id)
+            assert target is not None, "a sidecar op always fills a node"
+            job = ops.job(op, *target)
+            n = op.num_blocks
+            step = max(1, -(-n // ops.pool.threads))  # one part per thread
+            token = OpToken(plan_id, op.op_id)
+            self._parts_left[token] = -(-n // step)
+            self._running[plan_id] += self._parts_left[token]
+            for lo in range(0, n, step):
+                ops.pool.submit(token, _part(job, lo, min(n, lo + step)))
 
-    def _jobs(self, plan_id: int, op: TransferOp) -> list[Callable[[], Any]]:
-        """The op as jobs of a few blocks each, so that one large op keeps
-        every I/O thread busy."""
-        job = self._job(plan_id, op)
-        n = op.num_blocks
-        step = max(1, -(-n // self.io.threads))
-        return [_part(job, i, min(n, i + step)) for i in range(0, n, step)]
+    def collect(self, pool: IoPool) -> None:
+        """Apply every op result `pool` has sent back."""
+        for done in pool.collect():
+            self._apply(done.token, done.error)
 
-    def _job(self, plan_id: int, op: TransferOp) -> Callable[[int, int], Any]:
-        target = self.cache.op_target(plan_id, op.op_id)
-        assert target is not None, "a sidecar op always fills a node"
-        tier, node = target
-        stride = self.layout.slot_stride
-        if op.kind is OpKind.H2DISK:
-            keys, parents, first = _chain_of(node)
-            sources = [self.pool.slot_view(int(s), stride) for s in op.src]
-
-            def write(lo: int, hi: int) -> None:
-                for i in range(lo, hi):
-                    block = memoryview(sources[i])
-                    self.ssd.write(int(op.dst[i]), block, keys[i], parents[i], first and i == 0)
-
-            return write
-        # DISK2H into the staged CPU node: each block's key is found from its
-        # CPU slot's position in that node; its depth locates it on SSD.
-        path, _ = tier.index.path(node)
-        base = len(path) - len(node)
-        position = {int(s): i for i, s in enumerate(node.slots.tolist())}
-        depths = [base + position[int(c)] + 1 for c in op.dst]
-        raw = path.tobytes()
-        keys = [raw[16 * (d - 1) : 16 * d] for d in depths]
-        targets = [self.pool.slot_view(int(c), stride) for c in op.dst]
-
-        def read(lo: int, hi: int) -> None:
-            failed = [
-                BlockKeys(path[: depths[i]])
-                for i in range(lo, hi)
-                if not self.ssd.read(int(op.src[i]), memoryview(targets[i]), keys[i])
-            ]
-            if failed:
-                raise ChecksumMismatch(failed)
-
-        return read
-
-    def collect(self) -> None:
-        """Apply every result the I/O threads have sent back."""
-        for done in self.io.collect():
-            plan_id, op_id = done.token
-            self._running[plan_id] -= 1
-            if not self._running[plan_id]:
-                del self._running[plan_id]
-            if done.error is not None:
-                self._op_errors.setdefault((plan_id, op_id), []).append(done.error)
-            self._parts_left[(plan_id, op_id)] -= 1
-            if self._parts_left[(plan_id, op_id)]:
-                continue  # the op's other parts are still running
-            del self._parts_left[(plan_id, op_id)]
-            error = _merge(self._op_errors.pop((plan_id, op_id), []))
-            done = Done(done.token, None, error)
-            if plan_id not in self.plans:
-                continue
-            if done.error is None and plan_id not in self._failed:
-                self.counters["ops_done"] += 1
-                if self.cache.complete(plan_id, op_id):
-                    self._end(plan_id, ok=True)
-                else:
-                    self.pump(plan_id)
-                continue
-            if done.error is not None:
-                self._record_failure(done.error)
-            self._failed.add(plan_id)
-            if not self.busy(plan_id):  # nothing of it left on a thread: roll it back
-                self._failed.discard(plan_id)
-                self.cache.cancel(plan_id)
-                if isinstance(done.error, ChecksumMismatch):
-                    self._drop_ssd_blocks(done.error.failed)
-                self._end(plan_id, ok=False)
-
-    def _record_failure(self, error: BaseException) -> None:
-        if isinstance(error, ChecksumMismatch):
-            self.counters["checksum_failures"] += len(error.failed)
-            log.warning("SSD: %d block(s) failed their checksum; dropped", len(error.failed))
-        else:
-            self.counters["io_errors"] += 1
-            log.error("SSD I/O failed, the blocks are not cached: %r", error)
-
-    def _drop_ssd_blocks(self, prefixes: list[BlockKeys]) -> None:
-        """Remove corrupted blocks, and what hangs below them, from the SSD tier."""
-        tier = self.cache.lower["ssd"]
-        for keys in prefixes:
-            if tier.match(keys).num_blocks != len(keys):
-                continue  # already gone with an earlier one
-            try:
-                tier.index.check_removable(keys)
-            except ValueError:
-                continue  # another plan uses it: the next read fails it again
-            removed = tier.index.remove(keys)
-            for slot in removed.tolist():
-                self.ssd.drop(slot)
-            tier.mempool.free(removed)
+    def _apply(self, token: OpToken, error: BaseException | None) -> None:
+        plan_id = token.plan_id
+        self._running[plan_id] -= 1
+        if not self._running[plan_id]:
+            del self._running[plan_id]
+        if error is not None:
+            self._op_errors.setdefault(token, []).append(error)
+        self._parts_left[token] -= 1
+        if self._parts_left[token]:
+            return  # the op's other parts are still running
+        del self._parts_left[token]
+        error = _merge(self._op_errors.pop(token, []))
+        plan = self.plans.get(plan_id)
+        if plan is None:
+            return
+        op = plan.graph.ops[token.op_id]
+        if error is not None:
+            self._by_kind[op.kind].record_failure(error)
+            if isinstance(error, BadBlocks):
+                self._bad.setdefault(plan_id, []).append((op, error))
+        if plan_id not in self._failed and (error is None or op.kind in STORE_OPS):
+            self.counters["ops_done" if error is None else "ops_skipped"] += 1
+            finish = self.cache.complete if error is None else self.cache.skip
+            if finish(plan_id, token.op_id):
+                self._end(plan_id, ok=True)
+            else:
+                self.pump(plan_id)
+            return
+        self._failed.add(plan_id)
+        if not self.busy(plan_id):  # nothing of it left on a thread: roll it back
+            self._failed.discard(plan_id)
+            self.cache.cancel(plan_id)
+            for bad_op, bad in self._bad.pop(plan_id, []):
+                ops = self._by_kind[bad_op.kind]
+                ops.drop(self.cache.lower[ops.tier], bad.failed)
+            self._end(plan_id, ok=False)
 
     def forget(self, plan_id: int) -> None:
         """The plan was cancelled by its owner (none of its sidecar ops ran)."""
@@ -217,27 +207,48 @@ class DataPlane:
         self._on_plan_end(plan_id, ok)
 
 
-def _part(job: Callable[[int, int], Any], lo: int, hi: int) -> Callable[[], Any]:
+def staged_keys(tier: CacheEngine, node: RadixNode, dst: Iterable[int]) -> list[BlockKeys]:
+    """For a load into the staged CPU `node`: the key path (root to block)
+    of the block landing in each CPU slot of `dst`. Each block's key is
+    found from its slot's position in the node."""
+    path, _ = tier.index.path(node)
+    base = len(path) - len(node)
+    position = {int(s): i for i, s in enumerate(node.slots.tolist())}
+    return [BlockKeys(path[: base + position[int(c)] + 1]) for c in dst]
+
+
+def drop_blocks(tier: CacheEngine, prefixes: list[BlockKeys]) -> list[int]:
+    """Remove each prefix's last block and everything below it from `tier`,
+    where nothing there is in use; returns the slots freed."""
+    freed: list[int] = []
+    for keys in prefixes:
+        if tier.match(keys).num_blocks != len(keys):
+            continue  # already gone with an earlier one
+        try:
+            tier.index.check_removable(keys)
+        except ValueError:
+            continue  # another plan uses it: the next read fails it again
+        removed = tier.index.remove(keys)
+        tier.mempool.free(removed)
+        freed += removed.tolist()
+    return freed
+
+
+def _part(job: Job, lo: int, hi: int) -> Callable[[], Any]:
     return lambda: job(lo, hi)
 
 
 def _merge(errors: list[BaseException]) -> BaseException | None:
-    """One error for an op from its parts' errors: an I/O error wins over
-    checksum failures, which are pooled."""
+    """One error for an op from its parts' errors: any other error wins over
+    bad blocks, which are pooled."""
     if not errors:
         return None
     for err in errors:
-        if not isinstance(err, ChecksumMismatch):
+        if not isinstance(err, BadBlocks):
             return err
-    return ChecksumMismatch([k for err in errors for k in err.failed])  # type: ignore[attr-defined]
-
-
-def _chain_of(node: Any) -> tuple[list[bytes], list[bytes], bool]:
-    """Keys of a node's blocks, each block's parent key, and whether the
-    node's first block starts its sequence."""
-    kb = node.key_bytes
-    keys = [kb[i : i + 16] for i in range(0, len(kb), 16)]
-    parent = node.parent
-    first = parent is None or parent.parent is None
-    head = b"\0" * 16 if first else parent.key_bytes[-16:]
-    return keys, [head, *keys[:-1]], first
+    bad = [e for e in errors if isinstance(e, BadBlocks)]
+    return BadBlocks(
+        [k for e in bad for k in e.failed],
+        sum(e.corrupt for e in bad),
+        sum(e.missing for e in bad),
+    )

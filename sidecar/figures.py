@@ -13,18 +13,25 @@ if TYPE_CHECKING:
 
 
 def _lower_tiers(server: Server) -> dict[str, Any]:
-    if server.cache is None or "ssd" not in server.cache.lower or server.ssd is None:
-        return {}
-    ssd = _tier_figures(server.cache.lower["ssd"])
-    counters = server.dataplane.counters if server.dataplane else {}
-    ssd.update(
-        slot_bytes=server.ssd.slot_bytes,
-        direct_io=server.ssd.direct,
-        checksum_failures=counters.get("checksum_failures", 0),
-        io_errors=counters.get("io_errors", 0),
-        ops_in_flight=server.io.in_flight if server.io else 0,
-    )
-    return {"ssd": ssd}
+    out: dict[str, Any] = {}
+    if server.cache is None:
+        return out
+    ssd_tier = server.cache.lower.get("ssd")
+    if ssd_tier is not None and server.ssd is not None:
+        ops = server.dataplane.tiers.get("ssd") if server.dataplane else None
+        counters = ops.counters if ops is not None else {}
+        out["ssd"] = {
+            **_tier_figures(ssd_tier),
+            "slot_bytes": server.ssd.slot_bytes,
+            "direct_io": server.ssd.direct,
+            "checksum_failures": counters.get("checksum_failures", 0),
+            "io_errors": counters.get("io_errors", 0),
+            "ops_in_flight": server.io.in_flight if server.io else 0,
+        }
+    remote_tier = server.cache.lower.get("remote")
+    if remote_tier is not None and server.remote is not None:
+        out["remote"] = {**_tier_figures(remote_tier), **server.remote.figures()}
+    return out
 
 
 def server_stats(server: Server) -> dict[str, Any]:

@@ -23,17 +23,21 @@ class StatsCollector(Collector):
         s = self._snapshot()
         if not s:
             return
-        cpu = s["tiers"]["cpu"]
-        for name, key, doc in (
-            ("capacity_bytes", "capacity_bytes", "CPU tier capacity in bytes"),
-            ("capacity_blocks", "capacity_blocks", "CPU tier capacity in blocks"),
-            ("used_blocks", "used_blocks", "CPU tier slots in use"),
-            ("cached_blocks", "cached_blocks", "blocks in the CPU tier index"),
-            ("evicted_blocks", "evicted_blocks", "blocks evicted from the CPU tier"),
+        tiers = s["tiers"]
+        for name, doc in (
+            ("capacity_bytes", "tier capacity in bytes"),
+            ("capacity_blocks", "tier capacity in blocks"),
+            ("used_blocks", "tier slots in use"),
+            ("cached_blocks", "blocks in the tier's index"),
+            ("evicted_blocks", "blocks evicted from the tier"),
         ):
             g = GaugeMetricFamily(f"kvsidecar_tier_{name}", doc, labels=["tier"])
-            g.add_metric(["cpu"], float(cpu.get(key, 0)))
+            for tier, figures in tiers.items():
+                if name in figures or tier == "cpu":
+                    g.add_metric([tier], float(figures.get(name, 0)))
             yield g
+        if "remote" in tiers:
+            yield from _remote(tiers["remote"])
         hits = s["hits"]
         yield _gauge("kvsidecar_requests", "lookups counted in hit ratios", hits["requests"])
         yield _gauge(
@@ -60,6 +64,24 @@ class StatsCollector(Collector):
         for code, n in s["errors"].items():
             errors.add_metric([code], n)
         yield errors
+
+
+_REMOTE = (
+    ("online", "1 while the remote store answers, 0 while it is marked unavailable"),
+    ("puts_in_flight_blocks", "remote writes in flight, in blocks"),
+    ("denied_puts", "remote writes denied by the in-flight quota"),
+    ("denied_blocks", "blocks of remote writes denied by the in-flight quota"),
+    ("probes", "existence probes sent to the remote store"),
+    ("found_blocks", "blocks the probes found that this sidecar did not know of"),
+    ("outages", "times the remote tier was marked unavailable"),
+    ("checksum_failures", "remote values that failed their checksum (misses)"),
+    ("missing_blocks", "indexed remote blocks the store no longer had (misses)"),
+)
+
+
+def _remote(figures: dict[str, Any]) -> Iterator[Metric]:
+    for key, doc in _REMOTE:
+        yield _gauge(f"kvsidecar_remote_{key}", doc, float(figures.get(key) or 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

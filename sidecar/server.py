@@ -14,6 +14,7 @@ then unlink the shm segments, the socket and the lock.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -33,12 +34,14 @@ from sidecar.control.ids import GpuBlockIds
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import PlanError
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.dataplane import DataPlane
+from sidecar.dataplane import DataPlane, TierOps
 from sidecar.engines import Engines, Session, namespace_of, pid_namespace
 from sidecar.figures import server_stats
 from sidecar.protocol import ErrorCode, ProtocolError
+from sidecar.remote_tier import RemoteTier
 from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
 from sidecar.ssd import SsdStore
+from sidecar.ssd_ops import SsdOps
 from sidecar.stats import HitStats, split_hits
 from sidecar.tiers import build_tiers
 from sidecar.workers import IoPool
@@ -79,6 +82,7 @@ class Server:
         self.ssd: SsdStore | None = None
         self.io: IoPool | None = None
         self.dataplane: DataPlane | None = None
+        self.remote: RemoteTier | None = None
         self._deferred: dict[int, tuple[bytes, p.Load, list[bytes], int]] = {}
         """Staging plan id -> the load waiting for it (identity, request, arrays, attempt)."""
         self._identity = b""
@@ -93,7 +97,6 @@ class Server:
         self._metrics: Any = None
         self._next_lease_check = 0.0
         self._poller = zmq.Poller()
-        self._poller_fd: int | None = None
         self._handlers: dict[type, Callable[[Any, list[bytes]], p.Reply]] = {
             p.Register: self._register,
             p.Lookup: self._lookup,
@@ -166,12 +169,15 @@ class Server:
     def poll_once(self, timeout_ms: int = POLL_MS) -> None:
         sock = self.sock
         assert sock is not None
-        if self.io is not None and self._poller_fd != self.io.fd:
-            self._poller.register(self.io.fd, zmq.POLLIN)  # the SSD pool came up
-            self._poller_fd = self.io.fd
         ready = dict(self._poller.poll(timeout_ms))
-        if self.dataplane is not None and self.io is not None and self.io.fd in ready:
-            self.dataplane.collect()
+        if self.dataplane is not None:
+            for io in self.dataplane.pools:
+                if io.fd in ready:
+                    self.dataplane.collect(io)
+        if self.remote is not None:
+            if self.remote.control_pool.fd in ready:
+                self.remote.collect()
+            self.remote.tick()
         # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
         while sock.getsockopt(_EVENTS) & _POLLIN:
             self._serve_one(sock.recv_multipart(zmq.NOBLOCK))
@@ -189,10 +195,13 @@ class Server:
         deadline = time.monotonic() + self.config.drain_seconds
 
         def busy() -> bool:
-            return bool(self.engines.plans) or bool(self.dataplane and self.dataplane.plans)
+            probes = self.remote.pending_probes if self.remote else 0
+            return bool(self.engines.plans or (self.dataplane and self.dataplane.plans) or probes)
 
         while busy() and time.monotonic() < deadline:
             self.poll_once(20)
+        if self.remote is not None:
+            self.remote.abandon_probes()
         for plan_id in list(self.engines.plans):
             self.engines.end(plan_id, cancel=True)
         if self.dataplane is not None:
@@ -219,6 +228,9 @@ class Server:
         if self.io is not None:  # threads may still read or write shm slots
             self.io.close()
             self.io = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         if self.ssd is not None:
             self.ssd.close()
             self.ssd = None
@@ -308,17 +320,26 @@ class Server:
     def _create_cache(self, layout: BlockLayout) -> None:
         assert self.pool is not None
         tiers = build_tiers(self.config, self.pool, layout)
-        self.cache, self.ssd, self.io = tiers.cache, tiers.ssd, tiers.io
+        self.cache, self.ssd, self.io, self.remote = tiers
+        ops: list[TierOps] = []
         if self.ssd is not None and self.io is not None:
-            self.dataplane = DataPlane(
-                self.cache, self.pool, layout, self.ssd, self.io, self._plan_ended
-            )
+            ops.append(SsdOps(self.ssd, self.io, self.pool, layout))
+        if self.remote is not None:
+            ops.append(self.remote.ops)
+        if ops:
+            self.dataplane = DataPlane(self.cache, self.pool, layout, ops, self._plan_ended)
+            for io in self.dataplane.pools:  # results wake the loop through their eventfds
+                self._poller.register(io.fd, zmq.POLLIN)
+        if self.remote is not None:
+            self._poller.register(self.remote.control_pool.fd, zmq.POLLIN)
         self.layout = layout
 
-    def _lookup(self, req: p.Lookup, arrays: list[bytes]) -> p.Reply:
+    def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> p.Reply | None:
         self._session(req)
         keys = p.parse_keys(arrays[0])
         assert self.cache is not None
+        if not probed and self._probe(keys, req.id, lambda: self._lookup(req, arrays, True)):
+            return None
         counts = self.cache.lookup(keys)
         hits = split_hits(counts)
         self.hits.record(len(keys), hits)
@@ -340,16 +361,21 @@ class Server:
             raise ProtocolError(ErrorCode.BUSY, str(err)) from None
         return p.ok(req.id, deleted_blocks=removed)
 
-    def _load(self, req: p.Load, arrays: list[bytes], attempt: int = 0) -> p.Reply | None:
-        """A GET. Blocks past the CPU prefix that the SSD holds are first staged
-        into the CPU tier by the I/O pool; the reply waits for that, so the
-        engine only ever runs CPU->GPU copies."""
+    def _load(
+        self, req: p.Load, arrays: list[bytes], attempt: int = 0, probed: bool = False
+    ) -> p.Reply | None:
+        """A GET. Blocks past the CPU prefix that the SSD or the remote store
+        holds are first staged into the CPU tier by the worker pools; the
+        reply waits for that, so the engine only ever runs CPU->GPU copies."""
         self._not_stopping()
         session = self._session(req)
         keys, gpu = self._keys_and_blocks(session, arrays)
         if not 0 <= req.skip <= len(keys):
             raise ProtocolError(ErrorCode.BAD_VALUE, f"skip must be in [0, {len(keys)}]")
         assert self.cache is not None
+        resume = functools.partial(self._load, req, arrays, 0, True)
+        if attempt == 0 and not probed and self._probe(keys, req.id, resume):
+            return None
         if self.dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
             stage = self.cache.get(keys, gpu, len(keys))  # lower tiers -> CPU only
             waiting = (self._identity, req, arrays, attempt + 1)
@@ -358,7 +384,7 @@ class Server:
                 self.dataplane.adopt(stage)
                 return None
             counts = self.cache.lookup(keys)
-            if counts.ssd > counts.cpu and self.dataplane.plans:
+            if max(counts.ssd, counts.remote) > counts.cpu and self.dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
                 # flight. Try again when one of those lands.
                 self._waiting_for_io.append(waiting)
@@ -381,6 +407,34 @@ class Server:
         }
         return self._plan_reply(req.id, session, plan, fields)
 
+    def _probe(self, keys: Any, rid: int, resume: Callable[[], p.Reply | None]) -> bool:
+        """Ask the remote store about keys past what this sidecar knows, when
+        the double-get rule says so; `resume` answers the request once the
+        probe is back. False when there is nothing to ask."""
+        assert self.cache is not None
+        start = None if self.remote is None else self.cache.remote_probe_start(keys)
+        if start is None:
+            return False
+        identity = self._identity
+        assert self.remote is not None
+        self.remote.probe(keys, start, lambda: self._resume(identity, rid, resume))
+        return True
+
+    def _resume(self, identity: bytes, rid: int, answer: Callable[[], p.Reply | None]) -> None:
+        """Answer a request whose reply waited (for a probe or a staging)."""
+        self._identity = identity
+        try:
+            reply = answer()
+        except ProtocolError as err:
+            reply = p.error(rid, err.code, err.message)
+        except Exception as err:  # a bug must not take the sidecar down
+            log.exception("internal error answering a deferred request")
+            self.errors[ErrorCode.INTERNAL.value] += 1
+            reply = p.error(rid, ErrorCode.INTERNAL, f"internal error: {err!r}")
+        if reply is not None:
+            self._send(identity, reply)
+        self._adopt_background()
+
     def _keys_and_blocks(self, session: Session, arrays: list[bytes]) -> tuple[Any, GpuBlockIds]:
         keys = p.parse_keys(arrays[0])
         gpu = p.parse_ids(arrays[1], "block_ids", len(keys), session.group.num_gpu_blocks)
@@ -394,13 +448,7 @@ class Server:
         if waiting is not None:
             retry.append(waiting)
         for identity, req, arrays, attempt in retry:
-            self._identity = identity
-            try:
-                reply = self._load(req, arrays, attempt)
-            except ProtocolError as err:
-                reply = p.error(req.id, err.code, err.message)
-            if reply is not None:
-                self._send(identity, reply)
+            self._resume(identity, req.id, functools.partial(self._load, req, arrays, attempt))
         self._adopt_background()
 
     def _plan_reply(self, rid: int, session: Session, plan: Any, fields: dict) -> p.Reply:

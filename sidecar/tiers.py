@@ -8,24 +8,35 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import numpy as np
+import redis
 
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.config import Config
+from sidecar.control.admission import DoubleGetRule
 from sidecar.control.engine import CacheEngine
 from sidecar.control.ids import KEY_DTYPE, BlockKeys, SlotIds
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.protocol import ErrorCode, ProtocolError
+from sidecar.redis_connector import RedisConnector
+from sidecar.remote import RemoteStore
+from sidecar.remote_tier import Backoff, RemoteTier
 from sidecar.ssd import Record, SsdError, SsdStore
 from sidecar.workers import IoPool
 
 log = logging.getLogger("kvsidecar")
 
 
+REMOTE_INDEX_MAX_BLOCKS = 1 << 20
+"""The remote index is a cache of what this sidecar knows the store holds;
+past this many blocks it forgets (evicts) the coldest."""
+
+
 class Tiers(NamedTuple):
     cache: GlobalCacheEngine
     ssd: SsdStore | None
     io: IoPool | None
+    remote: RemoteTier | None
 
 
 def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
@@ -53,8 +64,54 @@ def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
     if ssd is not None:
         ssd_engine, store = ssd
         io = IoPool("ssd", c.ssd_io_threads)
-    cache = GlobalCacheEngine(cpu, ssd_engine, None, c.write_policy, c.write_through_min_hits)
-    return Tiers(cache, store, io)
+    remote_engine = None
+    if c.remote_url is not None:
+        num = min(c.remote_capacity // layout.slot_stride, REMOTE_INDEX_MAX_BLOCKS)
+        remote_engine = CacheEngine(
+            "remote", num, c.eviction_policy, c.evict_start_threshold, c.evict_ratio
+        )
+    cache = GlobalCacheEngine(
+        cpu,
+        ssd_engine,
+        remote_engine,
+        c.write_policy,
+        c.write_through_min_hits,
+        DoubleGetRule(c.remote_double_get_min_blocks, c.remote_double_get_min_share),
+        c.remote_put_quota_blocks,
+    )
+    remote = open_remote_tier(c, cache, pool, layout) if remote_engine is not None else None
+    if remote_engine is not None and remote is None:
+        cache.set_online("remote", False)
+    return Tiers(cache, store, io, remote)
+
+
+def open_remote_tier(
+    config: Config, cache: GlobalCacheEngine, pool: ShmPool, layout: BlockLayout
+) -> RemoteTier | None:
+    """The remote tier's store and worker pool; None (logged) when its URL
+    cannot be used. Connections are made on first use: a store that is down
+    at start only marks the tier unavailable."""
+    assert config.remote_url is not None
+    try:
+        connector = RedisConnector(
+            config.remote_url,
+            timeout=config.remote_timeout_seconds,
+            cluster=config.remote_cluster,
+            max_connections=4 * config.remote_io_threads,
+        )
+    except (ValueError, redis.RedisError) as err:
+        log.error("remote tier disabled: remote_url cannot be used: %s", err)
+        return None
+    store = RemoteStore(connector, config.remote_namespace, layout.block_bytes)
+    backoff = Backoff(config.remote_retry_seconds, config.remote_retry_max_seconds)
+    tier = RemoteTier(cache, store, config.remote_io_threads, pool, layout, backoff)
+    log.info(
+        "remote tier: %s, namespace %r, index of %d blocks",
+        connector.describe(),
+        config.remote_namespace,
+        cache.lower["remote"].capacity,
+    )
+    return tier
 
 
 def open_ssd_tier(config: Config, layout: BlockLayout) -> tuple[CacheEngine, SsdStore] | None:

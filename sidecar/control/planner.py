@@ -14,6 +14,12 @@ and remote per the write policy:
 - write_back: a block is written down when it is evicted from the CPU tier;
   its CPU slot is reused only after the write has landed.
 
+The remote tier follows AIBrix's rules for its L2 (`control/admission.py`):
+it is read only when the double-get rule allows it, and its writes are
+bounded by an in-flight quota (blocks past it are DENIED and counted). A
+lower tier marked offline (`set_online`) is neither read nor written.
+
+Plans in flight are tracked by the `PlanTable` base (`control/plans.py`).
 Every block a plan reads or writes stays locked until the plan ends; every
 block it inserts stays unready until its op completes. Failing or cancelling
 a plan drops what had not landed and releases the rest, so a half-written
@@ -23,23 +29,23 @@ block is never visible and no slot leaks.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
 
 import numpy as np
 
+from sidecar.control.admission import DoubleGetRule, PutQuota
 from sidecar.control.engine import CacheEngine
-from sidecar.control.graph import OpKind, TransferGraph, TransferOp
+from sidecar.control.graph import OpKind, TransferGraph
 from sidecar.control.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
 from sidecar.control.index import EvictedRun, MatchResult
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import (
     Plan,
-    PlanError,
     PlanKind,
     ReadyWait,
     RunningPlan,
     TierCounts,
 )
+from sidecar.control.plans import PlanTable
 
 
 class WritePolicy(enum.Enum):
@@ -52,7 +58,7 @@ _LOAD_OP = {"ssd": OpKind.DISK2H, "remote": OpKind.REMOTE2H}
 _STORE_OP = {"ssd": OpKind.H2DISK, "remote": OpKind.H2REMOTE}
 
 
-class GlobalCacheEngine:
+class GlobalCacheEngine(PlanTable):
     def __init__(
         self,
         cpu: CacheEngine,
@@ -60,6 +66,8 @@ class GlobalCacheEngine:
         remote: CacheEngine | None = None,
         write_policy: str | WritePolicy = WritePolicy.WRITE_THROUGH,
         write_through_min_hits: int = 2,
+        remote_rule: DoubleGetRule | None = None,
+        remote_quota: int | None = None,
     ) -> None:
         self.cpu = cpu
         self.lower: dict[str, CacheEngine] = {}
@@ -71,23 +79,72 @@ class GlobalCacheEngine:
         if write_through_min_hits < 1:
             raise ValueError(f"write_through_min_hits must be >= 1, got {write_through_min_hits}")
         self.write_through_min_hits = write_through_min_hits
-        self._runs: dict[int, RunningPlan] = {}
-        self._next_id = 1
+        super().__init__(PutQuota(remote_quota) if remote_quota is not None else None)
+        self.remote_rule = remote_rule or DoubleGetRule()
+        self.offline: set[str] = set()
         self._background: list[Plan] = []
         if self.write_policy is WritePolicy.WRITE_BACK and self.lower:
             cpu.evict_hook = self._write_back
 
     # ---- queries -------------------------------------------------------------
 
-    def lookup(self, keys: BlockKeys) -> TierCounts:
-        """Ready prefix length in each tier; changes nothing."""
-        lower = {name: tier.match(keys).num_blocks for name, tier in self.lower.items()}
-        cpu = self.cpu.match(keys).num_blocks
-        return TierCounts(cpu, lower.get("ssd", 0), lower.get("remote", 0))
+    def set_online(self, name: str, online: bool) -> None:
+        """Mark a lower tier usable or not (its store is down): an offline
+        tier is left out of lookups, GETs and writes until it is back."""
+        if name not in self.lower:
+            raise ValueError(f"no lower tier {name!r}")
+        if online:
+            self.offline.discard(name)
+        else:
+            self.offline.add(name)
 
-    @property
-    def num_active_plans(self) -> int:
-        return len(self._runs)
+    def lookup(self, keys: BlockKeys) -> TierCounts:
+        """Ready prefix length in each tier a GET would read; changes nothing."""
+        lower = {name: tier.match(keys).num_blocks for name, tier in self._online()}
+        cpu = self.cpu.match(keys).num_blocks
+        remote = lower.get("remote", 0)
+        local = max(cpu, lower.get("ssd", 0))
+        if not self.remote_rule.allows(len(keys) - local, len(keys)):
+            remote = 0
+        return TierCounts(cpu, lower.get("ssd", 0), remote)
+
+    def remote_probe_start(self, keys: BlockKeys) -> int | None:
+        """Where a probe of the remote store for `keys` should start (the
+        remote index's own prefix), or None when there is nothing to ask:
+        no remote tier, offline, blocks past it being written right now, or
+        the double-get rule says too little is missing locally."""
+        remote = self.lower.get("remote")
+        if remote is None or "remote" in self.offline:
+            return None
+        m = remote.match(keys)
+        if m.num_present > m.num_blocks:
+            return None
+        local = [t.match(keys).num_blocks for name, t in self._online() if name != "remote"]
+        have = max(m.num_blocks, self.cpu.match(keys).num_blocks, *local)
+        return m.num_blocks if self.remote_rule.allows(len(keys) - have, len(keys)) else None
+
+    def learn_remote(self, keys: BlockKeys, num_blocks: int) -> int:
+        """The remote store holds keys[:num_blocks] (a probe found them, or
+        another host saved them): the remote index adds what it lacked, ready.
+        Returns the blocks added (fewer when its index is full of locked
+        blocks, none when blocks there are in flight)."""
+        remote = self.lower.get("remote")
+        if remote is None or num_blocks <= 0:
+            return 0
+        prefix = BlockKeys(keys[:num_blocks])
+        m = remote.match(prefix)
+        if m.num_present > m.num_blocks or m.num_blocks >= num_blocks:
+            return 0
+        if m.node is not None:
+            remote.lock(m.node)  # the allocation may evict: keep the prefix
+        try:
+            slots = remote.allocate(num_blocks - m.num_blocks)
+        finally:
+            if m.node is not None:
+                remote.unlock(m.node)
+        if slots.size:
+            remote.insert(BlockKeys(prefix[: m.num_blocks + slots.size]), slots, ready=True)
+        return int(slots.size)
 
     def drain_background(self) -> list[Plan]:
         """Write-back plans created by CPU evictions, for the sidecar's pools."""
@@ -139,8 +196,10 @@ class GlobalCacheEngine:
         c = cpu_m.num_blocks
         frags: list[tuple[str, MatchResult, int, int]] = []
         end = c
-        for name, tier in self.lower.items():
+        for name, tier in self._online():
             m = tier.match(keys)
+            if name == "remote" and not self.remote_rule.allows(len(keys) - end, len(keys)):
+                continue
             if m.num_blocks > end:
                 frags.append((name, m, end, m.num_blocks))
                 end = m.num_blocks
@@ -240,13 +299,18 @@ class GlobalCacheEngine:
         are still landing by op `after`, so their writes depend on it.
         """
         n = len(keys)
-        for name, tier in self.lower.items():
+        for name, tier in self._online():
             m = tier.match(BlockKeys(keys))
             t = m.num_blocks
             if t >= n or m.num_present > t:
                 continue
+            want = n - t
+            if name == "remote" and self.quota is not None:
+                want = self.quota.admit(want)
+                if not want:
+                    continue
             run.lock(tier, m.node)
-            slots = tier.allocate(n - t)
+            slots = tier.allocate(want)
             if slots.size == 0:
                 continue
             end = t + slots.size
@@ -256,6 +320,8 @@ class GlobalCacheEngine:
             deps = (after,) if after is not None and end > after_from else ()
             op = graph.add(_STORE_OP[name], cpu_slots[t:end], slots, deps)
             run.waits.append(ReadyWait(tier, node, {op}))
+            if name == "remote" and self.quota is not None:
+                self.quota.hold(run.plan.plan_id, op, int(slots.size))
 
     # ---- write-back ------------------------------------------------------------
 
@@ -293,82 +359,8 @@ class GlobalCacheEngine:
             tier.index.check_removable(keys)
         return sum(tier.remove(keys) for tier in holding)
 
-    # ---- completion ------------------------------------------------------------
-
-    def complete(self, plan_id: int, op_id: int) -> bool:
-        """Op `op_id` of the plan is done; returns True when the plan ended.
-
-        An unknown plan or op, an op done twice, or an op whose dependencies
-        are not done raises PlanError and changes nothing.
-        """
-        run = self._run(plan_id)
-        op = self._op(run, op_id)
-        missing = [d for d in op.deps if d not in run.done]
-        if missing:
-            raise PlanError(f"plan {plan_id}: op {op_id} completed before its deps {missing}")
-        run.mark_done(op_id)
-        if len(run.done) == len(run.plan.graph.ops):
-            del self._runs[plan_id]
-            run.release()
-            return True
-        return False
-
-    def fail(self, plan_id: int, op_id: int) -> None:
-        """Op `op_id` failed: the plan ends; what had not landed is dropped."""
-        run = self._run(plan_id)
-        self._op(run, op_id)
-        self.cancel(plan_id)
-
-    def cancel(self, plan_id: int) -> None:
-        run = self._run(plan_id)
-        del self._runs[plan_id]
-        run.release()
-
-    def op_target(self, plan_id: int, op_id: int) -> tuple[CacheEngine, RadixNode] | None:
-        """The tier and node an unfinished op of a plan in flight fills."""
-        run = self._run(plan_id)
-        for wait in run.waits:
-            if op_id in wait.ops:
-                return wait.engine, wait.node
-        return None
-
-    def is_done(self, plan_id: int, op_id: int) -> bool:
-        return op_id in self._run(plan_id).done
-
-    def active_plan_ids(self) -> Iterator[int]:
-        return iter(list(self._runs))
-
-    # ---- helpers -------------------------------------------------------------------
-
-    def _start(self, kind: PlanKind) -> tuple[RunningPlan, TransferGraph]:
-        graph = TransferGraph()
-        run = RunningPlan(Plan(self._next_id, kind, graph))
-        self._next_id += 1
-        return run, graph
-
-    def _launch(self, run: RunningPlan, graph: TransferGraph, **fields: object) -> Plan:
-        plan = Plan(run.plan.plan_id, run.plan.kind, graph, **fields)  # type: ignore[arg-type]
-        run.plan = plan
-        if graph.ops:
-            self._runs[plan.plan_id] = run
-        else:
-            run.release()
-        return plan
-
-    def _run(self, plan_id: int) -> RunningPlan:
-        run = self._runs.get(plan_id)
-        if run is None:
-            raise PlanError(f"no plan {plan_id} in flight")
-        return run
-
-    @staticmethod
-    def _op(run: RunningPlan, op_id: int) -> TransferOp:
-        ops = run.plan.graph.ops
-        if not 0 <= op_id < len(ops):
-            raise PlanError(f"plan {run.plan.plan_id} has no op {op_id}")
-        if op_id in run.done:
-            raise PlanError(f"plan {run.plan.plan_id}: op {op_id} already completed")
-        return ops[op_id]
+    def _online(self) -> list[tuple[str, CacheEngine]]:
+        return [(n, t) for n, t in self.lower.items() if n not in self.offline]
 
 
 def _depth_above(node: RadixNode) -> int:

@@ -1,0 +1,233 @@
+"""`kvsidecar bench remote`: the remote tier's reads and writes against raw redis-py.
+
+For each block size (2 MiB and 256 KiB by default) it fills N shm slots
+(one prefaulted POSIX shm pool, as in the sidecar) with random blocks and
+times, on the same server and interleaved round by round:
+
+- write: the remote tier's H2REMOTE path: `RemoteStore.write` straight from
+  the slots (header + checksum, zero-copy SET), one batch per worker
+  thread, on an `IoPool` of `--threads` as the sidecar runs it;
+- read: REMOTE2H: `RemoteStore.read` into other slots, each value verified;
+- floor: raw redis-py pipelined SET / GET of the same number of values of
+  the same size (bytes objects), one pipeline. Writes are timed with both
+  of redis-py's command packers (hiredis, its default when installed, and
+  the pure-Python one); the floor is the faster.
+
+GB/s = 1e9 B/s of block bytes; medians over --repeats; ratio = tier /
+floor. Without --url a private `redis-server` (no persistence) is started
+on a free loopback port and stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import redis
+from redis.connection import Encoder, PythonRespSerializer
+
+from bench.report import print_table, time_interleaved, write_json
+from shm.pool import ShmPool
+from sidecar.redis_connector import RedisConnector
+from sidecar.remote import ReadResult, RemoteStore
+from sidecar.workers import IoPool
+
+TARGET_VS_FLOOR = 0.8
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "remote",
+        help="remote-tier reads and writes against raw redis-py pipelines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--url", help="a running Redis/Valkey (default: start a private one)")
+    p.add_argument("--block-kib", default="2048,256", help="block sizes in KiB (2048,256)")
+    p.add_argument("--total-mib", type=int, default=None, help="bytes per batch (256)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (5)")
+    p.add_argument("--threads", type=int, default=4, help="remote worker threads (4)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def private_server() -> Iterator[str]:
+    """A throwaway redis-server on a free loopback port; yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not on PATH: install it or pass --url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="kvs-bench-redis-")
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", workdir]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the private redis-server did not start") from None
+                time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _python_packer_client(url: str) -> redis.Redis:
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    return redis.Redis(connection_pool=redis.ConnectionPool.from_url(url, command_packer=packer))
+
+
+def _on_pool(io: IoPool, jobs: list[Callable[[], Any]]) -> list[Any]:
+    """Run jobs on the pool and wait for all of them, as the sidecar's loop does."""
+    for i, job in enumerate(jobs):
+        io.submit(i, job)
+    results: list[Any] = [None] * len(jobs)
+    left = len(jobs)
+    while left:
+        select.select([io.fd], [], [])
+        for done in io.collect():
+            if done.error is not None:
+                raise done.error
+            results[done.token] = done.result
+            left -= 1
+    return results
+
+
+def measure(url: str, block: int, total: int, repeats: int, threads: int) -> dict[str, Any]:
+    n = max(threads, total // block)
+    prefix = f"kvsbench.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(block)
+    keys = [rng.bytes(16) for _ in range(n)]
+    values = [rng.bytes(block) for _ in range(n)]
+    floor_keys = [b"floor:%d" % i for i in range(n)]
+    store = RemoteStore(RedisConnector(url, timeout=30.0), f"bench{os.getpid()}", block)
+    default, python = redis.Redis.from_url(url), _python_packer_client(url)
+    io = IoPool("bench-remote", threads)
+    step = -(-n // threads)
+    parts = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    with ShmPool.create(prefix, 2 * n * block) as pool:
+        src = [pool.slot_view(i, block) for i in range(n)]
+        dst = [pool.slot_view(n + i, block) for i in range(n)]
+        for i, v in enumerate(values):
+            src[i][:] = np.frombuffer(v, dtype=np.uint8)
+
+        def tier_write() -> None:
+            _on_pool(io, [lambda a=a, b=b: store.write(keys[a:b], src[a:b]) for a, b in parts])
+
+        def tier_read() -> None:
+            got = _on_pool(io, [lambda a=a, b=b: store.read(keys[a:b], dst[a:b]) for a, b in parts])
+            if any(r is not ReadResult.HIT for part in got for r in part):
+                raise RuntimeError("a block written by the benchmark did not read back")
+
+        def floor_write(client: redis.Redis) -> None:
+            pipe = client.pipeline(transaction=False)
+            for k, v in zip(floor_keys, values, strict=True):
+                pipe.set(k, v)
+            pipe.execute()
+
+        def floor_read() -> None:
+            pipe = default.pipeline(transaction=False)
+            for k in floor_keys:
+                pipe.get(k)
+            pipe.execute()
+
+        fns: dict[str, Callable[[], None]] = {
+            "floor_write_hiredis_packer": lambda: floor_write(default),
+            "floor_write_python_packer": lambda: floor_write(python),
+            "tier_write": tier_write,
+            "floor_read": floor_read,
+            "tier_read": tier_read,
+        }
+        times = time_interleaved(fns, repeats)
+        if not all(np.array_equal(s, d) for s, d in zip(src, dst, strict=True)):
+            raise RuntimeError("blocks read back differ from those written")
+    io.close()
+    store.delete(keys)
+    default.delete(*floor_keys)
+    for c in (default, python, store.connector):
+        c.close()
+    gbps = {name: n * block / statistics.median(t) / 1e9 for name, t in times.items()}
+    write_floor = max(gbps["floor_write_hiredis_packer"], gbps["floor_write_python_packer"])
+    return {
+        "block_bytes": block,
+        "blocks": n,
+        "bytes": n * block,
+        **{f"{name}_gbps": v for name, v in gbps.items()},
+        "floor_write_gbps": write_floor,
+        "write_vs_floor": gbps["tier_write"] / write_floor,
+        "read_vs_floor": gbps["tier_read"] / gbps["floor_read"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sizes = [int(v) << 10 for v in args.block_kib.split(",") if v.strip()]
+    except ValueError:
+        print(f"--block-kib: expected KiB numbers, got {args.block_kib!r}", file=sys.stderr)
+        return 2
+    if not sizes or min(sizes) <= 0 or args.threads < 1:
+        print("--block-kib and --threads must be positive", file=sys.stderr)
+        return 2
+    total = (args.total_mib or (4 if args.quick else 256)) << 20
+    repeats = args.repeats or (1 if args.quick else 5)
+    try:
+        server = contextlib.nullcontext(args.url) if args.url else private_server()
+        with server as url:
+            version = redis.Redis.from_url(url).info("server")["redis_version"]
+            cases = {}
+            for block in sizes:
+                print(f"{block >> 10} KiB blocks: {total >> 20} MiB ...", file=sys.stderr)
+                cases[f"{block >> 10}KiB"] = measure(url, block, total, repeats, args.threads)
+    except (RuntimeError, redis.RedisError) as err:
+        print(f"bench remote: {err}", file=sys.stderr)
+        return 2
+    rows = [
+        (name, c["blocks"], c["tier_write_gbps"], c["floor_write_hiredis_packer_gbps"],
+         c["floor_write_python_packer_gbps"], c["write_vs_floor"], c["tier_read_gbps"],
+         c["floor_read_gbps"], c["read_vs_floor"])
+        for name, c in cases.items()
+    ]  # fmt: skip
+    print_table(
+        ("block", "blocks", "write GB/s", "redis-py SET (hiredis)", "redis-py SET (python)",
+         "write/floor", "read GB/s", "redis-py GET", "read/floor"),
+        rows,
+    )  # fmt: skip
+    print(f"redis {version}, {args.threads} tier threads; target >= {TARGET_VS_FLOOR} x floor")
+    if args.json:
+        result = {
+            "redis_version": version,
+            "threads": args.threads,
+            "total_bytes_per_case": total,
+            "repeats": repeats,
+            "target_vs_floor": TARGET_VS_FLOOR,
+            "write_vs_floor": {k: c["write_vs_floor"] for k, c in cases.items()},
+            "read_vs_floor": {k: c["read_vs_floor"] for k, c in cases.items()},
+            "quick": bool(args.quick),
+            "cases": cases,
+        }
+        write_json(args.json, result)
+    return 0

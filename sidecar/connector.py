@@ -1,0 +1,69 @@
+"""The remote tier's store, seen as batches of whole values by key.
+
+A `Connector` is what kvsidecar needs from a distributed key-value store
+(Redis, Valkey, or anything with the same four batch operations). kvsidecar
+never runs a store of its own: it talks to one the user already runs.
+
+Contract, for every implementation:
+- each call is one batch, sent with as few round trips as the store allows
+  (pipelined), and is safe to call from several threads at once;
+- a call that cannot reach the store, or that gets no answer within the
+  connector's timeout, raises `RemoteUnavailable`; nothing else about the
+  store's health is reported by exceptions;
+- a per-key failure the store reports (out of memory, a moved slot) fails
+  that key only: `put` reports it in its result, `get` returns None for it;
+- values are opaque bytes; framing and checksums belong to the caller.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+Chunk = bytes | bytearray | memoryview
+Chunks = Sequence[Chunk]
+"""One value as consecutive pieces (a header, then a view of an shm slot),
+written back to back without being joined first."""
+
+
+class RemoteError(Exception):
+    """The remote store refused or failed an operation."""
+
+
+class RemoteUnavailable(RemoteError):
+    """The remote store could not be reached or did not answer in time."""
+
+
+class Connector(ABC):
+    """Batch get / put / exists / delete of whole values by key."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The value of each key, None where the key is absent (or its read
+        failed on the store's side)."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:
+        """Store values[i] (its chunks concatenated) under keys[i]; True
+        where the store accepted it."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key holds a value now."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the keys; returns how many existed."""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Return if the store answers (every node of a cluster); else raise
+        RemoteUnavailable."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Drop every connection (idempotent)."""
+
+    def describe(self) -> str:
+        """Where the store is, for logs and stats (no credentials)."""
+        return type(self).__name__

@@ -1,0 +1,93 @@
+"""The remote tier's values: one per block, named by namespace and block key.
+
+Key: `<namespace>:<block key in hex>`. The block key is already salted by
+the model, layout, dtype and TP size (`sidecar.blocks`), so sidecars of
+different models share a store without colliding; the namespace separates
+deployments (or tenants) that share one.
+
+Value: a 32-byte header (magic, block size, xxh3-64 checksum seeded by the
+block key, the block key itself) followed by the block's bytes. A value
+that is absent, of the wrong size, under another key or whose bytes fail
+the checksum is a miss, never data: it is not copied into the slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from sidecar.connector import Connector
+from sidecar.ssd import checksum
+
+HEADER = struct.Struct("<4sIQ16s")  # magic, block bytes, checksum, block key
+HEADER_BYTES = HEADER.size  # 32
+MAGIC = b"KVR1"
+
+
+class ReadResult(enum.Enum):
+    HIT = "hit"
+    MISSING = "missing"
+    """No value under the key (never written, evicted by the store, or lost
+    in a restart)."""
+    CORRUPT = "corrupt"
+    """A value that fails its size, key or checksum."""
+
+
+class RemoteStore:
+    """Blocks of `block_bytes` in a remote store, through `connector`.
+    Safe to call from several threads at once (the connector is)."""
+
+    def __init__(self, connector: Connector, namespace: str, block_bytes: int) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
+        self.connector = connector
+        self.namespace = namespace
+        self.block_bytes = block_bytes
+        self._prefix = namespace.encode() + b":"
+
+    def name(self, key: bytes) -> bytes:
+        """The store key of a 16-byte block key."""
+        return self._prefix + key.hex().encode()
+
+    def write(self, keys: Sequence[bytes], blocks: Sequence[memoryview | np.ndarray]) -> list[bool]:
+        """Store each block (block_bytes of it, sent straight from its
+        buffer) under its key; True where the store took it."""
+        values = []
+        for key, block in zip(keys, blocks, strict=True):
+            data = memoryview(block).cast("B")[: self.block_bytes]
+            head = HEADER.pack(MAGIC, self.block_bytes, checksum(data, key), key)
+            values.append((head, data))
+        return self.connector.put([self.name(k) for k in keys], values)
+
+    def read(
+        self, keys: Sequence[bytes], targets: Sequence[memoryview | np.ndarray]
+    ) -> list[ReadResult]:
+        """Fetch each block into its target buffer; a target whose result
+        is not HIT is left as it was."""
+        values = self.connector.get([self.name(k) for k in keys])
+        return [self._unpack(k, v, t) for k, v, t in zip(keys, values, targets, strict=True)]
+
+    def _unpack(
+        self, key: bytes, value: bytes | None, target: memoryview | np.ndarray
+    ) -> ReadResult:
+        if value is None:
+            return ReadResult.MISSING
+        if len(value) != HEADER_BYTES + self.block_bytes:
+            return ReadResult.CORRUPT
+        magic, size, digest, stored_key = HEADER.unpack_from(value)
+        body = memoryview(value)[HEADER_BYTES:]
+        if magic != MAGIC or size != self.block_bytes or stored_key != key:
+            return ReadResult.CORRUPT
+        if checksum(body, key) != digest:
+            return ReadResult.CORRUPT
+        memoryview(target).cast("B")[: self.block_bytes] = body
+        return ReadResult.HIT
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.connector.exists([self.name(k) for k in keys])
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self.connector.delete([self.name(k) for k in keys])

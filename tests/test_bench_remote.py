@@ -1,0 +1,39 @@
+"""`kvsidecar bench remote --quick` end to end, through the CLI, on a private server."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from redis_servers import ensure_redis
+from shm_helpers import shm_entries
+from sidecar_proc import free_port
+
+from sidecar.cli import main
+
+
+def test_remote_cli_quick_writes_figures_and_cleans_up(tmp_path):
+    ensure_redis()
+    out = tmp_path / "remote.json"
+    assert main(["bench", "remote", "--quick", "--threads", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in ("write_vs_floor", "read_vs_floor"):
+        assert sorted(data[key]) == ["2048KiB", "256KiB"], key
+        assert all(math.isfinite(v) and v > 0 for v in data[key].values()), key
+    case = data["cases"]["256KiB"]
+    assert case["block_bytes"] == 256 << 10 and case["blocks"] == 16
+    for key in ("tier_write_gbps", "tier_read_gbps", "floor_write_gbps", "floor_read_gbps"):
+        assert math.isfinite(case[key]) and case[key] > 0, key
+    assert case["floor_write_gbps"] == max(
+        case["floor_write_hiredis_packer_gbps"], case["floor_write_python_packer_gbps"]
+    )
+    assert shm_entries(f"kvsbench.{os.getpid()}.") == []
+
+
+def test_remote_cli_reports_an_unreachable_server_and_bad_arguments(capsys):
+    url = f"redis://127.0.0.1:{free_port()}"
+    assert main(["bench", "remote", "--quick", "--url", url]) == 2
+    assert "bench remote:" in capsys.readouterr().err
+    assert main(["bench", "remote", "--quick", "--block-kib", "x"]) == 2
+    assert main(["bench", "remote", "--quick", "--threads", "0"]) == 2

@@ -1,0 +1,290 @@
+"""The remote tier through real sidecars and real Redis servers: sharing
+across "hosts", a cluster, a server killed mid-load, the put quota."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
+from sidecar_proc import MODEL, Sidecar, tokens
+
+from engine_shim import KVClient
+from sidecar.metrics import StatsCollector
+
+# 128 KiB blocks (2 layers of 64 KiB).
+SHAPE = (32, 2, 16, 8, 64)
+BLOCK_TOKENS = 16
+N = 8
+
+
+def kv(seed: int | None) -> list[torch.Tensor]:
+    if seed is None:
+        return [torch.zeros(SHAPE) for _ in range(2)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SHAPE, generator=g) for _ in range(2)]
+
+
+def client(s: Sidecar, cache: list[torch.Tensor]) -> KVClient:
+    c = KVClient.connect(s.endpoint, timeout=5.0)
+    c.register(cache, **{**MODEL, "num_kv_heads": 8, "head_dim": 64})
+    return c
+
+
+def blocks_of(cache: list[torch.Tensor], ids: np.ndarray) -> list[bytes]:
+    return [layer[torch.as_tensor(ids)].numpy().tobytes() for layer in cache]
+
+
+def remote(c: KVClient) -> dict:
+    return c.stats()["tiers"]["remote"]
+
+
+def wait_for(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def settled(c: KVClient) -> bool:
+    stats = c.stats()
+    return stats["plans_in_flight"] == 0 and stats["tiers"]["remote"]["ops_in_flight"] == 0
+
+
+class Hosts:
+    """Sidecars that each play one host: own shm, own SSD directory."""
+
+    def __init__(self, tmp_path, url: str, *extra: str) -> None:
+        self.tmp_path, self.url, self.extra = tmp_path, url, extra
+        self.sidecars: list[Sidecar] = []
+
+    def start(self, *more: str) -> Sidecar:
+        ssd = self.tmp_path / f"ssd{len(self.sidecars)}"
+        s = Sidecar(
+            "--set",
+            f"remote_url={self.url}",
+            "--set",
+            f"ssd_dirs={ssd}",
+            "--set",
+            "ssd_capacity_per_dir=4MiB",
+            *self.extra,
+            *more,
+        )
+        self.sidecars.append(s)
+        return s.start()
+
+    def cleanup(self) -> None:
+        for s in self.sidecars:
+            s.cleanup()
+
+
+@pytest.fixture(scope="module")
+def redis_bin():
+    ensure_redis()
+
+
+@pytest.fixture
+def server(redis_bin):
+    s = RedisServer(persist=True).start()
+    yield s
+    s.cleanup()
+
+
+def save_on_one_load_on_the_other(hosts: Hosts) -> None:
+    a, b = hosts.start(), hosts.start()
+    assert a.shm_prefix != b.shm_prefix
+    src = kv(1)
+    with client(a, src) as c:
+        assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
+        wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+    dst = kv(None)
+    with client(b, dst) as c:
+        assert c.lookup(tokens(N)) == N * BLOCK_TOKENS  # found by a probe of the store
+        assert c.load(tokens(N), np.arange(10, 10 + N)).wait() == N * BLOCK_TOKENS
+        assert blocks_of(dst, np.arange(10, 10 + N)) == blocks_of(src, np.arange(N))
+        stats = c.stats()
+        assert stats["hits"]["hit_blocks"]["remote"] == N
+        assert stats["tiers"]["remote"]["found_blocks"] == N
+        assert stats["tiers"]["remote"]["checksum_failures"] == 0
+    for s in (a, b):
+        assert s.stop() == 0
+        assert s.shm_segments() == []
+
+
+def test_blocks_saved_through_one_host_load_byte_exact_through_another(tmp_path, server):
+    hosts = Hosts(tmp_path, server.url)
+    try:
+        save_on_one_load_on_the_other(hosts)
+    finally:
+        hosts.cleanup()
+
+
+def test_the_same_through_a_three_node_cluster(tmp_path, redis_bin):
+    cluster = RedisClusterOf3().start()
+    hosts = Hosts(tmp_path, cluster.url, "--set", "remote_cluster=true")
+    try:
+        save_on_one_load_on_the_other(hosts)
+        stored = []
+        for node in cluster.nodes:
+            with node.client() as r:
+                stored.append(r.dbsize())
+        assert sum(stored) == N and sum(n > 0 for n in stored) >= 2, stored  # spread by slot
+    finally:
+        hosts.cleanup()
+        cluster.cleanup()
+
+
+FAST_RETRY = (
+    "--set",
+    "remote_timeout_seconds=0.3",
+    "--set",
+    "remote_retry_seconds=0.2",
+    "--set",
+    "remote_retry_max_seconds=0.4",
+)
+
+
+def test_a_server_killed_mid_load_gives_misses_then_hits_after_its_restart(tmp_path, server):
+    hosts = Hosts(tmp_path, server.url, *FAST_RETRY)
+    try:
+        src = kv(2)
+        with client(hosts.start(), src) as c:
+            c.save(tokens(N), np.arange(N)).wait()
+            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+        dst = kv(None)
+        with client(hosts.start(), dst) as c:
+            server.pause()  # the load's round trip to the store will hang...
+            result: list[tuple[int, float]] = []
+            start = time.monotonic()
+            loader = threading.Thread(
+                target=lambda: result.append(
+                    (c.load(tokens(N), np.arange(N)).wait(), time.monotonic() - start)
+                )
+            )
+            loader.start()
+            time.sleep(0.1)
+            server.kill()  # ...and the server dies under it
+            loader.join(10)
+            assert result and result[0][0] == 0 and result[0][1] < 2.0, result
+            for _ in range(3):  # down: misses, answered fast
+                t = time.monotonic()
+                assert c.load(tokens(N), np.arange(N)).wait() == 0
+                assert c.lookup(tokens(N)) == 0
+                assert time.monotonic() - t < 1.0
+            assert remote(c)["online"] is False and remote(c)["outages"] == 1
+            server.start()  # same port, same append-only file
+            wait_for(lambda: remote(c)["online"])
+            assert c.load(tokens(N), np.arange(20, 20 + N)).wait() == N * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(20, 20 + N)) == blocks_of(src, np.arange(N))
+            wait_for(lambda: settled(c))
+    finally:
+        hosts.cleanup()
+
+
+def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(tmp_path, server):
+    hosts = Hosts(
+        tmp_path,
+        server.url,
+        "--set",
+        "remote_put_quota_blocks=4",
+        "--set",
+        "remote_timeout_seconds=3",
+        "--set",
+        "remote_retry_seconds=0.2",
+    )
+    try:
+        s = hosts.start()
+        with client(s, kv(3)) as c:
+            c.save(tokens(1, start=9000), np.arange(1)).wait()  # the tier is up and used
+            wait_for(lambda: remote(c)["cached_blocks"] == 1 and settled(c))
+            server.pause()
+            try:
+                assert c.save(tokens(4), np.arange(4)).wait() == 4 * BLOCK_TOKENS
+                assert c.save(tokens(3, start=5000), np.arange(4, 7)).wait() == 3 * BLOCK_TOKENS
+                assert c.save(tokens(2, start=7000), np.arange(7, 9)).wait() == 2 * BLOCK_TOKENS
+                stats = remote(c)
+                assert (stats["denied_puts"], stats["denied_blocks"]) == (2, 5)
+                assert stats["puts_in_flight_blocks"] == 4
+                wait_for(lambda: not remote(c)["online"])  # the blocked write timed out
+            finally:
+                server.resume()
+            wait_for(lambda: remote(c)["online"] and settled(c))
+            stats = c.stats()
+            tiers = stats["tiers"]
+            assert tiers["remote"]["puts_in_flight_blocks"] == 0
+            assert tiers["remote"]["used_blocks"] == tiers["remote"]["cached_blocks"] == 1
+            assert tiers["cpu"]["used_blocks"] == tiers["cpu"]["cached_blocks"] == 10
+            assert c.lookup(tokens(4)) == 4 * BLOCK_TOKENS  # the CPU copies are whole
+            c.save(tokens(2, start=11000), np.arange(2)).wait()  # the quota is free again
+            wait_for(lambda: remote(c)["cached_blocks"] == 3 and settled(c))
+            gauges = {
+                (m.name, tuple(x.labels.values())): x.value
+                for m in StatsCollector(c.stats).collect()
+                for x in m.samples
+            }
+            assert gauges[("kvsidecar_remote_denied_blocks", ())] == 5
+            assert gauges[("kvsidecar_remote_outages", ())] == 1
+            assert gauges[("kvsidecar_remote_online", ())] == 1
+            assert gauges[("kvsidecar_tier_cached_blocks", ("remote",))] == 3
+        assert s.stop() == 0
+    finally:
+        hosts.cleanup()
+
+
+def test_a_value_failing_its_checksum_is_a_miss_and_leaves_the_store(tmp_path, server):
+    hosts = Hosts(tmp_path, server.url)
+    try:
+        src = kv(4)
+        with client(hosts.start(), src) as c:
+            c.save(tokens(N), np.arange(N)).wait()
+            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+            bad = b"kvsidecar:" + c._keys(tokens(N))[5].tobytes().hex().encode()
+        with server.client() as r:
+            value = bytearray(r.get(bad))
+            value[-1] ^= 0xFF
+            r.set(bad, bytes(value))
+        dst = kv(None)
+        with client(hosts.start(), dst) as c:
+            assert c.load(tokens(N), np.arange(N)).wait() == 5 * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(5)) == blocks_of(src, np.arange(5))
+            assert remote(c)["checksum_failures"] == 1
+            wait_for(lambda: settled(c))
+        with server.client() as r:
+            assert not r.exists(bad), "a corrupt value is removed from the store"
+    finally:
+        hosts.cleanup()
+
+
+def test_a_store_down_at_start_is_used_once_it_comes_up(tmp_path, redis_bin):
+    late = RedisServer()  # its port is chosen now; nothing listens there yet
+    hosts = Hosts(tmp_path, late.url, *FAST_RETRY)
+    try:
+        with client(hosts.start(), kv(5)) as c:
+            assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
+            wait_for(lambda: not remote(c)["online"])
+            assert c.lookup(tokens(N)) == N * BLOCK_TOKENS  # the CPU tier serves meanwhile
+            late.start()
+            wait_for(lambda: remote(c)["online"])
+            c.save(tokens(N, start=3000), np.arange(N)).wait()
+            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+            with late.client() as r:
+                assert r.dbsize() == N
+    finally:
+        hosts.cleanup()
+        late.cleanup()
+
+
+def test_an_unusable_remote_url_leaves_the_other_tiers_serving(tmp_path):
+    hosts = Hosts(tmp_path, "redis://127.0.0.1:99999")
+    try:
+        s = hosts.start()
+        with client(s, kv(6)) as c:
+            assert c.save(tokens(2), np.arange(2)).wait() == 2 * BLOCK_TOKENS
+            assert c.lookup(tokens(2)) == 2 * BLOCK_TOKENS
+            assert "remote" not in c.stats()["tiers"]
+        assert s.stop() == 0
+    finally:
+        hosts.cleanup()
