@@ -14,8 +14,9 @@ them. `collect(pool)` applies a pool's results on the loop's thread:
   are gone from the store) drops them, and the blocks below them, from that
   tier's index first, so the next attempt loads the good prefix.
 
-A plan with sidecar ops in flight is never cancelled: its slots are in use
-by a thread. `busy(plan_id)` tells the owner so.
+A plan with sidecar ops in flight is never rolled back at once: its slots
+are in use by a thread. `cancel(plan_id)` rolls it back when its last op
+returns (and submits nothing more of it meanwhile).
 """
 
 from __future__ import annotations
@@ -187,11 +188,17 @@ class DataPlane:
                 ops.drop(self.cache.lower[ops.tier], bad.failed)
             self._end(plan_id, ok=False)
 
-    def forget(self, plan_id: int) -> None:
-        """The plan was cancelled by its owner (none of its sidecar ops ran)."""
-        assert not self.busy(plan_id), "a plan with I/O in flight cannot be cancelled"
+    def cancel(self, plan_id: int) -> None:
+        """The plan's owner gave it up (an engine cancelled, failed or left).
+        Rolled back now if none of its ops is on a thread, else as soon as
+        the last one returns."""
+        if self.busy(plan_id):
+            self._failed.add(plan_id)
+            return
+        self.cache.cancel(plan_id)
         self.plans.pop(plan_id, None)
         self._submitted.pop(plan_id, None)
+        self._bad.pop(plan_id, None)
 
     def abandon(self) -> None:
         """Shutdown: roll back plans whose sidecar ops never started; running

@@ -278,10 +278,10 @@ class Server:
         return self.engines.session(request.session)
 
     def _cancel_plan(self, plan_id: int) -> None:
-        if self.cache is not None:
-            self.cache.cancel(plan_id)
         if self.dataplane is not None:
-            self.dataplane.forget(plan_id)
+            self.dataplane.cancel(plan_id)  # waits for its ops on threads, if any
+        elif self.cache is not None:
+            self.cache.cancel(plan_id)
 
     def _not_stopping(self) -> None:
         if self.stopping:
