@@ -153,6 +153,7 @@ class KVClient:
         num_kv_heads: int,
         head_dim: int,
         layout: str = "paged",
+        layout_detail: str = "",
         tp_rank: int = 0,
         tp_size: int = 1,
         engine_id: str | None = None,
@@ -163,7 +164,9 @@ class KVClient:
         """Describe this rank's paged KV cache, CPU or CUDA tensors in `layout`:
         "paged" (= "block_major": one tensor per layer, [num_blocks, ...]),
         "vllm_flash", "flashinfer", "cross_layer" or "mla" (cuda_ext.layouts).
-        CUDA tensors need libkvcopy.so (else cuda_ext.GpuUnavailable). With TP,
+        CUDA tensors need libkvcopy.so (else cuda_ext.GpuUnavailable).
+        `layout_detail` tells apart engine layouts that give one cuda_ext
+        layout different byte orders (it joins the namespace). With TP,
         every rank registers with the same `engine_id` and its own `tp_rank`.
         Raises SidecarUnavailable if the sidecar does not answer, SidecarError
         if it refuses (e.g. a layout another engine disagrees with)."""
@@ -171,7 +174,7 @@ class KVClient:
         namespace = Namespace(
             model_name=model_name,
             model_revision=model_revision,
-            layout=layout,
+            layout=f"{layout}/{layout_detail}" if layout_detail else layout,
             dtype=str(planes.dtype).removeprefix("torch."),
             tp_size=tp_size,
             num_layers=len(planes.planes),  # planes: the slot layout counts these

@@ -10,18 +10,23 @@ base, the first time `KVSidecarConnector` is looked up (as vLLM's factory
 does). The logic lives in `engine_shim.kvconnector`; here vLLM's config is
 read once into its settings and geometry, and every hook is forwarded.
 
-Supported: TP=1, PP=1, one KV cache group of full attention (FlashAttention
-"vllm_flash", FlashInfer "flashinfer" or MLA "mla" tensors). Anything else is
+Supported: TP=1, PP=1, one KV cache group of full attention (MLA included),
+KV cache layout LBHNC or LBNHC (`VLLM_KV_CACHE_LAYOUT`). Anything else is
 refused with a ValueError when vLLM creates the connector.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
+import torch
+
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
 
 TARGET_VLLM = "0.33"
 SHAREABLE_HASH_ALGOS = ("sha256", "sha256_cbor")
@@ -58,8 +63,9 @@ def settings_of(vllm_config: Any) -> ConnectorSettings:
     )
 
 
-def geometry_of(kv_cache_config: Any, layout: str) -> KVGeometry:
-    """The KV geometry of vLLM's KV cache config (one group of full attention)."""
+def geometry_of(kv_cache_config: Any, vllm_config: Any) -> KVGeometry:
+    """The KV geometry of vLLM's KV cache config: one group of full attention
+    (MLA included) in a layer-compact layout."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -70,15 +76,16 @@ def geometry_of(kv_cache_config: Any, layout: str) -> KVGeometry:
     kind = type(spec).__name__
     if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
         raise ValueError(f"KVSidecarConnector caches full attention only, not {kind}")
-    if (kind == "MLAAttentionSpec") != (layout == "mla"):
-        raise ValueError(f"a {kind} needs kv_layout {'mla' if layout != 'mla' else 'vllm_flash'}")
+    layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    itemsize = torch.empty(0, dtype=spec.dtype).element_size()
     return KVGeometry(
-        layout=layout,
+        layout=str(layout),
         num_layers=len(groups[0].layer_names),
         block_size=spec.block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_size,
         dtype=spec.dtype,
+        block_elems=spec.page_size_bytes // itemsize,
     )
 
 
@@ -122,7 +129,13 @@ def _connector_class() -> type:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
             super().__init__(vllm_config, role, kv_cache_config)
             settings = settings_of(vllm_config)
-            geometry = geometry_of(kv_cache_config, settings.kv_layout)
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+                log.warning(
+                    "kvsidecar: kv_load_failure_policy is 'fail', so a block evicted or a "
+                    "sidecar down between lookup and load fails the request; set it to "
+                    "'recompute' in --kv-transfer-config"
+                )
+            geometry = geometry_of(kv_cache_config, vllm_config)
             self._scheduler: SchedulerSide | None = None
             self._worker: WorkerSide | None = None
             if role == KVConnectorRole.SCHEDULER:

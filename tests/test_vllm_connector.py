@@ -4,6 +4,7 @@ request objects with the attributes the connector reads (tests/vllm_helpers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -74,7 +75,7 @@ def test_a_local_hit_is_skipped_and_the_last_token_never_claimed(pair):
     tokens = prompt(3 * BLOCK)  # exactly 3 blocks: only 2 may be loaded
     save(sched, worker, request("a", tokens), [0, 1, 2])
     for t in kv.values():
-        t[:, 20:23] = 0
+        t[20:23] = 0
     req = request("b", tokens)
     assert sched.num_new_matched_tokens(req, 2 * BLOCK) == (0, False)
     assert sched.num_new_matched_tokens(req, BLOCK) == (BLOCK, True)
@@ -222,7 +223,6 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['endpiont'\]"):
         ConnectorSettings.from_extra_config({"endpiont": "ipc://x"}, **base)
     for bad in (
-        {"kv_layout": "paged"},
         {"block_keys": "hashes"},
         {"load_async": "yes"},
         {"timeout": 0},
@@ -232,23 +232,27 @@ def test_bad_settings_are_refused():
         with pytest.raises(ValueError, match=next(iter(bad))):
             ConnectorSettings.from_extra_config(bad, **base)
     s = ConnectorSettings.from_extra_config({"tenant": "t"}, **base)
-    assert (s.tenant, s.load_async, s.kv_layout) == ("t", True, "vllm_flash")
+    assert (s.tenant, s.load_async, s.block_keys) == ("t", True, "auto")
 
 
 def test_kv_caches_of_another_geometry_are_refused(sidecar):
     worker = WorkerSide(settings(sidecar.endpoint), GEOMETRY)
     kv = kv_caches(seed=None)
-    bad = {name: t.transpose(0, 1).contiguous() for name, t in kv.items()}  # flashinfer order
+    first = next(iter(kv.values()))
     for caches, match in (
-        (bad, "set kv_layout"),
-        ({"only": next(iter(kv.values()))}, "1 KV tensors for a 2-layer"),
+        ({n: t.contiguous() for n, t in kv.items()}, "not a contiguous LBNHC run"),  # LBHNC
+        ({n: t[:, :, :, :8] for n, t in kv.items()}, "not a contiguous LBNHC run"),
+        ({"only": first}, "1 KV tensors for 2 layers"),
         ({}, "non-empty"),
         ({n: t.half() for n, t in kv.items()}, "torch.float16"),
+        ({n: t[0] for n, t in kv.items()}, r"4D \[B, H, N, C\]"),
     ):
         with pytest.raises(ValueError, match=match):
             worker.register(caches)
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         worker.start_loads(ConnectorMeta(loads=(LoadSpec("x", _keys(1), np.zeros(1), 0),)))
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT"):
+        dataclasses.replace(GEOMETRY, layout="BLHNC")
 
 
 def test_bad_scheduler_calls_change_nothing(pair):

@@ -19,8 +19,10 @@ from engine_shim.kvconnector.worker import WorkerSide
 
 BLOCK = 16
 NUM_BLOCKS = 32
-GEOMETRY = KVGeometry("vllm_flash", num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=8,
-                      dtype=torch.float32)  # fmt: skip
+HEADS, HEAD_DIM = 2, 8
+GEOMETRY = KVGeometry("LBNHC", num_layers=2, block_size=BLOCK, num_kv_heads=HEADS,
+                      head_dim=HEAD_DIM, dtype=torch.float32,
+                      block_elems=BLOCK * HEADS * 2 * HEAD_DIM)  # fmt: skip
 
 
 @dataclass
@@ -64,13 +66,14 @@ def settings(endpoint: str, **overrides: Any) -> ConnectorSettings:
 
 
 def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
-    """vLLM's `{layer name: [2, blocks, block, heads, dim]}`: random (seed) or zeros."""
-    shape = GEOMETRY.layer_shape(NUM_BLOCKS)
+    """vLLM's `{layer name: [B, H, N, C] view}` of LBNHC memory (each block
+    [N, H, C] contiguous, C = K and V): random (seed) or zeros (None)."""
+    shape = (NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD_DIM)
     gen = torch.Generator().manual_seed(seed or 0)
     return {
-        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=gen)
-        if seed is not None
-        else torch.zeros(shape)
+        f"model.layers.{i}.self_attn.attn": (
+            torch.randn(shape, generator=gen) if seed is not None else torch.zeros(shape)
+        ).permute(0, 2, 1, 3)
         for i in range(GEOMETRY.num_layers)
     }
 
@@ -86,4 +89,4 @@ def halves(
 
 def blocks_of(kv: dict[str, torch.Tensor], ids: list[int]) -> list[np.ndarray]:
     """The K and V of engine blocks `ids`, per layer."""
-    return [t[:, ids].numpy().copy() for t in kv.values()]
+    return [t[ids].numpy().copy() for t in kv.values()]

@@ -2,8 +2,8 @@
 vLLM's `kv_connector_extra_config` and passed down as values.
 
     {"endpoint": "ipc:///run/user/1000/kvsidecar/default.sock",
-     "model_revision": "weights-sha256", "tenant": "", "kv_layout": "vllm_flash",
-     "block_keys": "auto", "load_async": true, "lookup_async": true, "timeout": 1.0}
+     "model_revision": "weights-sha256", "tenant": "", "block_keys": "auto",
+     "load_async": true, "lookup_async": true, "timeout": 1.0}
 
 Every key is optional; an unknown key or a value of the wrong type is a
 ValueError that names the key, so a typo never silently runs with defaults.
@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-VLLM_LAYOUTS = ("vllm_flash", "flashinfer", "mla")
-"""cuda_ext.layouts names of the vLLM attention backends' KV tensors."""
 BLOCK_KEYS = ("auto", "engine", "tokens")
 
 
@@ -33,9 +31,6 @@ class ConnectorSettings:
     """The sidecar; None: where `kvsidecar serve` listens by default."""
     tenant: str = ""
     """Namespace salt isolating tenants that share a model."""
-    kv_layout: str = "vllm_flash"
-    """The attention backend's KV tensors: "vllm_flash" (FlashAttention),
-    "flashinfer" or "mla" (see cuda_ext.layouts)."""
     block_keys: str = "auto"
     """"engine": key blocks from vLLM's block hashes; "tokens": hash the
     tokens; "auto": vLLM's hashes when they are shareable (see the glue)."""
@@ -56,8 +51,6 @@ class ConnectorSettings:
                 raise ValueError(f"{f.name} must be true or false, got {value!r}")
         if self.endpoint is not None and not isinstance(self.endpoint, str):
             raise ValueError(f"endpoint must be a string, got {self.endpoint!r}")
-        if self.kv_layout not in VLLM_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {VLLM_LAYOUTS}, got {self.kv_layout!r}")
         if self.block_keys not in BLOCK_KEYS:
             raise ValueError(f"block_keys must be one of {BLOCK_KEYS}, got {self.block_keys!r}")
         timeout = self.timeout

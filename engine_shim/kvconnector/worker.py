@@ -46,17 +46,14 @@ class WorkerSide:
         self._load_errors: set[int] = set()
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Register vLLM's `{layer name: KV tensor}` (model order) with the
-        sidecar. ValueError if they are not the expected geometry; a sidecar
+        """Register vLLM's `{layer name: [B, H, N, C] view}` (model order) with
+        the sidecar. ValueError if they are not the expected geometry; a sidecar
         that is down only logs: every load misses until it is up."""
-        if not isinstance(kv_caches, Mapping) or not kv_caches:
-            raise ValueError("kv_caches must be a non-empty {layer name: tensor} mapping")
-        tensors = list(kv_caches.values())
-        self.geometry.check(tensors)
+        planes = self.geometry.planes(kv_caches)
         client = KVClient.connect(self.settings.endpoint, timeout=self.settings.timeout)
         try:
             args = self.geometry.register_args(self.settings)
-            client.register(tensors, engine_id=self.settings.engine_id, **args)
+            client.register(planes, engine_id=self.settings.engine_id, **args)
         except TRANSFER_ERRORS as err:
             log.warning("kvsidecar: registration failed (%s); loads miss until it works", err)
         except Exception:
