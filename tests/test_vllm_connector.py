@@ -32,12 +32,24 @@ def sidecar():
 
 
 @pytest.fixture
-def pair(sidecar):
-    kv = kv_caches(seed=1)
-    sched, worker = halves(sidecar.endpoint, kv)
-    yield sched, worker, kv
-    sched.close()
-    worker.close()
+def make_pair(sidecar):
+    """Builds (scheduler side, worker side, KV) with settings overrides; closes them."""
+    made = []
+
+    def make(seed: int = 1, **overrides):
+        kv = kv_caches(seed=seed)
+        sched, worker = halves(sidecar.endpoint, kv, **overrides)
+        made.extend((sched, worker))
+        return sched, worker, kv
+
+    yield make
+    for side in made:
+        side.close()
+
+
+@pytest.fixture
+def pair(make_pair):
+    return make_pair()
 
 
 def save(sched: SchedulerSide, worker: WorkerSide, req, block_ids: list[int]) -> None:
@@ -47,6 +59,12 @@ def save(sched: SchedulerSide, worker: WorkerSide, req, block_ids: list[int]) ->
     assert worker.finished() == (set(), set())
     worker.run_saves(sched.build_meta())
     assert worker.finished() == ({req.request_id}, set())
+
+
+def cached(sched: SchedulerSide, worker: WorkerSide, tokens: list[int], block_ids: list[int]):
+    """`tokens` saved by a finished request "a"; a new request "b" for them."""
+    save(sched, worker, request("a", tokens), block_ids)
+    return request("b", tokens)
 
 
 def test_lookup_then_load_is_byte_exact(pair):
@@ -86,34 +104,27 @@ def test_a_local_hit_is_skipped_and_the_last_token_never_claimed(pair):
     assert np.array_equal(blocks_of(kv, [21])[0], blocks_of(kv, [1])[0])
 
 
-def test_ask_again_while_the_lookup_is_in_flight(sidecar):
-    kv = kv_caches(seed=2)
-    sched, worker = halves(sidecar.endpoint, kv, lookup_async=True)
-    try:
-        tokens = prompt(2 * BLOCK + 1)
-        save(sched, worker, request("a", tokens), [0, 1])
-        req = request("b", tokens)
-        assert sched.num_new_matched_tokens(req, 0) == (None, False)
-        deadline = time.monotonic() + 10
-        while (answer := sched.num_new_matched_tokens(req, 0))[0] is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        assert answer == (2 * BLOCK, True)
-        # The answer stands until allocation: asking again does not look up again.
-        assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
-        sched.after_alloc(req, [5, 6, 7], 2 * BLOCK)
-        worker.start_loads(sched.build_meta())
-        assert worker.finished() == (set(), {"b"})
-    finally:
-        sched.close()
-        worker.close()
+def test_ask_again_while_the_lookup_is_in_flight(make_pair):
+    sched, worker, _ = make_pair(seed=2, lookup_async=True)
+    tokens = prompt(2 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1])
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    deadline = time.monotonic() + 10
+    while (answer := sched.num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert answer == (2 * BLOCK, True)
+    # The answer stands until allocation: asking again does not look up again.
+    assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    sched.after_alloc(req, [5, 6, 7], 2 * BLOCK)
+    worker.start_loads(sched.build_meta())
+    assert worker.finished() == (set(), {"b"})
 
 
 def test_a_finished_request_saves_only_what_it_did_not_load(pair):
     sched, worker, _ = pair
     tokens = prompt(2 * BLOCK + 3)
-    save(sched, worker, request("a", tokens), [0, 1, 2])
-    req = request("b", tokens)
+    req = cached(sched, worker, tokens, [0, 1, 2])
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
     sched.after_alloc(req, [4, 5, 6], 2 * BLOCK)
     worker.start_loads(sched.build_meta())
@@ -126,23 +137,18 @@ def test_a_finished_request_saves_only_what_it_did_not_load(pair):
     assert sched.build_meta() == ConnectorMeta()
 
 
-def test_vllm_block_hashes_key_the_blocks(sidecar):
-    kv = kv_caches(seed=3)
-    sched, worker = halves(sidecar.endpoint, kv, use_block_hashes=True)
-    try:
-        tokens = prompt(2 * BLOCK + 1)
-        save(sched, worker, request("a", tokens), [0, 1])
-        assert sched.num_new_matched_tokens(request("b", tokens), 0) == (2 * BLOCK, True)
-        # Other hashes of the same tokens (another cache salt, an image): a miss.
-        assert sched.num_new_matched_tokens(request("c", tokens, salt=b"x"), 0) == (0, False)
-        by_tokens = SchedulerSide(sched.settings, GEOMETRY, use_block_hashes=False)
-        try:  # the two key sources never meet
-            assert by_tokens.num_new_matched_tokens(request("d", tokens), 0) == (0, False)
-        finally:
-            by_tokens.close()
+def test_vllm_block_hashes_key_the_blocks(make_pair):
+    sched, worker, _ = make_pair(seed=3, use_block_hashes=True)
+    tokens = prompt(2 * BLOCK + 1)
+    save(sched, worker, request("a", tokens), [0, 1])
+    assert sched.num_new_matched_tokens(request("b", tokens), 0) == (2 * BLOCK, True)
+    # Other hashes of the same tokens (another cache salt, an image): a miss.
+    assert sched.num_new_matched_tokens(request("c", tokens, salt=b"x"), 0) == (0, False)
+    by_tokens = SchedulerSide(sched.settings, GEOMETRY, use_block_hashes=False)
+    try:  # the two key sources never meet
+        assert by_tokens.num_new_matched_tokens(request("d", tokens), 0) == (0, False)
     finally:
-        sched.close()
-        worker.close()
+        by_tokens.close()
 
 
 def test_token_keys_skip_requests_their_tokens_do_not_describe(pair):
@@ -161,8 +167,7 @@ def test_token_keys_skip_requests_their_tokens_do_not_describe(pair):
 def test_a_load_from_a_killed_sidecar_is_reported_for_recompute(sidecar, pair):
     sched, worker, _ = pair
     tokens = prompt(3 * BLOCK + 1)
-    save(sched, worker, request("a", tokens), [0, 1, 2])
-    req = request("b", tokens)
+    req = cached(sched, worker, tokens, [0, 1, 2])
     assert sched.num_new_matched_tokens(req, BLOCK) == (2 * BLOCK, True)
     sched.after_alloc(req, [8, 9, 10, 11], 2 * BLOCK)
     sidecar.kill()
@@ -180,8 +185,7 @@ def test_a_load_from_a_killed_sidecar_is_reported_for_recompute(sidecar, pair):
 def test_a_block_evicted_after_the_lookup_is_reported(pair):
     sched, worker, kv = pair
     tokens = prompt(3 * BLOCK + 1)
-    save(sched, worker, request("a", tokens), [0, 1, 2])
-    req = request("b", tokens)
+    req = cached(sched, worker, tokens, [0, 1, 2])
     assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
     sched.after_alloc(req, [8, 9, 10, 11], 3 * BLOCK)
     assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
@@ -191,28 +195,22 @@ def test_a_block_evicted_after_the_lookup_is_reported(pair):
     assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
 
 
-def test_synchronous_loads_wait_per_layer(sidecar):
-    kv = kv_caches(seed=4)
-    sched, worker = halves(sidecar.endpoint, kv, load_async=False)
-    try:
-        tokens = prompt(2 * BLOCK + 1)
-        save(sched, worker, request("a", tokens), [0, 1])
-        req = request("b", tokens)
-        assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
-        sched.after_alloc(req, [3, 4, 5], 2 * BLOCK)
-        meta = sched.build_meta()
-        worker.start_loads(meta)
-        for name in kv:
-            worker.wait_for_layer(name)
-        with pytest.raises(ValueError, match="unknown KV layer"):
-            worker.wait_for_layer("model.layers.9.self_attn.attn")
-        worker.run_saves(meta)
-        assert worker.finished() == (set(), set())  # synchronous: not reported
-        assert worker.load_errors() == set()
-        assert np.array_equal(blocks_of(kv, [3, 4])[1], blocks_of(kv, [0, 1])[1])
-    finally:
-        sched.close()
-        worker.close()
+def test_synchronous_loads_wait_per_layer(make_pair):
+    sched, worker, kv = make_pair(seed=4, load_async=False)
+    tokens = prompt(2 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1])
+    assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
+    sched.after_alloc(req, [3, 4, 5], 2 * BLOCK)
+    meta = sched.build_meta()
+    worker.start_loads(meta)
+    for name in kv:
+        worker.wait_for_layer(name)
+    with pytest.raises(ValueError, match="unknown KV layer"):
+        worker.wait_for_layer("model.layers.9.self_attn.attn")
+    worker.run_saves(meta)
+    assert worker.finished() == (set(), set())  # synchronous: not reported
+    assert worker.load_errors() == set()
+    assert np.array_equal(blocks_of(kv, [3, 4])[1], blocks_of(kv, [0, 1])[1])
 
 
 # ---- bad input: a clear error, no state change ----------------------------------------
@@ -258,8 +256,7 @@ def test_kv_caches_of_another_geometry_are_refused(sidecar):
 def test_bad_scheduler_calls_change_nothing(pair):
     sched, worker, _ = pair
     tokens = prompt(2 * BLOCK + 1)
-    save(sched, worker, request("a", tokens), [0, 1])
-    req = request("b", tokens)
+    req = cached(sched, worker, tokens, [0, 1])
     with pytest.raises(ValueError, match="num_computed_tokens"):
         sched.num_new_matched_tokens(req, -1)
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
