@@ -319,3 +319,22 @@ def _keys(n: int):
     from sidecar.control.ids import keys_from_ints
 
     return keys_from_ints(list(range(n)))
+
+
+def test_halves_made_before_the_sidecar_starts_work_once_it_is_up():
+    late = Sidecar(capacity="4MiB")
+    try:
+        kv = kv_caches(seed=5)
+        sched, worker = halves(late.endpoint, kv, timeout=0.3)  # both registrations fail
+        tokens = prompt(2 * BLOCK + 1)
+        assert sched.num_new_matched_tokens(request("x", tokens), 0) == (0, False)
+        late.start()
+        deadline = time.monotonic() + 20  # until the sockets have reconnected (<= 1 s apart)
+        while sched.num_new_matched_tokens(cached(sched, worker, tokens, [0, 1]), 0)[0] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        sched.close()
+        worker.close()
+        assert late.stop() == 0
+    finally:
+        late.cleanup()

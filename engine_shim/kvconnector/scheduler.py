@@ -18,6 +18,7 @@ Contract with vLLM's scheduler:
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ class SchedulerSide:
         try:
             self._client.register(
                 geometry.stand_in(),
-                engine_id=f"{settings.engine_id}-scheduler",
+                engine_id=f"{settings.engine_id}-scheduler-{os.getpid()}",
                 **geometry.register_args(settings),
             )
         except SidecarUnavailable as err:  # lookups re-register once it is up

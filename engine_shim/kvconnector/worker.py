@@ -11,6 +11,7 @@ the blocks.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -47,15 +48,18 @@ class WorkerSide:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register vLLM's `{layer name: [B, H, N, C] view}` (model order) with
-        the sidecar. ValueError if they are not the expected geometry; a sidecar
-        that is down only logs: every load misses until it is up."""
+        the sidecar. ValueError if they are not the expected geometry,
+        SidecarError if the sidecar refuses them (say, it serves another
+        layout); a sidecar that is down only logs: loads miss until it is up."""
         planes = self.geometry.planes(kv_caches)
         client = KVClient.connect(self.settings.endpoint, timeout=self.settings.timeout)
         try:
             args = self.geometry.register_args(self.settings)
-            client.register(planes, engine_id=self.settings.engine_id, **args)
-        except TRANSFER_ERRORS as err:
-            log.warning("kvsidecar: registration failed (%s); loads miss until it works", err)
+            # One rank per engine (TP=1): a process of its own, even with data parallel.
+            engine_id = f"{self.settings.engine_id}-worker-{os.getpid()}"
+            client.register(planes, engine_id=engine_id, **args)
+        except SidecarUnavailable as err:  # loads re-register once it is up
+            log.warning("kvsidecar: no sidecar yet (%s); every load misses until one is", err)
         except Exception:
             client.close()
             raise
