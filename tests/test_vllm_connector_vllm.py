@@ -247,21 +247,31 @@ def test_the_connector_is_made_by_vllm(engine):
     assert engine.scheduler.connector._scheduler.use_block_hashes  # sha256: shareable
 
 
-def test_a_finished_request_is_saved_and_a_later_one_loads_it(engine):
-    tokens = prompt(3 * BLOCK + 5)
-    engine.add("a", tokens)
-    steps = engine.run(lambda: finished(engine, "a"))
-    # vLLM kept a's blocks until the worker reported the save.
-    assert any("a" in (kv.finished_sending or ()) for _, kv in steps)
-    engine.scheduler.reset_prefix_cache()  # vLLM's own cache forgets it: only kvsidecar has it
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"block_keys": "tokens"}, {"load_async": False}],
+    ids=["vllm-hashes-async", "token-keys", "sync-load"],
+)
+def test_a_finished_request_is_saved_and_a_later_one_loads_it(tmp_path, sidecar, extra):
+    engine = Engine(tmp_path, sidecar.endpoint, **extra)
+    try:
+        tokens = prompt(3 * BLOCK + 5)
+        engine.add("a", tokens)
+        steps = engine.run(lambda: finished(engine, "a"))
+        # vLLM kept a's blocks until the worker reported the save.
+        assert any("a" in (kv.finished_sending or ()) for _, kv in steps)
+        engine.scheduler.reset_prefix_cache()  # vLLM's own cache forgets it: only kvsidecar has it
 
-    engine.add("b", [*tokens, 99, 98])
-    steps = engine.run(lambda: finished(engine, "b"))
-    assert any("b" in (kv.finished_recving or ()) for _, kv in steps)  # an async load
-    assert all(not kv.invalid_block_ids for _, kv in steps)
-    # The 3 full blocks came from the sidecar, the rest was computed.
-    assert min(engine.computed["b"]) == 3 * BLOCK
-    engine.assert_kv_of("b", [*tokens, 99, 98])
+        engine.add("b", [*tokens, 99, 98])
+        steps = engine.run(lambda: finished(engine, "b"))
+        is_async = extra.get("load_async", True)
+        assert any("b" in (kv.finished_recving or ()) for _, kv in steps) == is_async
+        assert all(not kv.invalid_block_ids for _, kv in steps)
+        # The 3 full blocks came from the sidecar, the rest was computed.
+        assert min(engine.computed["b"]) == 3 * BLOCK
+        engine.assert_kv_of("b", [*tokens, 99, 98])
+    finally:
+        engine.close()
 
 
 def test_ask_again_while_the_lookup_is_in_flight(engine):
