@@ -41,6 +41,7 @@ from shm.pool import ShmPool
 from sidecar import protocol as p
 from sidecar.blocks import KeyHasher, Namespace
 from sidecar.config import load_config
+from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
 from sidecar.runtime import endpoint_of
 
 __all__ = ["KVClient", "PlanOps", "SidecarError", "SidecarUnavailable", "TransferHandle"]
@@ -152,6 +153,7 @@ class KVClient:
         num_kv_heads: int,
         head_dim: int,
         layout: str = "paged",
+        layout_detail: str = "",
         tp_rank: int = 0,
         tp_size: int = 1,
         engine_id: str | None = None,
@@ -162,7 +164,9 @@ class KVClient:
         """Describe this rank's paged KV cache, CPU or CUDA tensors in `layout`:
         "paged" (= "block_major": one tensor per layer, [num_blocks, ...]),
         "vllm_flash", "flashinfer", "cross_layer" or "mla" (cuda_ext.layouts).
-        CUDA tensors need libkvcopy.so (else cuda_ext.GpuUnavailable). With TP,
+        CUDA tensors need libkvcopy.so (else cuda_ext.GpuUnavailable).
+        `layout_detail` tells apart engine layouts that give one cuda_ext
+        layout different byte orders (it joins the namespace). With TP,
         every rank registers with the same `engine_id` and its own `tp_rank`.
         Raises SidecarUnavailable if the sidecar does not answer, SidecarError
         if it refuses (e.g. a layout another engine disagrees with)."""
@@ -170,7 +174,7 @@ class KVClient:
         namespace = Namespace(
             model_name=model_name,
             model_revision=model_revision,
-            layout=layout,
+            layout=f"{layout}/{layout_detail}" if layout_detail else layout,
             dtype=str(planes.dtype).removeprefix("torch."),
             tp_size=tp_size,
             num_layers=len(planes.planes),  # planes: the slot layout counts these
@@ -255,7 +259,15 @@ class KVClient:
     def lookup_tiers(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> TierTokens:
         """`lookup`, split by the tier each leading block is in now (the
         fastest that holds it). All zero when the sidecar is down, slow or refuses."""
-        keys = self._keys(token_ids)
+        return self.lookup_keys_tiers(self._keys(token_ids))
+
+    def lookup_keys(self, keys: BlockKeys) -> int:
+        """`lookup` for precomputed keys (see `block_keys` / `digest_keys`)."""
+        return sum(self.lookup_keys_tiers(keys))
+
+    def lookup_keys_tiers(self, keys: BlockKeys) -> TierTokens:
+        """`lookup_tiers` for precomputed keys."""
+        keys = _checked_keys(keys)
         if len(keys) == 0:
             return TierTokens(0, 0, 0)
         try:
@@ -276,7 +288,13 @@ class KVClient:
         `block_ids` (one per full block of tokens). The first `skip_tokens`
         (block-aligned) are already in the engine's cache and are not copied.
         `handle.num_tokens` = tokens now in the cache (skipped ones included)."""
-        keys, blocks = self._keys_and_blocks(token_ids, block_ids)
+        return self.load_keys(self._keys(token_ids), block_ids, skip_tokens=skip_tokens)
+
+    def load_keys(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
+    ) -> TransferHandle:
+        """`load` for precomputed keys: one key per full block."""
+        keys, blocks = self._keys_and_blocks(keys, block_ids)
         tpb = self._tokens_per_block
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
@@ -295,7 +313,11 @@ class KVClient:
         `block_ids`, to the sidecar. Blocks it already has are skipped.
         `handle.num_tokens` = tokens of the prefix cached once it (and any save
         of the same blocks already in flight from another engine) lands."""
-        keys, blocks = self._keys_and_blocks(token_ids, block_ids)
+        return self.save_keys(self._keys(token_ids), block_ids)
+
+    def save_keys(self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray) -> TransferHandle:
+        """`save` for precomputed keys: one key per full block."""
+        keys, blocks = self._keys_and_blocks(keys, block_ids)
         reply, arrays = self._call(self._req(p.Save), [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "save")
         # Blocks another engine is saving right now count: they land with its save.
@@ -357,15 +379,27 @@ class KVClient:
     def _req(self, kind: type, **fields: Any) -> Any:
         return kind(v=p.PROTOCOL_VERSION, id=0, session=self.session, **fields)
 
-    def _keys(self, token_ids: Any) -> np.ndarray:
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> BlockKeys:
+        """The keys of the full blocks of `token_ids` in this client's namespace."""
+        return self._keys(token_ids)
+
+    def digest_keys(self, digests: Sequence[bytes]) -> BlockKeys:
+        """Keys, in this client's namespace, of blocks the engine already
+        identifies by chained digests of its own (vLLM's block hashes), one
+        per full block of tokens_per_block tokens; see KeyHasher.hash_digests."""
+        if self._hasher is None:
+            raise RuntimeError("register() first")
+        return self._hasher.hash_digests(digests)
+
+    def _keys(self, token_ids: Any) -> BlockKeys:
         if self._hasher is None:
             raise RuntimeError("register() first")
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.detach().cpu().numpy()
         return self._hasher.hash_tokens(token_ids)
 
-    def _keys_and_blocks(self, token_ids: Any, block_ids: Any) -> tuple[np.ndarray, np.ndarray]:
-        keys = self._keys(token_ids)
+    def _keys_and_blocks(self, keys: BlockKeys, block_ids: Any) -> tuple[BlockKeys, np.ndarray]:
+        keys = _checked_keys(keys)
         blocks = np.asarray(block_ids)
         if blocks.ndim != 1 or (blocks.size and blocks.dtype.kind not in "iu"):
             raise TypeError("block_ids must be a 1-D sequence of integers")
@@ -412,6 +446,16 @@ class KVClient:
         self._channel.send(
             self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err))
         )
+
+
+def _checked_keys(keys: Any) -> BlockKeys:
+    """Keys as made by `block_keys` / `digest_keys`; TypeError for anything else."""
+    if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
+        raise TypeError(
+            f"keys must be a 1-D array of {KEY_BYTES}-byte block keys from block_keys() or "
+            f"digest_keys(), got {type(keys).__name__} {getattr(keys, 'dtype', '')}"
+        )
+    return BlockKeys(keys)
 
 
 def _plan_ops(reply: dict[str, Any], arrays: list[bytes], kind: str) -> PlanOps | None:

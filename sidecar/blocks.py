@@ -27,6 +27,8 @@ from sidecar.control.ids import KEY_BYTES, BlockKey, BlockKeys, as_keys
 TOKEN_DTYPE = np.dtype("<i4")
 MAX_TOKEN_ID = int(np.iinfo(TOKEN_DTYPE).max)
 MAX_SECRET_BYTES = 64  # BLAKE2b's key limit
+MIN_DIGEST_BYTES, MAX_DIGEST_BYTES = 16, 64
+"""Lengths of engine block digests `KeyHasher.hash_digests` accepts."""
 
 ChainFn = Callable[[bytes, int, bytes, bytes], bytes]
 """(token bytes, block size in bytes, chain key, parent key) -> n * 16 key bytes."""
@@ -196,6 +198,12 @@ class KeyHasher:
                 person=b"kvsidecar.root",
             ).digest()
         )
+        # Chains of engine digests start elsewhere, so they never meet token chains.
+        self.digest_root = BlockKey(
+            hashlib.blake2b(
+                self.root, key=secret, digest_size=KEY_BYTES, person=b"kvsidecar.digest"
+            ).digest()
+        )
 
     def hash_tokens(
         self, token_ids: Sequence[int] | np.ndarray, parent: BlockKey | None = None
@@ -212,6 +220,35 @@ class KeyHasher:
         n = tokens.size // self.tokens_per_block
         data = tokens[: n * self.tokens_per_block].tobytes()
         return as_keys(self._chain(data, self._block_bytes, self._chain_key, start))
+
+    def hash_digests(self, digests: Sequence[bytes], parent: BlockKey | None = None) -> BlockKeys:
+        """Keys of blocks an engine already names by digests of its own (vLLM's
+        block hashes: chained, one per full block of tokens_per_block tokens).
+
+        The digests are chained again under this namespace's chain key, from a
+        root of their own, so these keys never equal token keys and never leave
+        the namespace; they are only as collision resistant as the engine's
+        digests. All digests have one length of 16 to 64 bytes (ValueError
+        otherwise). `parent` works as in `hash_tokens`.
+        """
+        raw = [_digest_bytes(d, i) for i, d in enumerate(digests)]
+        if not raw:
+            return as_keys(b"")
+        size = len(raw[0])
+        if not MIN_DIGEST_BYTES <= size <= MAX_DIGEST_BYTES or any(len(d) != size for d in raw):
+            lengths = sorted({len(d) for d in raw})
+            raise ValueError(
+                f"block digests must all have one length of {MIN_DIGEST_BYTES} to "
+                f"{MAX_DIGEST_BYTES} bytes, got lengths {lengths}"
+            )
+        start = self.digest_root if parent is None else _parent_bytes(parent)
+        return as_keys(self._chain(b"".join(raw), size, self._chain_key, start))
+
+
+def _digest_bytes(digest: object, index: int) -> bytes:
+    if not isinstance(digest, bytes | bytearray | memoryview):
+        raise ValueError(f"block digest {index} must be bytes, got {type(digest).__name__}")
+    return bytes(digest)
 
 
 def _parent_bytes(parent: object) -> bytes:

@@ -264,3 +264,45 @@ def test_continuation_law(seq: list[int], split_block: int, hasher_args: tuple) 
     parent = key_at(head, split - 1) if split else None
     tail = hasher.hash_tokens(seq[split * TPB :], parent=parent)
     assert key_list(head) + key_list(tail) == key_list(whole)
+
+
+# ---- keys from an engine's own block digests (vLLM's block hashes) ---------------------
+
+
+def _digests(n: int, salt: bytes = b"") -> list[bytes]:
+    return [hashlib.sha256(salt + bytes([i])).digest() for i in range(n)]
+
+
+def test_digest_keys_chain_like_token_keys(hasher: KeyHasher) -> None:
+    keys = hasher.hash_digests(_digests(5))
+    assert keys.dtype == KEY_DTYPE and len(keys) == 5
+    assert np.array_equal(hasher.hash_digests(_digests(5)[3:], parent=key_at(keys, 2)), keys[3:])
+    changed = hasher.hash_digests([*_digests(5)[:2], b"\xff" * 32, *_digests(5)[3:]])
+    assert np.array_equal(changed[:2], keys[:2])
+    assert not np.isin(changed[2:], keys).any()  # one digest changes it and every later key
+    assert len(hasher.hash_digests([])) == 0
+
+
+def test_digest_keys_never_meet_token_keys_or_other_namespaces(hasher: KeyHasher) -> None:
+    # 32-byte digests are the bytes of 8 int32 tokens: same input, other root.
+    tokens = np.frombuffer(b"".join(_digests(2)), dtype="<i4") & 0x7FFFFFFF
+    digests = [tokens[:8].astype("<i4").tobytes(), tokens[8:].astype("<i4").tobytes()]
+    wide = KeyHasher(dataclasses.replace(NS, tokens_per_block=8), algorithm=hasher.algorithm)
+    assert not np.isin(wide.hash_digests(digests), wide.hash_tokens(tokens)).any()
+    other = KeyHasher(dataclasses.replace(NS, tenant="other"), algorithm=hasher.algorithm)
+    assert not np.isin(other.hash_digests(_digests(3)), hasher.hash_digests(_digests(3))).any()
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ([b"a" * 32, b"b" * 16], "one length"),
+        ([b"a" * 8], "one length"),
+        ([b"a" * 65], "one length"),
+        (["text" * 8], "must be bytes"),
+        ([None], "must be bytes"),
+    ],
+)
+def test_bad_digests_are_rejected(bad: list, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        KeyHasher(NS).hash_digests(bad)

@@ -1,0 +1,51 @@
+"""`Lookups`: how many leading blocks the sidecar holds, per request.
+
+With `background=True` a lookup runs on one thread of its own, the only user
+of the client's socket after registration, and `poll` answers None ("ask
+again") until it is back; the scheduler loop never waits on the sidecar. A
+result is kept until `forget`, so a request that could not be scheduled this
+step is not looked up again.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine_shim.client import KVClient
+from sidecar.control.ids import BlockKeys
+
+
+class Lookups:
+    def __init__(self, client: KVClient, *, background: bool) -> None:
+        self._client = client
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvsidecar-lookup") if background else None
+        )
+        self._results: dict[str, Future[int] | int] = {}
+
+    def poll(self, req_id: str, keys: BlockKeys) -> int | None:
+        """Cached tokens of the prefix `keys` (0 when the sidecar is down); None
+        while a background lookup is in flight. The first call for `req_id`
+        fixes the keys until `forget(req_id)`."""
+        result = self._results.get(req_id)
+        if result is None:
+            if self._pool is None:
+                result = self._client.lookup_keys(keys)
+            else:
+                result = self._pool.submit(self._client.lookup_keys, keys)
+            self._results[req_id] = result
+        if isinstance(result, Future):
+            if not result.done():
+                return None
+            result = self._results[req_id] = result.result()  # lookup_keys never raises
+        return result
+
+    def forget(self, req_id: str) -> None:
+        """Drop the result (or the lookup in flight, whose answer is ignored)."""
+        self._results.pop(req_id, None)
+
+    def close(self) -> None:
+        """Wait for the lookup in flight, if any; later polls are refused."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._results.clear()

@@ -1,0 +1,214 @@
+"""`KVSidecarConnector`: kvsidecar as vLLM's KV connector (vLLM v1's
+`KVConnectorBase_V1`, written against vLLM 0.33).
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVSidecarConnector",
+        "kv_connector_module_path": "engine_shim.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"model_revision": "weights-sha256"}}'
+
+This module imports without vLLM: the class is built, subclassing vLLM's
+base, the first time `KVSidecarConnector` is looked up (as vLLM's factory
+does). The logic lives in `engine_shim.kvconnector`; here vLLM's config is
+read once into its settings and geometry, and every hook is forwarded.
+
+Supported: TP=1, PP=1, one KV cache group of full attention (MLA included),
+KV cache layout LBHNC or LBNHC (`VLLM_KV_CACHE_LAYOUT`). Anything else is
+refused with a ValueError when vLLM creates the connector.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from engine_shim.kvconnector.geometry import KVGeometry
+from engine_shim.kvconnector.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+TARGET_VLLM = "0.33"
+SHAREABLE_HASH_ALGOS = ("sha256", "sha256_cbor")
+"""vLLM hash algorithms whose block hashes are the same in every process
+(a fixed seed unless PYTHONHASHSEED is set); xxhash is seeded at random."""
+
+__all__ = ["KVSidecarConnector", "geometry_of", "settings_of", "uses_block_hashes"]  # noqa: F822
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVSidecarConnector":
+        cls = _connector_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def settings_of(vllm_config: Any) -> ConnectorSettings:
+    """The connector settings of a vLLM config; ValueError for a deployment
+    this connector does not support."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ValueError(
+            "KVSidecarConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
+            f"only, not TP={parallel.tensor_parallel_size} PP={parallel.pipeline_parallel_size}"
+        )
+    transfer = vllm_config.kv_transfer_config
+    model = vllm_config.model_config
+    return ConnectorSettings.from_extra_config(
+        transfer.kv_connector_extra_config,
+        model_name=model.model,
+        model_revision=model.revision or "unpinned",
+        engine_id=f"vllm-{transfer.engine_id}",
+    )
+
+
+def geometry_of(kv_cache_config: Any, vllm_config: Any) -> KVGeometry:
+    """The KV geometry of vLLM's KV cache config: one group of full attention
+    (MLA included) in a layer-compact layout."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"KVSidecarConnector needs one KV cache group, this model has {len(groups)} "
+            "(hybrid attention is not supported)"
+        )
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
+        raise ValueError(f"KVSidecarConnector caches full attention only, not {kind}")
+    layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
+    itemsize = torch.empty(0, dtype=spec.dtype).element_size()
+    return KVGeometry(
+        layout=str(layout),
+        num_layers=len(groups[0].layer_names),
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_size,
+        dtype=spec.dtype,
+        block_elems=spec.page_size_bytes // itemsize,
+    )
+
+
+def uses_block_hashes(settings: ConnectorSettings, vllm_config: Any, block_size: int) -> bool:
+    """Whether blocks are keyed from vLLM's block hashes (`block_keys`):
+    "auto" takes them when they are one per block and the same in every
+    process, so two engines (or a restarted one) share the cache."""
+    cache = vllm_config.cache_config
+    hash_block_size = getattr(cache, "hash_block_size", None) or block_size
+    if settings.block_keys == "tokens":
+        return False
+    if hash_block_size != block_size:
+        if settings.block_keys == "engine":
+            raise ValueError(
+                f"block_keys 'engine' needs vLLM's hash block size ({hash_block_size}) "
+                f"to equal the KV block size ({block_size})"
+            )
+        return False
+    if settings.block_keys == "engine":
+        return True
+    shareable = cache.prefix_caching_hash_algo in SHAREABLE_HASH_ALGOS
+    return shareable or os.environ.get("PYTHONHASHSEED") is not None
+
+
+def _connector_class() -> type:
+    """KVSidecarConnector, subclassing vLLM's base (imported here, lazily)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorRole,
+    )
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    from engine_shim.kvconnector.scheduler import SchedulerSide
+    from engine_shim.kvconnector.worker import WorkerSide
+
+    class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-type]
+        """kvsidecar's vLLM KV connector; see engine_shim.vllm_connector."""
+
+        _cache_hit_source = CacheHitSource.HOST
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            super().__init__(vllm_config, role, kv_cache_config)
+            settings = settings_of(vllm_config)
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+                log.warning(
+                    "kvsidecar: kv_load_failure_policy is 'fail', so a block evicted or a "
+                    "sidecar down between lookup and load fails the request; set it to "
+                    "'recompute' in --kv-transfer-config"
+                )
+            geometry = geometry_of(kv_cache_config, vllm_config)
+            self._scheduler: SchedulerSide | None = None
+            self._worker: WorkerSide | None = None
+            if role == KVConnectorRole.SCHEDULER:
+                hashes = uses_block_hashes(settings, vllm_config, geometry.block_size)
+                self._scheduler = SchedulerSide(settings, geometry, use_block_hashes=hashes)
+            else:
+                self._worker = WorkerSide(settings, geometry)
+
+        @property
+        def requires_kv_delivery(self) -> bool:
+            return False  # a cache: a dropped save is a later miss
+
+        # ---- scheduler side --------------------------------------------------------
+
+        def get_num_new_matched_tokens(
+            self, request: Any, num_computed_tokens: int
+        ) -> tuple[int | None, bool]:
+            assert self._scheduler is not None
+            return self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+        def update_state_after_alloc(
+            self, request: Any, blocks: Any, num_external_tokens: int
+        ) -> None:
+            assert self._scheduler is not None
+            block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+            self._scheduler.after_alloc(request, list(block_ids), num_external_tokens)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            assert self._scheduler is not None
+            return self._scheduler.build_meta()
+
+        def request_finished(
+            self, request: Any, block_ids: list[int]
+        ) -> tuple[bool, dict[str, Any] | None]:
+            assert self._scheduler is not None
+            return self._scheduler.finished(request, list(block_ids)), None
+
+        # ---- worker side ------------------------------------------------------------
+
+        def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+            assert self._worker is not None
+            self._worker.register(kv_caches)
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            assert self._worker is not None
+            self._worker.start_loads(self._get_connector_metadata())
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            assert self._worker is not None
+            self._worker.wait_for_layer(layer_name)
+
+        def save_kv_layer(
+            self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+        ) -> None:
+            """Nothing per layer: whole blocks are saved when a request finishes."""
+
+        def wait_for_save(self) -> None:
+            assert self._worker is not None
+            self._worker.run_saves(self._get_connector_metadata())
+
+        def get_finished(
+            self, finished_req_ids: set[str]
+        ) -> tuple[set[str] | None, set[str] | None]:
+            assert self._worker is not None
+            sending, recving = self._worker.finished()
+            return sending or None, recving or None
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            return set() if self._worker is None else self._worker.load_errors()
+
+        def shutdown(self) -> None:
+            for side in (self._scheduler, self._worker):
+                if side is not None:
+                    side.close()
+
+    return KVSidecarConnector

@@ -1,0 +1,340 @@
+"""The vLLM connector's two halves against a real sidecar process, without
+vLLM: small CPU KV tensors in vLLM's FlashAttention layout and plain
+request objects with the attributes the connector reads (tests/vllm_helpers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+from sidecar_proc import Sidecar
+from vllm_helpers import BLOCK, GEOMETRY, blocks_of, halves, kv_caches, prompt, request, settings
+
+import engine_shim.vllm_connector as glue
+from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
+from engine_shim.kvconnector.scheduler import SchedulerSide
+from engine_shim.kvconnector.settings import ConnectorSettings
+from engine_shim.kvconnector.worker import WorkerSide
+
+
+@pytest.fixture
+def sidecar():
+    s = Sidecar(capacity="4MiB").start()
+    yield s
+    try:
+        if s.proc is not None and s.proc.poll() is None:  # not killed by the test
+            assert s.stop() == 0
+            assert s.shm_segments() == [], "shm segments outlived the sidecar"
+    finally:
+        s.cleanup()
+
+
+@pytest.fixture
+def make_pair(sidecar):
+    """Builds (scheduler side, worker side, KV) with settings overrides; closes them."""
+    made = []
+
+    def make(seed: int = 1, **overrides):
+        kv = kv_caches(seed=seed)
+        sched, worker = halves(sidecar.endpoint, kv, **overrides)
+        made.extend((sched, worker))
+        return sched, worker, kv
+
+    yield make
+    for side in made:
+        side.close()
+
+
+@pytest.fixture
+def pair(make_pair):
+    return make_pair()
+
+
+def save(sched: SchedulerSide, worker: WorkerSide, req, block_ids: list[int]) -> None:
+    """vLLM finishing `req`: the save runs in the next step, then frees the blocks."""
+    req.num_computed_tokens = len(req.all_token_ids) - 1
+    assert sched.finished(req, block_ids) is True  # keep the blocks: a save is pending
+    assert worker.finished() == (set(), set())
+    worker.run_saves(sched.build_meta())
+    assert worker.finished() == ({req.request_id}, set())
+
+
+def cached(sched: SchedulerSide, worker: WorkerSide, tokens: list[int], block_ids: list[int]):
+    """`tokens` saved by a finished request "a"; a new request "b" for them."""
+    save(sched, worker, request("a", tokens), block_ids)
+    return request("b", tokens)
+
+
+def test_lookup_then_load_is_byte_exact(pair):
+    sched, worker, kv = pair
+    tokens = prompt(3 * BLOCK + 5)
+    save(sched, worker, request("a", tokens), [0, 1, 2, 3])
+    want = blocks_of(kv, [0, 1, 2])
+
+    req = request("b", tokens)
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+    sched.after_alloc(req, [10, 11, 12, 13], 3 * BLOCK)
+    meta = sched.build_meta()
+    assert [(s.req_id, s.block_ids.tolist(), s.skip_blocks) for s in meta.loads] == [
+        ("b", [10, 11, 12], 0)
+    ]
+    assert sched.build_meta() == ConnectorMeta()  # handed out once
+    worker.start_loads(meta)
+    assert worker.finished() == (set(), {"b"})
+    assert worker.load_errors() == set()
+    for got, expected in zip(blocks_of(kv, [10, 11, 12]), want, strict=True):
+        assert np.array_equal(got, expected)
+
+
+def test_a_local_hit_is_skipped_and_the_last_token_never_claimed(pair):
+    sched, worker, kv = pair
+    tokens = prompt(3 * BLOCK)  # exactly 3 blocks: only 2 may be loaded
+    save(sched, worker, request("a", tokens), [0, 1, 2])
+    for t in kv.values():
+        t[20:23] = 0
+    req = request("b", tokens)
+    assert sched.num_new_matched_tokens(req, 2 * BLOCK) == (0, False)
+    assert sched.num_new_matched_tokens(req, BLOCK) == (BLOCK, True)
+    sched.after_alloc(req, [20, 21, 22], BLOCK)
+    worker.start_loads(sched.build_meta())
+    assert worker.finished() == (set(), {"b"})
+    assert not blocks_of(kv, [20])[0].any(), "the local hit was overwritten"
+    assert np.array_equal(blocks_of(kv, [21])[0], blocks_of(kv, [1])[0])
+
+
+def test_ask_again_while_the_lookup_is_in_flight(make_pair):
+    sched, worker, _ = make_pair(seed=2, lookup_async=True)
+    tokens = prompt(2 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1])
+    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    deadline = time.monotonic() + 10
+    while (answer := sched.num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert answer == (2 * BLOCK, True)
+    # The answer stands until allocation: asking again does not look up again.
+    assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    sched.after_alloc(req, [5, 6, 7], 2 * BLOCK)
+    worker.start_loads(sched.build_meta())
+    assert worker.finished() == (set(), {"b"})
+
+
+def test_a_finished_request_saves_only_what_it_did_not_load(pair):
+    sched, worker, _ = pair
+    tokens = prompt(2 * BLOCK + 3)
+    req = cached(sched, worker, tokens, [0, 1, 2])
+    assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    sched.after_alloc(req, [4, 5, 6], 2 * BLOCK)
+    worker.start_loads(sched.build_meta())
+    worker.finished()
+    req.num_computed_tokens = len(tokens)
+    assert sched.finished(req, [4, 5, 6]) is False  # nothing new: free at once
+    short = request("c", prompt(BLOCK - 1))
+    short.num_computed_tokens = BLOCK - 1
+    assert sched.finished(short, [7]) is False
+    assert sched.build_meta() == ConnectorMeta()
+
+
+def test_vllm_block_hashes_key_the_blocks(make_pair):
+    sched, worker, _ = make_pair(seed=3, use_block_hashes=True)
+    tokens = prompt(2 * BLOCK + 1)
+    save(sched, worker, request("a", tokens), [0, 1])
+    assert sched.num_new_matched_tokens(request("b", tokens), 0) == (2 * BLOCK, True)
+    # Other hashes of the same tokens (another cache salt, an image): a miss.
+    assert sched.num_new_matched_tokens(request("c", tokens, salt=b"x"), 0) == (0, False)
+    by_tokens = SchedulerSide(sched.settings, GEOMETRY, use_block_hashes=False)
+    try:  # the two key sources never meet
+        assert by_tokens.num_new_matched_tokens(request("d", tokens), 0) == (0, False)
+    finally:
+        by_tokens.close()
+
+
+def test_token_keys_skip_requests_their_tokens_do_not_describe(pair):
+    sched, worker, _ = pair
+    tokens = prompt(2 * BLOCK + 1)
+    save(sched, worker, request("a", tokens), [0, 1])
+    for extra in ({"mm_features": ["image"]}, {"lora_request": "adapter"}, {"cache_salt": "s"}):
+        req = request("b", tokens)
+        for name, value in extra.items():
+            setattr(req, name, value)
+        assert sched.num_new_matched_tokens(req, 0) == (0, False)
+        req.num_computed_tokens = len(tokens)
+        assert sched.finished(req, [3, 4]) is False
+
+
+def test_a_load_from_a_killed_sidecar_is_reported_for_recompute(sidecar, pair):
+    sched, worker, _ = pair
+    tokens = prompt(3 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1, 2])
+    assert sched.num_new_matched_tokens(req, BLOCK) == (2 * BLOCK, True)
+    sched.after_alloc(req, [8, 9, 10, 11], 2 * BLOCK)
+    sidecar.kill()
+    started = time.monotonic()
+    worker.start_loads(sched.build_meta())
+    assert worker.finished() == (set(), {"b"})  # finished receiving, with errors
+    assert worker.load_errors() == {9, 10}
+    assert worker.load_errors() == set()
+    # Later lookups miss fast; a save is dropped but still frees the blocks.
+    assert sched.num_new_matched_tokens(request("c", tokens), 0) == (0, False)
+    save(sched, worker, request("d", prompt(BLOCK + 1, start=7)), [12, 13])
+    assert time.monotonic() - started < 10
+
+
+def test_a_block_evicted_after_the_lookup_is_reported(pair):
+    sched, worker, kv = pair
+    tokens = prompt(3 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1, 2])
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
+    sched.after_alloc(req, [8, 9, 10, 11], 3 * BLOCK)
+    assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
+    worker.start_loads(sched.build_meta())
+    assert worker.finished() == (set(), {"b"})
+    assert worker.load_errors() == {9, 10}
+    assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
+
+
+def test_synchronous_loads_wait_per_layer(make_pair):
+    sched, worker, kv = make_pair(seed=4, load_async=False)
+    tokens = prompt(2 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1])
+    assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
+    sched.after_alloc(req, [3, 4, 5], 2 * BLOCK)
+    meta = sched.build_meta()
+    worker.start_loads(meta)
+    for name in kv:
+        worker.wait_for_layer(name)
+    with pytest.raises(ValueError, match="unknown KV layer"):
+        worker.wait_for_layer("model.layers.9.self_attn.attn")
+    worker.run_saves(meta)
+    assert worker.finished() == (set(), set())  # synchronous: not reported
+    assert worker.load_errors() == set()
+    assert np.array_equal(blocks_of(kv, [3, 4])[1], blocks_of(kv, [0, 1])[1])
+
+
+# ---- bad input: a clear error, no state change ----------------------------------------
+
+
+def test_bad_settings_are_refused():
+    base = {"model_name": "m", "model_revision": "r", "engine_id": "e"}
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config keys \['endpiont'\]"):
+        ConnectorSettings.from_extra_config({"endpiont": "ipc://x"}, **base)
+    for bad in (
+        {"block_keys": "hashes"},
+        {"load_async": "yes"},
+        {"timeout": 0},
+        {"model_revision": ""},
+        {"endpoint": 5},
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ConnectorSettings.from_extra_config(bad, **base)
+    s = ConnectorSettings.from_extra_config({"tenant": "t"}, **base)
+    assert (s.tenant, s.load_async, s.block_keys) == ("t", True, "auto")
+
+
+def test_kv_caches_of_another_geometry_are_refused(sidecar):
+    worker = WorkerSide(settings(sidecar.endpoint), GEOMETRY)
+    kv = kv_caches(seed=None)
+    first = next(iter(kv.values()))
+    for caches, match in (
+        ({n: t.contiguous() for n, t in kv.items()}, "not a contiguous LBNHC run"),  # LBHNC
+        ({n: t[:, :, :, :8] for n, t in kv.items()}, "not a contiguous LBNHC run"),
+        ({"only": first}, "1 KV tensors for 2 layers"),
+        ({}, "non-empty"),
+        ({n: t.half() for n, t in kv.items()}, "torch.float16"),
+        ({n: t[0] for n, t in kv.items()}, r"4D \[B, H, N, C\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            worker.register(caches)
+    with pytest.raises(RuntimeError, match="register_kv_caches"):
+        worker.start_loads(ConnectorMeta(loads=(LoadSpec("x", _keys(1), np.zeros(1), 0),)))
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT"):
+        dataclasses.replace(GEOMETRY, layout="BLHNC")
+
+
+def test_bad_scheduler_calls_change_nothing(pair):
+    sched, worker, _ = pair
+    tokens = prompt(2 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1])
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        sched.num_new_matched_tokens(req, -1)
+    assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    with pytest.raises(ValueError, match="not the 2-block hit"):
+        sched.after_alloc(req, [1, 2, 3, 4], 3 * BLOCK)
+    with pytest.raises(ValueError, match="1 blocks for a 2-block load"):
+        sched.after_alloc(req, [1], 2 * BLOCK)
+    assert sched.build_meta() == ConnectorMeta()
+    sched.after_alloc(req, [1, 2, 3], 2 * BLOCK)  # the hit still stands
+    assert [s.block_ids.tolist() for s in sched.build_meta().loads] == [[1, 2]]
+
+
+def test_kvclient_key_methods_validate(pair):
+    sched, _, _ = pair
+    client = sched._client
+    keys = client.block_keys(prompt(2 * BLOCK))
+    assert client.lookup_keys(keys) == 0
+    for bad in (b"\x00" * 32, np.zeros(2, np.uint8), keys.reshape(1, 2), list(keys)):
+        with pytest.raises(TypeError, match="block keys"):
+            client.lookup_keys(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="block keys"):
+            client.save_keys(bad, [0, 1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="2 full blocks of tokens but 1 block ids"):
+        client.load_keys(keys, [0])
+    with pytest.raises(ValueError, match="one length"):
+        client.digest_keys([b"a" * 32, b"b" * 16])
+    with pytest.raises(ValueError, match="one length"):
+        client.digest_keys([b"short"])
+    with pytest.raises(ValueError, match="must be bytes"):
+        client.digest_keys(["text" * 8])  # type: ignore[list-item]
+
+
+def test_the_glue_imports_without_vllm_and_reads_vllm_config():
+    from types import SimpleNamespace as NS
+
+    config = NS(
+        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
+        kv_transfer_config=NS(kv_connector_extra_config={"tenant": "t"}, engine_id="e1"),
+        model_config=NS(model="org/model", revision=None),
+        cache_config=NS(prefix_caching_hash_algo="sha256", hash_block_size=None),
+    )
+    s = glue.settings_of(config)
+    assert (s.model_name, s.model_revision, s.engine_id, s.tenant) == (
+        "org/model",
+        "unpinned",
+        "vllm-e1",
+        "t",
+    )
+    assert glue.uses_block_hashes(s, config, 16)
+    config.cache_config.prefix_caching_hash_algo = "xxhash"
+    assert glue.uses_block_hashes(s, config, 16) is bool(
+        __import__("os").environ.get("PYTHONHASHSEED")
+    )
+    config.parallel_config.tensor_parallel_size = 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        glue.settings_of(config)
+
+
+def _keys(n: int):
+    from sidecar.control.ids import keys_from_ints
+
+    return keys_from_ints(list(range(n)))
+
+
+def test_halves_made_before_the_sidecar_starts_work_once_it_is_up():
+    late = Sidecar(capacity="4MiB")
+    try:
+        kv = kv_caches(seed=5)
+        sched, worker = halves(late.endpoint, kv, timeout=0.3)  # both registrations fail
+        tokens = prompt(2 * BLOCK + 1)
+        assert sched.num_new_matched_tokens(request("x", tokens), 0) == (0, False)
+        late.start()
+        deadline = time.monotonic() + 20  # until the sockets have reconnected (<= 1 s apart)
+        while sched.num_new_matched_tokens(cached(sched, worker, tokens, [0, 1]), 0)[0] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        sched.close()
+        worker.close()
+        assert late.stop() == 0
+    finally:
+        late.cleanup()

@@ -1,0 +1,305 @@
+"""The connector driven by vLLM's own classes: its scheduler
+(`vllm.v1.core.sched.scheduler.Scheduler`, which creates the connector
+through `KVConnectorFactory` from a `KVTransferConfig`), its `Request` with
+vLLM's block hasher, and its worker-side connector lifecycle
+(`KVConnectorModelRunnerMixin`: bind metadata, start_load_kv, wait_for_save,
+get_transfer_results, get_block_ids_with_load_errors). Only the model's
+forward is simulated: it writes, for every token it computes, KV that is a
+function of (token, position, layer), so loaded blocks can be checked byte
+for byte and told apart from recomputed ones.
+
+Skipped where vLLM is not importable (CI installs no vLLM). Run it with a
+vLLM 0.33 environment: docs/engines.md says how.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "vllm.v1.core.sched.scheduler", reason="vLLM is not installed here (see docs/engines.md)"
+)
+
+from sidecar_proc import Sidecar
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer import kv_transfer_state
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.forward_context import set_forward_context
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.kv_connector_model_runner_mixin import (
+    KVConnectorModelRunnerMixin,
+)
+
+BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 16, 2, 8, 2, 64
+LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+@pytest.fixture
+def sidecar():
+    s = Sidecar(capacity="4MiB").start()
+    yield s
+    s.cleanup()
+
+
+class Engine:
+    """vLLM's scheduler and worker-side connector around simulated KV."""
+
+    def __init__(self, tmp_path, endpoint: str, **extra: object) -> None:
+        model_dir = tmp_path / "tiny-llama"
+        model_dir.mkdir(exist_ok=True)
+        (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+        transfer = KVTransferConfig(
+            kv_connector="KVSidecarConnector",
+            kv_connector_module_path="engine_shim.vllm_connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"endpoint": endpoint, "timeout": 2.0, **extra},
+        )
+        self.config = VllmConfig(
+            model_config=ModelConfig(
+                model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=512
+            ),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=512,
+                max_model_len=512,
+                is_encoder_decoder=False,
+            ),
+            kv_transfer_config=transfer,
+            device_config=DeviceConfig("cpu"),
+        )
+        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS  # what profiling would find
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+        )
+        kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)],
+        )
+        kv_cache_config.kv_cache_layout = "LBNHC"  # as vLLM's engine core resolves it
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BLOCK,
+        )
+        self.worker = KVConnectorFactory.create_connector(
+            config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
+        )
+        # The worker's KV: per layer LBNHC memory, handed over as [B, H, N, C] views.
+        self.kv = {
+            name: torch.zeros(NUM_BLOCKS, BLOCK, HEADS, 2 * HEAD_DIM).permute(0, 2, 1, 3)
+            for name in LAYER_NAMES
+        }
+        self.worker.register_kv_caches(self.kv)
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # what the model runner uses
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.block_tables: dict[str, list[int]] = {}
+        self.computed: dict[str, set[int]] = {}
+        """Positions the simulated forward computed, per request."""
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 2) -> Request:
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=tokens,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self.hasher,
+        )
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self, before_forward=None):
+        out = self.scheduler.schedule()
+        if before_forward is not None:
+            before_forward(out)
+        for new in out.scheduled_new_reqs:
+            self.block_tables[new.req_id] = list(new.block_ids[0])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if cached.new_block_ids[i] is not None:
+                table = self.block_tables.setdefault(req_id, [])
+                if req_id in cached.resumed_req_ids:
+                    table.clear()
+                table.extend(cached.new_block_ids[i][0])
+        with (
+            set_forward_context(None, self.config),
+            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output,
+        ):
+            sampled = self._forward(out)
+        runner_output = ModelRunnerOutput(
+            req_ids=list(sampled),
+            req_id_to_index={r: i for i, r in enumerate(sampled)},
+            sampled_token_ids=[sampled[r] for r in sampled],
+            kv_connector_output=kv_output,
+        )
+        self.scheduler.update_from_output(out, runner_output)
+        return out, kv_output
+
+    def _forward(self, out) -> dict[str, list[int]]:
+        """Write KV for every scheduled token; sample a token for requests
+        whose prompt is then complete."""
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        sampled: dict[str, list[int]] = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            start = starts[req_id]
+            table = self.block_tables[req_id]
+            for pos in range(start, start + n):
+                token = req.all_token_ids[pos]
+                for layer, t in enumerate(self.kv.values()):
+                    t[table[pos // BLOCK], :, pos % BLOCK] = kv_value(token, pos, layer)
+                self.computed.setdefault(req_id, set()).add(pos)
+            done = start + n >= req.num_tokens
+            sampled[req_id] = [7] if done else []
+        return sampled
+
+    def run(self, until, steps: int = 50, before_forward=None) -> list:
+        outputs = []
+        for _ in range(steps):
+            outputs.append(self.step(before_forward))
+            if until():
+                return outputs
+            time.sleep(0.002)  # let an asynchronous lookup land
+        raise AssertionError("the scheduler did not get there")
+
+    def assert_kv_of(self, req_id: str, tokens: list[int]) -> None:
+        """The request's blocks hold the KV of exactly its tokens."""
+        table = self.block_tables[req_id]
+        for pos, token in enumerate(tokens):
+            for layer, t in enumerate(self.kv.values()):
+                got = t[table[pos // BLOCK], :, pos % BLOCK]
+                assert torch.equal(got, kv_value(token, pos, layer)), (req_id, pos, layer)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": HEADS,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+}
+
+
+def kv_value(token: int, pos: int, layer: int) -> torch.Tensor:
+    """The simulated K and V of one token: [HEADS, 2 * HEAD_DIM]."""
+    base = float(token * 1000 + pos) + layer / 4
+    return base + torch.arange(HEADS * 2 * HEAD_DIM, dtype=torch.float32).reshape(HEADS, -1) / 64
+
+
+@pytest.fixture
+def engine(tmp_path, sidecar):
+    e = Engine(tmp_path, sidecar.endpoint)
+    yield e
+    e.close()
+
+
+def prompt(n: int, start: int = 0) -> list[int]:
+    return [(start + i) % 30_000 + 1 for i in range(n)]
+
+
+def finished(engine: Engine, req_id: str) -> bool:
+    return req_id not in engine.scheduler.requests
+
+
+def test_the_connector_is_made_by_vllm(engine):
+    from engine_shim import vllm_connector
+
+    assert type(engine.scheduler.connector) is vllm_connector.KVSidecarConnector
+    assert type(engine.worker) is vllm_connector.KVSidecarConnector
+    assert engine.scheduler.connector._scheduler.use_block_hashes  # sha256: shareable
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"block_keys": "tokens"}, {"load_async": False}],
+    ids=["vllm-hashes-async", "token-keys", "sync-load"],
+)
+def test_a_finished_request_is_saved_and_a_later_one_loads_it(tmp_path, sidecar, extra):
+    engine = Engine(tmp_path, sidecar.endpoint, **extra)
+    try:
+        tokens = prompt(3 * BLOCK + 5)
+        engine.add("a", tokens)
+        steps = engine.run(lambda: finished(engine, "a"))
+        # vLLM kept a's blocks until the worker reported the save.
+        assert any("a" in (kv.finished_sending or ()) for _, kv in steps)
+        engine.scheduler.reset_prefix_cache()  # vLLM's own cache forgets it: only kvsidecar has it
+
+        engine.add("b", [*tokens, 99, 98])
+        steps = engine.run(lambda: finished(engine, "b"))
+        is_async = extra.get("load_async", True)
+        assert any("b" in (kv.finished_recving or ()) for _, kv in steps) == is_async
+        assert all(not kv.invalid_block_ids for _, kv in steps)
+        # The 3 full blocks came from the sidecar, the rest was computed.
+        assert min(engine.computed["b"]) == 3 * BLOCK
+        engine.assert_kv_of("b", [*tokens, 99, 98])
+    finally:
+        engine.close()
+
+
+def test_ask_again_while_the_lookup_is_in_flight(engine):
+    tokens = prompt(2 * BLOCK + 1, start=500)
+    engine.add("a", tokens)
+    engine.run(lambda: finished(engine, "a"))
+    engine.scheduler.reset_prefix_cache()
+    engine.add("b", tokens)
+    first, _ = engine.step()
+    assert first.total_num_scheduled_tokens == 0  # (None, False): b waits for its lookup
+    engine.run(lambda: finished(engine, "b"))
+    assert min(engine.computed["b"]) == 2 * BLOCK
+    engine.assert_kv_of("b", tokens)
+
+
+def test_a_load_failure_is_recomputed_by_vllm(engine, sidecar):
+    tokens = prompt(3 * BLOCK + 1, start=900)
+    engine.add("a", tokens)
+    engine.run(lambda: finished(engine, "a"))
+    engine.scheduler.reset_prefix_cache()
+    engine.add("b", tokens)
+
+    def kill_before_the_load(out) -> None:
+        if out.kv_connector_metadata.loads:  # b's lookup hit: its load runs this step
+            sidecar.kill()
+
+    steps = engine.run(lambda: finished(engine, "b"), before_forward=kill_before_the_load)
+    assert sidecar.proc.poll() is not None
+    assert any(kv.invalid_block_ids for _, kv in steps)
+    assert min(engine.computed["b"]) == 0  # vLLM recomputed the blocks that failed
+    engine.assert_kv_of("b", tokens)
