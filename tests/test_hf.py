@@ -23,7 +23,17 @@ from sidecar_proc import Sidecar
 from transformers import MistralConfig, MistralForCausalLM
 
 from engine_shim import KVClient
-from engine_shim.hf import CachedLM, TierTokens, load_model, tiny_llama, weights_fingerprint
+from engine_shim.hf import (
+    CachedLM,
+    PagedKV,
+    TierTokens,
+    kv_block_bytes,
+    kv_geometry,
+    llama3_8b,
+    load_model,
+    tiny_llama,
+    weights_fingerprint,
+)
 
 FP32_TOL = 4e-6
 BF16_TOL = 0.03125
@@ -232,3 +242,62 @@ def test_load_model_reads_a_local_directory(tmp_path, model):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_model(tmp_path / "missing")
+
+
+def test_a_hit_is_bit_identical_to_the_split_recompute_without_a_schedule(sidecar, model, make_lm):
+    # What bench ttft checks every hit against: the forwards its loaded KV came from.
+    lm = make_lm(sidecar, model)
+    assert lm.pool.device == model.device and lm.pool.layers[0].device.type == "cpu"
+    for length, prefix in ((300, 192), (1000, 640), (129, 128)):
+        ids = tokens(15 + length, length)
+        assert lm.prefill(ids[:prefix]).info.saved_tokens == prefix
+        hit = lm.prefill(ids, save=False)
+        assert hit.info.loaded_tokens == prefix and hit.info.saved_tokens == 0
+        assert torch.equal(hit.logits, lm.split_recompute(ids, prefix))
+    with pytest.raises(ValueError, match="split must be in"):
+        lm.split_recompute(ids, 129)
+
+
+def test_connect_swaps_the_client_after_a_sidecar_restart(model):
+    lm = CachedLM(model, None, chunk_tokens=TPB, max_tokens=512, model_revision="swap")
+    ids = tokens(16, 100)
+    assert lm.prefill(ids).info.saved_tokens == 0  # no client: nothing cached
+    for _ in range(2):  # each life: a new sidecar, a new client, registered by connect
+        sc = Sidecar(capacity="16MiB").start()
+        client = KVClient.connect(sc.endpoint, timeout=5.0)
+        try:
+            lm.connect(client)
+            assert lm.prefill(ids).info.loaded_tokens == 0  # a new sidecar holds nothing
+            assert lm.prefill(ids).info.loaded_tokens == 96
+            lm.connect(None)
+            assert lm.prefill(ids).info.loaded_tokens == 0
+        finally:
+            client.close()
+            assert sc.stop() == 0
+            sc.cleanup()
+
+
+def test_paged_kv_refuses_bad_shapes_and_block_ranges(model):
+    with pytest.raises(ValueError, match="at least one layer"):
+        PagedKV(
+            num_layers=2, num_blocks=0, tokens_per_block=16, num_kv_heads=2, head_dim=8,
+            dtype=torch.float32,
+        )  # fmt: skip
+    pool = PagedKV(
+        num_layers=4, num_blocks=4, tokens_per_block=16, num_kv_heads=2, head_dim=32,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    assert pool.device == torch.device("cpu") and pool.block_bytes == kv_block_bytes(model)
+    with pytest.raises(ValueError, match="num_blocks must be in"):
+        pool.to_cache(5, model.config)
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.from_cache(pool.to_cache(4, model.config), 2, 6)
+
+
+def test_llama3_8b_has_the_geometry_of_llama_3_8b():
+    model = llama3_8b(0, device="meta")  # shapes only: no 16 GB on the CPU
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert kv_geometry(model) == (32, 8, 128)
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == 128256
+    assert model.config.intermediate_size == 14336
+    assert kv_block_bytes(model) == 2 << 20
