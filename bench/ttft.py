@@ -1,4 +1,4 @@
-"""`kvsidecar bench ttft`: time to first token with an SSD-tier hit and a
+r"""`kvsidecar bench ttft`: time to first token with an SSD-tier hit and a
 CPU-tier hit against a full recompute (engine_shim.hf.CachedLM), all three
 measured in the same run.
 
@@ -41,12 +41,16 @@ required on the CPU; and with the one-shot recompute: within 32 fp32 eps or
 Break-even. Prompts of growing length (whole blocks and one token) whose
 every full block is cached: the break-even length of a tier is the shortest
 swept length from which on every hit from it is faster than the recompute.
+
+On a GPU machine (16 GB of weights on the GPU; for the default lengths a
+14 GiB CPU tier and 17.5 GiB of SSD files):
+  kvsidecar bench ttft --device cuda --dtype bf16 --model llama3-8b \
+      --json bench/results/ttft_<gpu>.json
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import shutil
 import sys
 import tempfile
@@ -54,17 +58,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bench.report import positive_int_list, write_json
-from bench.trace import MOONCAKE_BLOCK_TOKENS, load_mooncake
+from bench.trace import MOONCAKE_BLOCK_TOKENS
+from bench.ttft_workload import (
+    MIN_REUSE,
+    TOKENS_PER_BLOCK,
+    Case,
+    follow_ups,
+    sweep_cases,
+    trace_cases,
+)
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
-MIN_REUSE = 0.5  # a follow-up shares at least this share of its hash ids
 # Whole blocks plus one token: a hit loads every block and computes one token.
 SWEEP = (17, 33, 49, 65, 97, 129, 193, 257, 385, 513)
 QUICK_SWEEP = (17, 33, 65, 129)
-TOKENS_PER_BLOCK = 16
 DTYPES = ("fp32", "bf16")
 
 
@@ -151,111 +159,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-# ---- workload ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Case:
-    """One prompt and the prefix of it an earlier prompt saved."""
-
-    ids: np.ndarray
-    cached: int
-    """Leading tokens saved before (full blocks, short of the last token):
-    what a hit must load."""
-    target: int | None = None
-    """The length it was picked for; None in the break-even sweep."""
-    request: int | None = None
-    """Its index in the trace; None in the break-even sweep."""
-    trace_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class FollowUp:
-    request: int
-    """Its index in the trace."""
-    trace_tokens: int
-    hash_ids: np.ndarray
-    shared_ids: int
-    """Leading hash ids an earlier request had."""
-    scale: int
-
-    @property
-    def unit(self) -> int:
-        """Tokens per trace hash id after scaling."""
-        return MOONCAKE_BLOCK_TOKENS // self.scale
-
-    @property
-    def tokens(self) -> int:
-        """Prompt length after scaling."""
-        return min(-(-self.trace_tokens // self.scale), self.hash_ids.size * self.unit)
-
-    @property
-    def cacheable(self) -> int:
-        """Leading tokens an earlier turn cached: the shared ids' tokens, full blocks only."""
-        shared = min(self.shared_ids * self.unit, self.tokens - 1)
-        return shared // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK
-
-
-def follow_ups(path: Path, scale: int) -> list[FollowUp]:
-    """Every request sharing at least MIN_REUSE of its hash ids with an
-    earlier one. Hash ids are prefix-chained, so a leading id seen before
-    means the whole prefix up to it was seen before."""
-    trace = load_mooncake(path)
-    seen: set[int] = set()
-    out = []
-    for r in range(trace.num_requests):
-        ids = trace.hash_ids[trace.hash_offsets[r] : trace.hash_offsets[r + 1]]
-        shared = 0
-        while shared < ids.size and int(ids[shared]) in seen:
-            shared += 1
-        if ids.size and shared / ids.size >= MIN_REUSE:
-            out.append(FollowUp(r, int(trace.input_lengths[r]), ids, shared, scale))
-        seen.update(int(h) for h in ids)
-    return out
-
-
-def pick(candidates: list[FollowUp], target: int, k: int, seed: int) -> list[FollowUp]:
-    """Up to k follow-ups whose scaled length is within 0.8-1.25x of `target`."""
-    near = [f for f in candidates if 0.8 * target <= f.tokens <= 1.25 * target and f.cacheable]
-    return sorted(random.Random(seed + target).sample(near, min(k, len(near))), key=_request)
-
-
-def _request(f: FollowUp) -> int:
-    return f.request
-
-
-def prompt_tokens(f: FollowUp, vocab: int, salt: int = 0) -> np.ndarray:
-    """`f.tokens` token ids: `f.unit` ids per hash id, drawn from a generator
-    seeded by (salt, id): prompts of one salt that share hash ids share tokens."""
-    parts = [np.random.default_rng((salt, int(h))).integers(0, vocab, f.unit) for h in f.hash_ids]
-    return np.concatenate(parts)[: f.tokens]
-
-
-def trace_cases(
-    candidates: list[FollowUp], targets: list[int], k: int, seed: int, vocab: int
-) -> list[Case]:
-    """Up to k follow-ups per target length, each with tokens of its own."""
-    cases: list[Case] = []
-    for target in targets:
-        chosen = pick(candidates, target, k, seed)
-        if not chosen:
-            print(f"no follow-up of ~{target} tokens in the trace", file=sys.stderr)
-        for f in chosen:
-            ids = prompt_tokens(f, vocab, salt=len(cases))
-            cases.append(Case(ids, f.cacheable, target, f.request, f.trace_tokens))
-    return cases
-
-
-def sweep_cases(lengths: list[int], seed: int, vocab: int) -> list[Case]:
-    """Random prompts whose every full block short of the last token is cached."""
-    rng = np.random.default_rng((seed, 1))
-    return [
-        Case(rng.integers(0, vocab, n), (n - 1) // TOKENS_PER_BLOCK * TOKENS_PER_BLOCK)
-        for n in lengths
-        if n > TOKENS_PER_BLOCK
-    ]
-
-
 # ---- command -------------------------------------------------------------------
 
 
@@ -295,22 +198,38 @@ def build_model(args: argparse.Namespace, dtype: Any) -> Any:
     return tiny_llama(args.seed, dtype=dtype).to(args.device)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The flags with every default resolved."""
+
+    dtype: str
+    scale: int
+    targets: list[int]
+    sweep: list[int]
+    samples: int
+    repeats: int
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    choice = MODELS[args.model]
+    return Settings(
+        dtype=args.dtype or choice.dtype,
+        scale=args.scale or choice.scale,
+        targets=args.lengths or list(QUICK_TARGETS if args.quick else choice.targets),
+        sweep=args.sweep or list(QUICK_SWEEP if args.quick else SWEEP),
+        samples=args.samples or (1 if args.quick else 3),
+        repeats=args.repeats or (2 if args.quick else 7),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from bench.ttft_measure import (
-            SidecarLives,
-            break_even,
-            fidelity,
-            measure,
-            summarize,
-        )
-        from engine_shim.hf import CachedLM, kv_block_bytes
+        from bench.ttft_measure import break_even, fidelity, summarize
     except ImportError:
         print("bench ttft needs torch and transformers: pip install -e '.[hf]'", file=sys.stderr)
         return 2
-    from bench.ssd import filesystem_of
     from bench.ttft_report import print_report
 
     try:
@@ -320,48 +239,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    choice = MODELS[args.model]
-    dtype_name = args.dtype or choice.dtype
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    scale = args.scale or choice.scale
-    targets = args.lengths or list(QUICK_TARGETS if args.quick else choice.targets)
-    samples = args.samples or (1 if args.quick else 3)
-    repeats = args.repeats or (2 if args.quick else 7)
-    candidates = follow_ups(args.trace, scale)
-    model = build_model(args, dtype)
+    s = settings_of(args)
+    candidates = follow_ups(args.trace, s.scale)
+    model = build_model(args, {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype])
     vocab = model.config.vocab_size
-    cases = trace_cases(candidates, targets, samples, args.seed, vocab)
-    sweep = sweep_cases(args.sweep or list(QUICK_SWEEP if args.quick else SWEEP), args.seed, vocab)
-    block_bytes = kv_block_bytes(model, TOKENS_PER_BLOCK)
-    # Every saved prefix fits in either tier (nothing is evicted), with room
-    # for the eviction threshold.
-    blocks = sum(c.cached // TOKENS_PER_BLOCK for c in [*cases, *sweep])
-    cpu_bytes = max(16 << 20, (blocks * 5 // 4 + 64) * block_bytes)
-    workdir = Path(tempfile.mkdtemp(prefix="kvsbench-ttft-"))
-    ssd_dir = Path(tempfile.mkdtemp(prefix="kvsbench-ttft-ssd-", dir=args.ssd_dir))
-    max_tokens = -(-max(c.ids.size for c in [*cases, *sweep]) // TOKENS_PER_BLOCK + 1)
-    lm = CachedLM(
-        model,
-        None,
-        model_name=f"bench-ttft-{args.model}",
-        model_revision=f"random-seed{args.seed}-{args.device}",
-        max_tokens=max_tokens * TOKENS_PER_BLOCK,
-    )
-    lives = SidecarLives(workdir, ssd_dir, cpu_bytes, cpu_bytes * 5 // 4, start_timeout=600.0)
-    try:
-        lives.start(lm)
-        print(f"{len(cases)} trace prompts, {len(sweep)} sweep prompts ...", file=sys.stderr)
-        rows = measure(lives, lm, [*cases, *sweep], repeats)
-        ssd_stats = lives.client.stats()["tiers"]["ssd"] if lives.client else {}
-        filesystem = filesystem_of(ssd_dir)
-    finally:
-        lives.stop(lm)
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(ssd_dir, ignore_errors=True)
+    cases = trace_cases(candidates, s.targets, s.samples, args.seed, vocab)
+    sweep = sweep_cases(s.sweep, args.seed, vocab)
+    rows, sidecar = measure_in_sidecar(args, model, [*cases, *sweep], s.repeats)
     trace_rows, sweep_rows = rows[: len(cases)], rows[len(cases) :]
     by_length = [
         summarize(t, [r for r in trace_rows if r["target_tokens"] == t])
-        for t in targets
+        for t in s.targets
         if any(r["target_tokens"] == t for r in trace_rows)
     ]
     checks = fidelity(rows, exact_required=args.device == "cpu")
@@ -373,42 +261,83 @@ def run(args: argparse.Namespace) -> int:
         "all_from_ssd": all(r["all_from_ssd"] for r in rows),
         "fidelity": checks,
         "model": args.model,
-        "model_about": choice.about,
+        "model_about": MODELS[args.model].about,
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "dtype": dtype_name,
-        "kv_block_bytes": block_bytes,
-        "kv_pool_device": str(lm.pool.device),
-        "cpu_tier_bytes": cpu_bytes,
-        "ssd": {
-            "filesystem": filesystem,
-            "direct_io": ssd_stats.get("direct_io"),
-            "saved_blocks": blocks,
-            "restarts": len(lives.restart_s),
-            "restart_s": lives.restart_s,
-            "blocks_at_restart": lives.recovered,
-        },
+        "dtype": s.dtype,
+        **sidecar,
         "torch_threads": torch.get_num_threads(),
-        "scale": scale,
-        "tokens_per_trace_block": MOONCAKE_BLOCK_TOKENS // scale,
+        "scale": s.scale,
+        "tokens_per_trace_block": MOONCAKE_BLOCK_TOKENS // s.scale,
         "min_reuse": MIN_REUSE,
         "follow_ups_in_trace": len(candidates),
-        "samples_per_length": samples,
-        "repeats": repeats,
+        "samples_per_length": s.samples,
+        "repeats": s.repeats,
         "quick": bool(args.quick),
         "seed": args.seed,
-        "sidecar_exit_codes": lives.exit_codes,
-        "shm_leftovers": lives.leftovers,
         "about": (
             "TTFT (lookup + load + forward to the last token's logits) of an SSD-tier hit "
             "(after a sidecar restart: CPU tier empty, SSD index recovered) and a CPU-tier "
             "hit vs a one-shot recompute by the same model, alternated in the same run; "
-            f"trace lengths divided by {scale}; medians of {repeats} rounds"
+            f"trace lengths divided by {s.scale}; medians of {s.repeats} rounds"
         ),
     }
     print_report(result)
     if args.json:
         write_json(args.json, result)
-    clean = all(code == 0 for code in lives.exit_codes) and not lives.leftovers
+    clean = all(c == 0 for c in result["sidecar_exit_codes"]) and not result["shm_leftovers"]
     verified = result["all_from_cpu"] and result["all_from_ssd"] and checks["ok"]
     return 0 if clean and verified else 1
+
+
+def measure_in_sidecar(
+    args: argparse.Namespace, model: Any, cases: list[Case], repeats: int
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows of `bench.ttft_measure.measure`, and what the run's sidecar and
+    pool were: a private sidecar whose tiers both hold every saved prefix
+    (with room below the eviction threshold), its SSD files in a temporary
+    directory under --ssd-dir; all removed afterwards."""
+    from bench.ssd import filesystem_of
+    from bench.ttft_measure import SidecarLives, measure
+    from engine_shim.hf import CachedLM, kv_block_bytes
+
+    block_bytes = kv_block_bytes(model, TOKENS_PER_BLOCK)
+    blocks = sum(c.cached // TOKENS_PER_BLOCK for c in cases)
+    cpu_bytes = max(16 << 20, (blocks * 5 // 4 + 64) * block_bytes)
+    max_blocks = max(c.ids.size for c in cases) // TOKENS_PER_BLOCK + 1
+    lm = CachedLM(
+        model,
+        None,
+        model_name=f"bench-ttft-{args.model}",
+        model_revision=f"random-seed{args.seed}-{args.device}",
+        max_tokens=max_blocks * TOKENS_PER_BLOCK,
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="kvsbench-ttft-"))
+    ssd_dir = Path(tempfile.mkdtemp(prefix="kvsbench-ttft-ssd-", dir=args.ssd_dir))
+    lives = SidecarLives(workdir, ssd_dir, cpu_bytes, cpu_bytes * 5 // 4, start_timeout=600.0)
+    try:
+        lives.start(lm)
+        print(f"{len(cases)} prompts ...", file=sys.stderr, flush=True)
+        rows = measure(lives, lm, cases, repeats)
+        assert lives.client is not None
+        direct_io = lives.client.stats()["tiers"]["ssd"]["direct_io"]
+        filesystem = filesystem_of(ssd_dir)
+    finally:
+        lives.stop(lm)
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+    return rows, {
+        "kv_block_bytes": block_bytes,
+        "kv_pool_device": str(lm.pool.device),
+        "cpu_tier_bytes": cpu_bytes,
+        "ssd": {
+            "filesystem": filesystem,
+            "direct_io": direct_io,
+            "saved_blocks": blocks,
+            "restarts": len(lives.restart_s),
+            "restart_s": lives.restart_s,
+            "blocks_at_restart": lives.recovered,
+        },
+        "sidecar_exit_codes": lives.exit_codes,
+        "shm_leftovers": lives.leftovers,
+    }

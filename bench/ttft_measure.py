@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bench.ttft import Case
+from bench.ttft_workload import Case
 from engine_shim.client import KVClient, TierTokens
 from engine_shim.hf import CachedLM, PrefillInfo
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar

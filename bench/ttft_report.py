@@ -14,21 +14,21 @@ def print_report(r: dict[str, Any]) -> None:
     )
     print_table(
         ("prompt", "trace tokens", "cached", "cached %", "recompute ms", "cpu hit ms",
-         "cpu speedup", "ssd hit ms", "ssd speedup", "ssd lookup+load ms"),
+         "cpu speedup", "ssd hit ms", "ssd speedup", "cpu / ssd lookup+load ms"),
         [
             [int(x["prompt_tokens"]), int(x["trace_tokens"]), int(x["cached_tokens"]),
              100 * x["cached_share"], x["recompute_ms"], x["cpu_hit_ms"], x["cpu_speedup"],
-             x["ssd_hit_ms"], x["ssd_speedup"], x["ssd_lookup_load_ms"]]
+             x["ssd_hit_ms"], x["ssd_speedup"], _pair(x)]
             for x in r["lengths"]
         ],
     )  # fmt: skip
     print("\nprompts cached up to their last token (the best case for a hit):")
     print_table(
         ("prompt", "cached", "recompute ms", "cpu hit ms", "cpu speedup", "ssd hit ms",
-         "ssd speedup", "ssd lookup+load ms"),
+         "ssd speedup", "cpu / ssd lookup+load ms"),
         [
             [x["prompt_tokens"], x["cached_tokens"], x["recompute_ms"], x["cpu_hit_ms"],
-             x["cpu_speedup"], x["ssd_hit_ms"], x["ssd_speedup"], x["ssd_lookup_load_ms"]]
+             x["cpu_speedup"], x["ssd_hit_ms"], x["ssd_speedup"], _pair(x)]
             for x in r["sweep"]
         ],
     )  # fmt: skip
@@ -55,3 +55,7 @@ def print_report(r: dict[str, Any]) -> None:
         f"torch threads {r['torch_threads']}; sidecar exits {r['sidecar_exit_codes']}, "
         f"{len(r['shm_leftovers'])} shm leftovers"
     )
+
+
+def _pair(row: dict[str, Any]) -> str:
+    return f"{row['cpu_lookup_load_ms']:.3g} / {row['ssd_lookup_load_ms']:.3g}"

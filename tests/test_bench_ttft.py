@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 import torch
 from hf_helpers import one_torch_thread  # noqa: F401
 
-from bench.ttft import follow_ups, prompt_tokens
+from bench.ttft_workload import follow_ups, prompt_tokens
 from sidecar.cli import main
 
 

@@ -87,18 +87,18 @@ class CachedLM:
     """A causal LM whose prompt prefixes are cached by a kvsidecar.
 
     `client` is a connected KVClient (or None: no cache at all). The pool
-    holds `max_tokens` tokens of KV on the CPU; a longer prompt caches only
-    its first `max_tokens`. Works for models whose every layer keeps the
+    holds `max_tokens` tokens of KV on the model's device (GPU memory for a
+    model on CUDA: blocks then move between it and the sidecar's shm through
+    cuda_ext's GPU copier, which needs libkvcopy.so, else
+    cuda_ext.GpuUnavailable); a longer prompt caches only its first
+    `max_tokens`. Works for models whose every layer keeps the
     full-attention KV of all tokens in a DynamicCache (Llama, Mistral without
     sliding window, Qwen2, ...); others are refused at construction.
     `model_revision` names the weights in the cache namespace; by default a
     fingerprint of the config and weights (`weights_fingerprint`). The pool
     is registered with `client` here (and by `connect`): use one client per
-    CachedLM. The pool lives on the model's device: for a model on CUDA the
-    sidecar's blocks are copied straight to and from GPU memory by cuda_ext's
-    copier (which needs libkvcopy.so: cuda_ext.GpuUnavailable otherwise). A sidecar
-    that refuses the layout raises SidecarError; one that is down only
-    costs the cache until it answers.
+    CachedLM. A sidecar that refuses the layout raises SidecarError; one
+    that is down only costs the cache until it answers.
 
     Only prompt KV computed by prefill is saved: decode computes a token's
     KV alone, which rounds differently from a prefill, so a next turn
