@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from hf_helpers import one_torch_thread  # noqa: F401
+from hf_helpers import one_torch_thread, tokens  # noqa: F401
 from sidecar_proc import Sidecar
 from transformers import MistralConfig, MistralForCausalLM
 
@@ -41,15 +41,6 @@ NEW_TOKENS = 6
 TPB = 16
 
 
-def tokens(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 1000, (n,), generator=g)
-
-
-def full_blocks(n: int) -> int:
-    return n // TPB * TPB
-
-
 @pytest.fixture(scope="module")
 def sidecar():
     sc = Sidecar(capacity="32MiB").start()
@@ -57,6 +48,10 @@ def sidecar():
     assert sc.stop() == 0
     assert sc.shm_segments() == []
     sc.cleanup()
+
+
+def full_blocks(n: int) -> int:
+    return n // TPB * TPB
 
 
 @pytest.fixture(scope="module")

@@ -19,32 +19,17 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
+from hf_helpers import tokens
+from kv_helpers import why_no_gpu
 from sidecar_proc import Sidecar
 
-from cuda_ext import _lib
 from engine_shim import KVClient
 from engine_shim.hf import CachedLM, TierTokens, tiny_llama
 from sidecar.cli import main
 
-
-def _why_no_gpu() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False: no GPU here (run on a GPU machine)"
-    try:
-        _lib.probe()
-    except _lib.GpuUnavailable as exc:
-        return f"libkvcopy.so cannot run: {exc}"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+pytestmark = pytest.mark.skipif(why_no_gpu() is not None, reason=str(why_no_gpu()))
 TPB = 16
 BF16_TOL = 0.03125  # as in tests/test_hf.py
-
-
-def tokens(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 1000, (n,), generator=g)
 
 
 @pytest.fixture(scope="module")
