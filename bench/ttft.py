@@ -3,11 +3,12 @@ CPU-tier hit against a full recompute (engine_shim.hf.CachedLM), all three
 measured in the same run.
 
 Models. `--model small` (default): a 4-layer random-weight Llama, fp32 on the
-CPU. `--model llama3-8b`: random weights with Llama-3-8B's geometry (32
-layers, hidden 4096, 32 heads, 8 KV heads, head dim 128), built on
-`--device` in `--dtype` (default bf16), nothing downloaded; meant for
-`--device cuda`, where the engine's paged KV lives in GPU memory and
-cuda_ext's copier moves blocks between it and the sidecar's shm.
+CPU (or `--device cuda`, `--dtype bf16`). `--model llama3-8b`: random
+weights with Llama-3-8B's geometry (32 layers, hidden 4096, 32 heads, 8 KV
+heads, head dim 128), built straight on `--device` (default cuda; the CPU
+only when asked with --device cpu) in `--dtype` (default bf16), nothing
+downloaded. On cuda the engine's paged KV lives in GPU memory and cuda_ext's
+copier moves blocks between it and the sidecar's shm.
 
 Workload. The Mooncake conversation trace's follow-ups (requests that share
 at least half of their 512-token hash blocks with an earlier request: later
@@ -82,6 +83,7 @@ class ModelChoice:
     """Trace lengths are divided by this."""
     targets: tuple[int, ...]
     """Prompt lengths after scaling."""
+    device: str
     dtype: str
     about: str
 
@@ -90,12 +92,14 @@ MODELS = {
     "small": ModelChoice(
         8,
         (256, 512, 1024, 2048, 4096),
+        "cpu",
         "fp32",
         "tiny_llama: 4 layers, hidden 256, 8 heads, 2 KV heads, head_dim 32",
     ),
     "llama3-8b": ModelChoice(
         1,
         (1024, 2048, 4096, 8192, 16384),
+        "cuda",
         "bf16",
         "llama3_8b: Llama-3-8B geometry, random weights: 32 layers, hidden 4096, "
         "32 heads, 8 KV heads, head_dim 128, intermediate 14336, vocab 128256",
@@ -113,7 +117,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     p.add_argument("--model", choices=tuple(MODELS), default="small", help="default small")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="default cpu (small), cuda (llama3-8b: building it on the CPU takes 16 GB)",
+    )
     p.add_argument(
         "--dtype", choices=DTYPES, default=None, help="default fp32 (small), bf16 (llama3-8b)"
     )
@@ -167,10 +176,10 @@ class BadArguments(ValueError):
 
 
 def check_args(args: argparse.Namespace, cuda_available: bool) -> None:
-    if args.device == "cuda" and not cuda_available:
+    if (args.device or MODELS[args.model].device) == "cuda" and not cuda_available:
         raise BadArguments(
-            "--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is "
-            "False); run on a GPU machine or use --device cpu"
+            f"--model {args.model} --device cuda: torch sees no CUDA device here "
+            "(torch.cuda.is_available() is False); run on a GPU machine or pass --device cpu"
         )
     for flag in ("scale", "samples", "repeats", "threads"):
         value = getattr(args, flag)
@@ -188,20 +197,21 @@ def check_args(args: argparse.Namespace, cuda_available: bool) -> None:
         raise BadArguments(f"--sweep needs lengths above {TOKENS_PER_BLOCK} (one whole block)")
 
 
-def build_model(args: argparse.Namespace, dtype: Any) -> Any:
+def build_model(args: argparse.Namespace, device: str, dtype: Any) -> Any:
     from engine_shim.hf import llama3_8b, tiny_llama
 
     if args.model == "llama3-8b":
-        if args.device == "cpu":
+        if device == "cpu":
             print("building llama3-8b on the CPU: ~16 GB in bf16, minutes", file=sys.stderr)
-        return llama3_8b(args.seed, dtype=dtype, device=args.device)
-    return tiny_llama(args.seed, dtype=dtype).to(args.device)
+        return llama3_8b(args.seed, dtype=dtype, device=device)
+    return tiny_llama(args.seed, dtype=dtype).to(device)
 
 
 @dataclass(frozen=True)
 class Settings:
     """The flags with every default resolved."""
 
+    device: str
     dtype: str
     scale: int
     targets: list[int]
@@ -213,6 +223,7 @@ class Settings:
 def settings_of(args: argparse.Namespace) -> Settings:
     choice = MODELS[args.model]
     return Settings(
+        device=args.device or choice.device,
         dtype=args.dtype or choice.dtype,
         scale=args.scale or choice.scale,
         targets=args.lengths or list(QUICK_TARGETS if args.quick else choice.targets),
@@ -241,18 +252,18 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     s = settings_of(args)
     candidates = follow_ups(args.trace, s.scale)
-    model = build_model(args, {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype])
+    model = build_model(args, s.device, {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype])
     vocab = model.config.vocab_size
     cases = trace_cases(candidates, s.targets, s.samples, args.seed, vocab)
     sweep = sweep_cases(s.sweep, args.seed, vocab)
-    rows, sidecar = measure_in_sidecar(args, model, [*cases, *sweep], s.repeats)
+    rows, sidecar = measure_in_sidecar(args, s, model, [*cases, *sweep])
     trace_rows, sweep_rows = rows[: len(cases)], rows[len(cases) :]
     by_length = [
         summarize(t, [r for r in trace_rows if r["target_tokens"] == t])
         for t in s.targets
         if any(r["target_tokens"] == t for r in trace_rows)
     ]
-    checks = fidelity(rows, exact_required=args.device == "cpu")
+    checks = fidelity(rows, exact_required=s.device == "cpu")
     result: dict[str, Any] = {
         "lengths": by_length,
         "sweep": sweep_rows,
@@ -262,8 +273,8 @@ def run(args: argparse.Namespace) -> int:
         "fidelity": checks,
         "model": args.model,
         "model_about": MODELS[args.model].about,
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "device": s.device,
+        "device_name": torch.cuda.get_device_name() if s.device == "cuda" else "cpu",
         "dtype": s.dtype,
         **sidecar,
         "torch_threads": torch.get_num_threads(),
@@ -291,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure_in_sidecar(
-    args: argparse.Namespace, model: Any, cases: list[Case], repeats: int
+    args: argparse.Namespace, s: Settings, model: Any, cases: list[Case]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows of `bench.ttft_measure.measure`, and what the run's sidecar and
     pool were: a private sidecar whose tiers both hold every saved prefix
@@ -309,7 +320,7 @@ def measure_in_sidecar(
         model,
         None,
         model_name=f"bench-ttft-{args.model}",
-        model_revision=f"random-seed{args.seed}-{args.device}",
+        model_revision=f"random-seed{args.seed}-{s.device}",
         max_tokens=max_blocks * TOKENS_PER_BLOCK,
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvsbench-ttft-"))
@@ -318,7 +329,7 @@ def measure_in_sidecar(
     try:
         lives.start(lm)
         print(f"{len(cases)} prompts ...", file=sys.stderr, flush=True)
-        rows = measure(lives, lm, cases, repeats)
+        rows = measure(lives, lm, cases, s.repeats)
         assert lives.client is not None
         direct_io = lives.client.stats()["tiers"]["ssd"]["direct_io"]
         filesystem = filesystem_of(ssd_dir)
