@@ -13,6 +13,8 @@ allow about 4x that.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -296,3 +298,41 @@ def test_llama3_8b_has_the_geometry_of_llama_3_8b():
     assert model.dtype == torch.bfloat16 and model.config.vocab_size == 128256
     assert model.config.intermediate_size == 14336
     assert kv_block_bytes(model) == 2 << 20
+
+
+def test_a_hit_from_ssd_after_a_restart_equals_the_split_recompute(tmp_path, model):
+    # What bench ttft's SSD rows rest on: saved with write-through, the sidecar
+    # restarted on the same directory (CPU tier empty), the prefix loaded from SSD.
+    sc = Sidecar(
+        "--set", f"ssd_dirs={tmp_path}", "--set", "ssd_capacity_per_dir=8MiB", capacity="16MiB"
+    )
+    lm = CachedLM(model, None, max_tokens=1024, model_revision="ssd-restart")
+    ids = tokens(17, 500)
+    try:
+        for life in range(2):
+            sc.start()
+            client = KVClient.connect(sc.endpoint, timeout=5.0)
+            lm.connect(client)
+            if life == 0:
+                assert lm.prefill(ids[:480]).info.saved_tokens == 480
+                deadline = time.monotonic() + 15
+                while not _all_on_ssd(client, 30):
+                    assert time.monotonic() < deadline, "the SSD writes did not land"
+                    time.sleep(0.05)
+            else:
+                hit = lm.prefill(ids, save=False)
+                assert hit.info.loaded_from == TierTokens(0, 480, 0)
+                assert torch.equal(hit.logits, lm.split_recompute(ids, 480))
+                again = lm.prefill(ids, save=False)  # staged into the CPU tier by the first
+                assert again.info.loaded_from == TierTokens(480, 0, 0)
+                assert torch.equal(again.logits, hit.logits)
+            lm.connect(None)
+            client.close()
+            assert sc.stop() == 0
+    finally:
+        sc.cleanup()
+
+
+def _all_on_ssd(client: KVClient, blocks: int) -> bool:
+    stats = client.stats()
+    return stats["plans_in_flight"] == 0 and stats["tiers"]["ssd"]["cached_blocks"] == blocks
