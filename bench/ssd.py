@@ -63,6 +63,16 @@ SAMPLE_BYTES = 64 << 20
 FS_NAMES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
 
 
+def filesystem_of(directory: str | Path) -> str:
+    """The type of the filesystem `directory` is on ("ext4", "tmpfs", ...)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        magic = statfs(fd)[0]
+    finally:
+        os.close(fd)
+    return FS_NAMES.get(magic, hex(magic))
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "ssd",
@@ -122,10 +132,7 @@ def _measure(
     repeats: int,
     e2e_kibs: list[int],
 ) -> dict[str, Any]:
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    magic = statfs(fd)[0]
-    os.close(fd)
-    result: dict[str, Any] = {"filesystem": FS_NAMES.get(magic, hex(magic))}
+    result: dict[str, Any] = {"filesystem": filesystem_of(base)}
     with contextlib.ExitStack() as stack:
         nbytes = -(-_regions(kibs, max(counts))[1] // HUGE) * HUGE  # one segment, in any fs
         pools, result["pools"] = _pools(stack, nbytes, args, base)

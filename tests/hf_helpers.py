@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -17,3 +18,9 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def tokens(seed: int, n: int) -> torch.Tensor:
+    """`n` token ids below 1000 (tiny_llama's vocabulary), the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1000, (n,), generator=g)

@@ -1,9 +1,12 @@
-"""One small KV cache in every engine layout, for the cuda_ext tests."""
+"""One small KV cache in every engine layout, for the cuda_ext tests, and
+why the GPU tests cannot run here."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from cuda_ext import _lib
 
 LAYERS, BLOCKS, TOKENS, HEADS, DIM = 3, 12, 4, 2, 8
 DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
@@ -43,3 +46,14 @@ def raw(t: torch.Tensor) -> np.ndarray:
 def expected_shard(kv: torch.Tensor, block: int) -> np.ndarray:
     """One rank's slot bytes for `block`: layer 0 K, layer 0 V, layer 1 K, ..."""
     return np.concatenate([raw(kv[layer, block]) for layer in range(LAYERS)])
+
+
+def why_no_gpu() -> str | None:
+    """Why the GPU tests are skipped here; None when they can run."""
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False: no GPU here (run on a GPU machine)"
+    try:
+        _lib.probe()
+    except _lib.GpuUnavailable as exc:
+        return f"libkvcopy.so cannot run: {exc}"
+    return None

@@ -11,29 +11,26 @@ import numpy as np
 import pytest
 from shm_helpers import checked_prefix
 
-from cuda_ext import _lib
 from shm.pool import ShmPool
 
 torch = pytest.importorskip("torch")
 
-from kv_helpers import BLOCKS, DTYPES, LAYERS, engine_kv, expected_shard, logical_kv, raw  # noqa: E402
+from kv_helpers import (  # noqa: E402
+    BLOCKS,
+    DTYPES,
+    LAYERS,
+    engine_kv,
+    expected_shard,
+    logical_kv,
+    raw,
+    why_no_gpu,
+)
 
 from cuda_ext import gpu  # noqa: E402
 from cuda_ext.gpu import GpuBlockCopier  # noqa: E402
 from cuda_ext.layouts import LAYOUTS, kv_planes  # noqa: E402
 
-
-def _why_no_gpu() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU"
-    try:
-        _lib.probe()
-    except _lib.GpuUnavailable as exc:
-        return str(exc)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+pytestmark = pytest.mark.skipif(why_no_gpu() is not None, reason=str(why_no_gpu()))
 SENTINEL = 0xAB
 
 

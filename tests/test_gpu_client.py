@@ -11,21 +11,11 @@ from sidecar_proc import Sidecar, tokens
 
 torch = pytest.importorskip("torch")
 
-from cuda_ext import _lib  # noqa: E402
+from kv_helpers import why_no_gpu  # noqa: E402
+
 from engine_shim import KVClient  # noqa: E402
 
-
-def _why_no_gpu() -> str | None:
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA GPU"
-    try:
-        _lib.probe()
-    except _lib.GpuUnavailable as exc:
-        return str(exc)
-    return None
-
-
-pytestmark = pytest.mark.skipif(_why_no_gpu() is not None, reason=str(_why_no_gpu()))
+pytestmark = pytest.mark.skipif(why_no_gpu() is not None, reason=str(why_no_gpu()))
 LAYERS, BLOCKS, HEADS, DIM = 4, 32, 8, 128
 TPB = sp.TOKENS_PER_BLOCK  # what `tokens` makes full blocks of
 

@@ -13,31 +13,34 @@ allow about 4x that.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("transformers")
 
 import torch
-from hf_helpers import one_torch_thread  # noqa: F401
+from hf_helpers import one_torch_thread, tokens  # noqa: F401
 from sidecar_proc import Sidecar
 from transformers import MistralConfig, MistralForCausalLM
 
 from engine_shim import KVClient
-from engine_shim.hf import CachedLM, TierTokens, load_model, tiny_llama, weights_fingerprint
+from engine_shim.hf import (
+    CachedLM,
+    PagedKV,
+    TierTokens,
+    kv_block_bytes,
+    kv_geometry,
+    llama3_8b,
+    load_model,
+    tiny_llama,
+    weights_fingerprint,
+)
 
 FP32_TOL = 4e-6
 BF16_TOL = 0.03125
 NEW_TOKENS = 6
 TPB = 16
-
-
-def tokens(seed: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 1000, (n,), generator=g)
-
-
-def full_blocks(n: int) -> int:
-    return n // TPB * TPB
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,10 @@ def sidecar():
     assert sc.stop() == 0
     assert sc.shm_segments() == []
     sc.cleanup()
+
+
+def full_blocks(n: int) -> int:
+    return n // TPB * TPB
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +239,100 @@ def test_load_model_reads_a_local_directory(tmp_path, model):
         assert torch.equal(loaded(ids).logits, model(ids).logits)
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_model(tmp_path / "missing")
+
+
+def test_a_hit_is_bit_identical_to_the_split_recompute_without_a_schedule(sidecar, model, make_lm):
+    # What bench ttft checks every hit against: the forwards its loaded KV came from.
+    lm = make_lm(sidecar, model)
+    assert lm.pool.device == model.device and lm.pool.layers[0].device.type == "cpu"
+    for length, prefix in ((300, 192), (1000, 640), (129, 128)):
+        ids = tokens(15 + length, length)
+        assert lm.prefill(ids[:prefix]).info.saved_tokens == prefix
+        hit = lm.prefill(ids, save=False)
+        assert hit.info.loaded_tokens == prefix and hit.info.saved_tokens == 0
+        assert torch.equal(hit.logits, lm.split_recompute(ids, prefix))
+    with pytest.raises(ValueError, match="split must be in"):
+        lm.split_recompute(ids, 129)
+
+
+def test_connect_swaps_the_client_after_a_sidecar_restart(model):
+    lm = CachedLM(model, None, chunk_tokens=TPB, max_tokens=512, model_revision="swap")
+    ids = tokens(16, 100)
+    assert lm.prefill(ids).info.saved_tokens == 0  # no client: nothing cached
+    for _ in range(2):  # each life: a new sidecar, a new client, registered by connect
+        sc = Sidecar(capacity="16MiB").start()
+        client = KVClient.connect(sc.endpoint, timeout=5.0)
+        try:
+            lm.connect(client)
+            assert lm.prefill(ids).info.loaded_tokens == 0  # a new sidecar holds nothing
+            assert lm.prefill(ids).info.loaded_tokens == 96
+            lm.connect(None)
+            assert lm.prefill(ids).info.loaded_tokens == 0
+        finally:
+            client.close()
+            assert sc.stop() == 0
+            sc.cleanup()
+
+
+def test_paged_kv_refuses_bad_shapes_and_block_ranges(model):
+    with pytest.raises(ValueError, match="at least one layer"):
+        PagedKV(
+            num_layers=2, num_blocks=0, tokens_per_block=16, num_kv_heads=2, head_dim=8,
+            dtype=torch.float32,
+        )  # fmt: skip
+    pool = PagedKV(
+        num_layers=4, num_blocks=4, tokens_per_block=16, num_kv_heads=2, head_dim=32,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    assert pool.device == torch.device("cpu") and pool.block_bytes == kv_block_bytes(model)
+    with pytest.raises(ValueError, match="num_blocks must be in"):
+        pool.to_cache(5, model.config)
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.from_cache(pool.to_cache(4, model.config), 2, 6)
+
+
+def test_llama3_8b_has_the_geometry_of_llama_3_8b():
+    model = llama3_8b(0, device="meta")  # shapes only: no 16 GB on the CPU
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
+    assert kv_geometry(model) == (32, 8, 128)
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == 128256
+    assert model.config.intermediate_size == 14336
+    assert kv_block_bytes(model) == 2 << 20
+
+
+def test_a_hit_from_ssd_after_a_restart_equals_the_split_recompute(tmp_path, model):
+    # What bench ttft's SSD rows rest on: saved with write-through, the sidecar
+    # restarted on the same directory (CPU tier empty), the prefix loaded from SSD.
+    sc = Sidecar(
+        "--set", f"ssd_dirs={tmp_path}", "--set", "ssd_capacity_per_dir=8MiB", capacity="16MiB"
+    )
+    lm = CachedLM(model, None, max_tokens=1024, model_revision="ssd-restart")
+    ids = tokens(17, 500)
+    try:
+        for life in range(2):
+            sc.start()
+            client = KVClient.connect(sc.endpoint, timeout=5.0)
+            lm.connect(client)
+            if life == 0:
+                assert lm.prefill(ids[:480]).info.saved_tokens == 480
+                deadline = time.monotonic() + 15
+                while not _all_on_ssd(client, 30):
+                    assert time.monotonic() < deadline, "the SSD writes did not land"
+                    time.sleep(0.05)
+            else:
+                hit = lm.prefill(ids, save=False)
+                assert hit.info.loaded_from == TierTokens(0, 480, 0)
+                assert torch.equal(hit.logits, lm.split_recompute(ids, 480))
+                again = lm.prefill(ids, save=False)  # staged into the CPU tier by the first
+                assert again.info.loaded_from == TierTokens(480, 0, 0)
+                assert torch.equal(again.logits, hit.logits)
+            lm.connect(None)
+            client.close()
+            assert sc.stop() == 0
+    finally:
+        sc.cleanup()
+
+
+def _all_on_ssd(client: KVClient, blocks: int) -> bool:
+    stats = client.stats()
+    return stats["plans_in_flight"] == 0 and stats["tiers"]["ssd"]["cached_blocks"] == blocks

@@ -87,15 +87,18 @@ class CachedLM:
     """A causal LM whose prompt prefixes are cached by a kvsidecar.
 
     `client` is a connected KVClient (or None: no cache at all). The pool
-    holds `max_tokens` tokens of KV on the CPU; a longer prompt caches only
-    its first `max_tokens`. Works for models whose every layer keeps the
+    holds `max_tokens` tokens of KV on the model's device (GPU memory for a
+    model on CUDA: blocks then move between it and the sidecar's shm through
+    cuda_ext's GPU copier, which needs libkvcopy.so, else
+    cuda_ext.GpuUnavailable); a longer prompt caches only its first
+    `max_tokens`. Works for models whose every layer keeps the
     full-attention KV of all tokens in a DynamicCache (Llama, Mistral without
     sliding window, Qwen2, ...); others are refused at construction.
     `model_revision` names the weights in the cache namespace; by default a
     fingerprint of the config and weights (`weights_fingerprint`). The pool
-    is registered with `client` here: use one client per CachedLM. A sidecar
-    that refuses the layout raises SidecarError; one that is down only
-    costs the cache until it answers.
+    is registered with `client` here (and by `connect`): use one client per
+    CachedLM. A sidecar that refuses the layout raises SidecarError; one
+    that is down only costs the cache until it answers.
 
     Only prompt KV computed by prefill is saved: decode computes a token's
     KV alone, which rounds differently from a prefill, so a next turn
@@ -130,7 +133,6 @@ class CachedLM:
                 "(no sliding-window or linear-attention layers)"
             )
         self.model = model
-        self.client = client
         self.tokens_per_block = tokens_per_block
         self.chunk_tokens = chunk_tokens
         self.pool = PagedKV(
@@ -140,19 +142,33 @@ class CachedLM:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             dtype=model.dtype,
+            device=model.device,
         )
-        if client is not None:
-            try:
-                client.register(
-                    self.pool.layers,
-                    model_name=model_name or Path(config.name_or_path).name or config.model_type,
-                    model_revision=model_revision or weights_fingerprint(model),
-                    tokens_per_block=tokens_per_block,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                )
-            except SidecarUnavailable as err:  # it registers by itself once one answers
-                log.warning("no kvsidecar answers yet, computing every prompt: %s", err)
+        self.model_name = model_name or Path(config.name_or_path).name or config.model_type
+        self._revision = model_revision
+        self.client: KVClient | None = None
+        self.connect(client)
+
+    def connect(self, client: KVClient | None) -> None:
+        """Use `client` (None: no cache) from now on, registering the pool
+        with it: after a sidecar restart, a new client takes the old one's
+        place. The caller closes the client it replaces."""
+        self.client = client
+        if client is None:
+            return
+        if self._revision is None:
+            self._revision = weights_fingerprint(self.model)
+        try:
+            client.register(
+                self.pool.layers,
+                model_name=self.model_name,
+                model_revision=self._revision,
+                tokens_per_block=self.tokens_per_block,
+                num_kv_heads=self.pool.num_kv_heads,
+                head_dim=self.pool.head_dim,
+            )
+        except SidecarUnavailable as err:  # it registers by itself once one answers
+            log.warning("no kvsidecar answers yet, computing every prompt: %s", err)
 
     @property
     def device(self) -> torch.device:
@@ -202,6 +218,19 @@ class CachedLM:
         tokens = torch.tensor(new, dtype=torch.long)
         return Generation(tokens, logits, info, time.perf_counter() - start)
 
+    def split_recompute(self, input_ids: Any, split: int) -> torch.Tensor:
+        """The last token's logits computed without the cache in the forwards
+        a prefill that loaded `split` tokens runs: [0, split) (the forward
+        that produced the loaded KV, if an earlier prompt of `split` tokens
+        saved it), then [split, n). Its reference: a hit must equal it bit
+        for bit on a deterministic device, whatever the kernels' rounding."""
+        ids = _as_ids(input_ids)
+        if not 0 < split < ids.numel():
+            raise ValueError(f"split must be in [1, {ids.numel() - 1}], got {split}")
+        cache = DynamicCache(config=self.model.config)
+        self._forward(ids[:split], 0, cache)
+        return self._forward(ids, split, cache)
+
     def _prefill(
         self, ids: torch.Tensor, use_sidecar: bool, save: bool
     ) -> tuple[torch.Tensor, PrefillInfo, DynamicCache]:
@@ -217,7 +246,7 @@ class CachedLM:
         cached = TierTokens(0, 0, 0) if client is None else client.lookup_tiers(ids_np[:limit])
         lookup_done = time.perf_counter()
         loaded = self._load(client, ids_np, self._on_schedule(sum(cached)))
-        cache = self.pool.to_cache(loaded // tpb, self.device, self.model.config)
+        cache = self.pool.to_cache(loaded // tpb, self.model.config)
         load_done = time.perf_counter()
 
         logits = self._forward(ids, loaded, cache)
@@ -271,6 +300,9 @@ class CachedLM:
         if client is None or tokens == 0:
             return 0
         try:
+            # The forward starts only once the DynamicCache holds every layer,
+            # so the whole load is waited for (wait_layer would overlap nothing);
+            # for a CUDA pool wait() is also what lets the sidecar reuse the slots.
             loaded = client.load(ids[:tokens], np.arange(tokens // self.tokens_per_block)).wait()
         except (SidecarUnavailable, SidecarError) as err:
             log.warning("kvsidecar load failed, computing the prefix instead: %s", err)

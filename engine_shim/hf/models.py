@@ -1,5 +1,6 @@
-"""Models for the HF adapter: a tiny random-weight Llama built locally, a
-model loaded from a local directory, and a fingerprint of a model's weights.
+"""Models for the HF adapter: random-weight Llamas built locally (a tiny one
+for tests, one of Llama-3-8B's geometry for GPU benchmarks), a model loaded
+from a local directory, and a fingerprint of a model's weights.
 
 Nothing here downloads: `load_model` reads only local files.
 """
@@ -28,6 +29,23 @@ TINY_LLAMA = {
 }
 
 
+# Llama-3-8B's geometry (8.03B parameters; a KV block of 16 tokens is 2 MiB
+# in bf16). Random weights: for timing and fidelity, not for text.
+LLAMA3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
+
 def tiny_llama(
     seed: int = 0, *, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
 ) -> LlamaForCausalLM:
@@ -39,6 +57,27 @@ def tiny_llama(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.to(dtype).eval()
+
+
+def llama3_8b(
+    seed: int = 0,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    attn_implementation: str = "sdpa",
+) -> LlamaForCausalLM:
+    """A random-weight Llama with Llama-3-8B's geometry, drawn from `seed`
+    straight on `device` in `dtype` (16 GB in bf16): nothing is downloaded
+    and no fp32 copy is made. Building it on "cpu" takes that much RAM and
+    minutes; "meta" builds only the shapes. The global torch RNG (and the
+    device's) is left as it was."""
+    device = torch.device(device)
+    config = LlamaConfig(**LLAMA3_8B, attn_implementation=attn_implementation)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with device:
+            model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    return model.eval()
 
 
 def load_model(

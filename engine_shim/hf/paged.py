@@ -1,7 +1,9 @@
 """`PagedKV`: the engine-side paged KV pool the HF adapter registers with the
 sidecar, and the copies between it and a transformers `DynamicCache`.
 
-One tensor per layer, block-major:
+One tensor per layer, block-major, on the model's device (a CUDA pool is
+copied to and from the sidecar's shm by cuda_ext's GPU copier; a CPU pool by
+plain memcpy):
 
     layers[i][block, 0] = keys,   [tokens_per_block, num_kv_heads, head_dim]
     layers[i][block, 1] = values, [tokens_per_block, num_kv_heads, head_dim]
@@ -29,9 +31,19 @@ class PagedKV:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        device: torch.device | str = "cpu",
     ) -> None:
+        if min(num_layers, num_blocks, tokens_per_block, num_kv_heads, head_dim) <= 0:
+            raise ValueError(
+                "PagedKV needs at least one layer, block, token per block, KV head and "
+                f"head dim; got {num_layers}, {num_blocks}, {tokens_per_block}, "
+                f"{num_kv_heads}, {head_dim}"
+            )
         shape = (num_blocks, 2, tokens_per_block, num_kv_heads, head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.device = torch.device(device)
+        self.layers = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.num_kv_heads = num_kv_heads
@@ -43,11 +55,11 @@ class PagedKV:
         first = self.layers[0]
         return len(self.layers) * first[0].numel() * first.element_size()
 
-    def to_cache(
-        self, num_blocks: int, device: torch.device, config: PretrainedConfig
-    ) -> DynamicCache:
+    def to_cache(self, num_blocks: int, config: PretrainedConfig) -> DynamicCache:
         """A DynamicCache holding blocks [0, num_blocks) as its first
-        num_blocks * tokens_per_block tokens (empty for 0), on `device`."""
+        num_blocks * tokens_per_block tokens (empty for 0), on the pool's device."""
+        if not 0 <= num_blocks <= self.num_blocks:
+            raise ValueError(f"num_blocks must be in [0, {self.num_blocks}], got {num_blocks}")
         cache = DynamicCache(config=config)
         if num_blocks == 0:
             return cache
@@ -55,18 +67,21 @@ class PagedKV:
         for i, layer in enumerate(self.layers):
             # [n, 2, t, h, d] -> [2, h, n*t, d]: block order is token order.
             kv = layer[:num_blocks].permute(1, 3, 0, 2, 4)
-            kv = kv.reshape(2, self.num_kv_heads, tokens, self.head_dim).to(device)
+            kv = kv.reshape(2, self.num_kv_heads, tokens, self.head_dim)
             cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
         return cache
 
     def from_cache(self, cache: DynamicCache, first: int, end: int) -> None:
-        """Copy blocks [first, end) of the prompt from `cache` into the pool."""
+        """Copy blocks [first, end) of the prompt from `cache` (on the pool's
+        device, holding at least end * tokens_per_block tokens) into the pool."""
         if end <= first:
             return
+        if first < 0 or end > self.num_blocks:
+            raise ValueError(f"blocks [{first}, {end}) are outside the pool's {self.num_blocks}")
         t = self.tokens_per_block
         for layer, cached in zip(self.layers, cache.layers, strict=True):
             for side, states in enumerate((cached.keys, cached.values)):
                 # [1, h, tokens, d] -> [n, t, h, d]
-                blocks = states[0, :, first * t : end * t].to("cpu")
+                blocks = states[0, :, first * t : end * t].to(self.device)
                 blocks = blocks.reshape(self.num_kv_heads, end - first, t, self.head_dim)
                 layer[first:end, side].copy_(blocks.permute(1, 2, 0, 3))

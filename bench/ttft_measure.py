@@ -1,0 +1,242 @@
+"""The measuring half of `kvsidecar bench ttft`: one sidecar over several
+lives on one SSD directory, and the rounds that time an SSD-tier hit, a
+CPU-tier hit and a recompute of every prompt, alternately.
+
+Where a hit's blocks come from is made, not hoped for: every cached prefix
+is saved once with write-through to SSD; the sidecar is then restarted on
+the same directory, so its CPU tier is empty and its SSD index is recovered
+from disk. The first hit of a prompt in a life therefore loads from SSD (the
+sidecar stages the blocks into the CPU tier), the second from the CPU tier.
+Each hit's `loaded_from` (the lookup's split by tier) is checked against
+that; a round per life, so every repeat of an SSD hit reads SSD.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.ttft_workload import Case
+from engine_shim.client import KVClient, TierTokens
+from engine_shim.hf import CachedLM, PrefillInfo
+from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
+
+# Logits of a hit against the one-shot recompute: K machine epsilons of the
+# dtype at the logits' scale (fp32: 32 eps, bf16: 4 eps = 0.03125 at
+# |logit| <= 1, the tolerances of tests/test_hf.py; measured on tiny_llama:
+# 8.6e-7 and 0.0078).
+TOLERANCE_EPS = {torch.float32: 32, torch.bfloat16: 4}
+SETTLE_SECONDS = 600.0  # SSD writes of every saved block landing; GBs for an 8B model
+
+
+class SidecarLives:
+    """One sidecar instance (name, runtime and SSD directories) over several
+    lives. Each life gets a new KVClient, which `lm` is connected to."""
+
+    def __init__(
+        self, workdir: Path, ssd_dir: Path, cpu_bytes: int, ssd_bytes: int, start_timeout: float
+    ) -> None:
+        settings = {
+            **BENCH_SIDECAR_SETTINGS,
+            "drain_seconds": 60,
+            "ssd_dirs": ssd_dir,
+            "ssd_capacity_per_dir": f"{ssd_bytes}B",
+            "write_policy": "write_through",
+        }
+        self.sidecar = LocalSidecar(
+            workdir, cpu_capacity=f"{cpu_bytes}B", settings=settings, tag="ttft"
+        )
+        self.start_timeout = start_timeout
+        self.client: KVClient | None = None
+        self.exit_codes: list[int | None] = []
+        self.leftovers: list[str] = []
+        self.restart_s: list[float] = []
+        self.recovered: list[dict[str, int]] = []
+        """Per restart: blocks in the CPU and SSD tiers as it starts serving."""
+
+    def start(self, lm: CachedLM) -> KVClient:
+        self.sidecar.start(self.start_timeout)
+        self.client = KVClient.connect(self.sidecar.endpoint, timeout=60.0)
+        lm.connect(self.client)
+        return self.client
+
+    def settle(self, ssd_blocks: int) -> None:
+        """Wait until every write has landed and the SSD tier holds `ssd_blocks`."""
+        assert self.client is not None
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while True:
+            stats = self.client.stats()
+            on_ssd = stats["tiers"]["ssd"]["cached_blocks"]
+            if stats["plans_in_flight"] == 0 and on_ssd >= ssd_blocks:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {on_ssd} of {ssd_blocks} blocks reached the SSD tier")
+            time.sleep(0.05)
+
+    def restart(self, lm: CachedLM) -> KVClient:
+        """Stop (SIGTERM) and start again: an empty CPU tier, the SSD index recovered."""
+        start = time.perf_counter()
+        self.stop(lm)
+        client = self.start(lm)
+        self.restart_s.append(time.perf_counter() - start)
+        tiers = client.stats()["tiers"]
+        self.recovered.append({t: tiers[t]["cached_blocks"] for t in ("cpu", "ssd")})
+        return client
+
+    def stop(self, lm: CachedLM) -> None:
+        lm.connect(None)
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        shutdown = self.sidecar.close(timeout=SETTLE_SECONDS)
+        self.exit_codes.append(shutdown.exit_code)
+        self.leftovers += shutdown.leftovers
+
+
+def warm(lives: SidecarLives, lm: CachedLM, cases: list[Case]) -> list[torch.Tensor]:
+    """Save every case's prefix (to the CPU tier and through to SSD), take
+    first-call costs of every shape out of the timings, and return each
+    case's reference logits (`CachedLM.split_recompute` at its prefix)."""
+    tpb = lm.tokens_per_block
+    refs = []
+    for case in cases:
+        saved = lm.prefill(case.ids[: case.cached]).info.saved_tokens
+        if saved != case.cached:
+            raise RuntimeError(f"saved {saved} of {case.cached} tokens: is the CPU tier too small?")
+        lm.prefill(case.ids, use_sidecar=False)
+        refs.append(lm.split_recompute(case.ids, case.cached))
+    lives.settle(sum(c.cached // tpb for c in cases))
+    return refs
+
+
+@dataclass
+class _Timings:
+    ssd: list[PrefillInfo]
+    cpu: list[PrefillInfo]
+    recompute: list[PrefillInfo]
+    tolerance: float
+    exact: bool = True
+    max_abs_diff: float = 0.0
+    argmax_equal: bool = True
+
+
+def measure(
+    lives: SidecarLives, lm: CachedLM, cases: list[Case], repeats: int
+) -> list[dict[str, Any]]:
+    """`repeats` rounds, each in a new sidecar life: per case an SSD hit, a
+    CPU hit, a recompute. One row per case (see `_row`)."""
+    refs = warm(lives, lm, cases)
+    timings = [_Timings([], [], [], tolerance(ref)) for ref in refs]
+    for r in range(repeats):
+        print(f"round {r + 1}/{repeats}: restarting the sidecar ...", file=sys.stderr, flush=True)
+        lives.restart(lm)
+        for case, ref, t in zip(cases, refs, timings, strict=True):
+            hits = [lm.prefill(case.ids, save=False) for _ in ("ssd", "cpu")]
+            recompute = lm.prefill(case.ids, use_sidecar=False)
+            t.ssd.append(hits[0].info)
+            t.cpu.append(hits[1].info)
+            t.recompute.append(recompute.info)
+            for hit in hits:
+                t.exact &= torch.equal(hit.logits, ref)
+                t.max_abs_diff = max(t.max_abs_diff, _max_diff(hit.logits, recompute.logits))
+                t.argmax_equal &= int(hit.logits.argmax()) == int(recompute.logits.argmax())
+    return [_row(c, t) for c, t in zip(cases, timings, strict=True)]
+
+
+def fidelity(rows: list[dict[str, Any]], exact_required: bool) -> dict[str, Any]:
+    """Every hit against its references, over all rows."""
+    out = {
+        "exact_required": exact_required,
+        "all_exact": all(r["exact"] for r in rows),
+        "max_abs_diff_vs_recompute": max(r["max_abs_diff"] for r in rows),
+        "within_tolerance": all(r["max_abs_diff"] <= r["tolerance"] for r in rows),
+        "argmax_equal": all(r["argmax_equal"] for r in rows),
+    }
+    exact = out["all_exact"] or not exact_required
+    out["ok"] = exact and out["within_tolerance"] and out["argmax_equal"]
+    return out
+
+
+def tolerance(logits: torch.Tensor) -> float:
+    """What a hit's logits may differ from a one-shot recompute's by."""
+    eps = torch.finfo(logits.dtype).eps * TOLERANCE_EPS.get(logits.dtype, 4)
+    return float(eps * max(1.0, float(logits.float().abs().max())))
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _row(case: Case, t: _Timings) -> dict[str, Any]:
+    row: dict[str, Any] = {"prompt_tokens": int(case.ids.size), "cached_tokens": case.cached}
+    if case.request is not None:
+        row.update(target_tokens=case.target, request=case.request, trace_tokens=case.trace_tokens)
+    recompute_ms = _ms(t.recompute)
+    row.update(recompute_ms=recompute_ms, recompute_ms_all=_ms_all(t.recompute))
+    for tier, infos, want in (
+        ("ssd", t.ssd, TierTokens(0, case.cached, 0)),
+        ("cpu", t.cpu, TierTokens(case.cached, 0, 0)),
+    ):
+        hit_ms = _ms(infos)
+        row.update(
+            {
+                f"{tier}_hit_ms": hit_ms,
+                f"{tier}_lookup_load_ms": _ms(infos, "lookup_s", "load_s"),
+                f"{tier}_compute_ms": _ms(infos, "compute_s"),
+                f"{tier}_hit_ms_all": _ms_all(infos),
+                f"{tier}_loaded_from": [i.loaded_from._asdict() for i in infos],
+                f"{tier}_speedup": recompute_ms / hit_ms,
+                f"all_from_{tier}": all(i.loaded_from == want for i in infos),
+            }
+        )
+    row.update(
+        exact=t.exact,
+        max_abs_diff=t.max_abs_diff,
+        tolerance=t.tolerance,
+        argmax_equal=t.argmax_equal,
+    )
+    return row
+
+
+def _ms(infos: list[PrefillInfo], *parts: str) -> float:
+    parts = parts or ("ttft_s",)
+    return float(statistics.median(sum(getattr(i, p) for p in parts) for i in infos)) * 1e3
+
+
+def _ms_all(infos: list[PrefillInfo]) -> list[float]:
+    return [i.ttft_s * 1e3 for i in infos]
+
+
+def summarize(target: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of the rows picked for one target length."""
+    keys = ("prompt_tokens", "trace_tokens", "cached_tokens", "recompute_ms")
+    keys += tuple(f"{t}_{k}" for t in ("ssd", "cpu") for k in ("hit_ms", "lookup_load_ms"))
+    out: dict[str, Any] = {"target_tokens": target}
+    out.update({k: float(statistics.median(r[k] for r in rows)) for k in keys})
+    out["cached_share"] = float(
+        statistics.median(r["cached_tokens"] / r["prompt_tokens"] for r in rows)
+    )
+    for tier in ("ssd", "cpu"):
+        out[f"{tier}_speedup"] = out["recompute_ms"] / out[f"{tier}_hit_ms"]
+    out["samples"] = rows
+    return out
+
+
+def break_even(sweep: list[dict[str, Any]], tier: str) -> int | None:
+    """The shortest swept length from which on every `tier` hit beats the recompute."""
+    found = None
+    for row in sorted(sweep, key=_prompt_tokens, reverse=True):
+        if row[f"{tier}_hit_ms"] >= row["recompute_ms"]:
+            break
+        found = row["prompt_tokens"]
+    return found
+
+
+def _prompt_tokens(row: dict[str, Any]) -> int:
+    return int(row["prompt_tokens"])

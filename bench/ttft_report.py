@@ -1,0 +1,61 @@
+"""The tables `kvsidecar bench ttft` prints from its JSON result."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import print_table
+
+
+def print_report(r: dict[str, Any]) -> None:
+    print(
+        f"{r['model']} ({r['dtype']}, {r['device_name']}); follow-ups of the Mooncake "
+        f"conversation trace, lengths / {r['scale']}:"
+    )
+    print_table(
+        ("prompt", "trace tokens", "cached", "cached %", "recompute ms", "cpu hit ms",
+         "cpu speedup", "ssd hit ms", "ssd speedup", "cpu / ssd lookup+load ms"),
+        [
+            [int(x["prompt_tokens"]), int(x["trace_tokens"]), int(x["cached_tokens"]),
+             100 * x["cached_share"], x["recompute_ms"], x["cpu_hit_ms"], x["cpu_speedup"],
+             x["ssd_hit_ms"], x["ssd_speedup"], _pair(x)]
+            for x in r["lengths"]
+        ],
+    )  # fmt: skip
+    print("\nprompts cached up to their last token (the best case for a hit):")
+    print_table(
+        ("prompt", "cached", "recompute ms", "cpu hit ms", "cpu speedup", "ssd hit ms",
+         "ssd speedup", "cpu / ssd lookup+load ms"),
+        [
+            [x["prompt_tokens"], x["cached_tokens"], x["recompute_ms"], x["cpu_hit_ms"],
+             x["cpu_speedup"], x["ssd_hit_ms"], x["ssd_speedup"], _pair(x)]
+            for x in r["sweep"]
+        ],
+    )  # fmt: skip
+    print()
+    for tier, be in r["break_even_tokens"].items():
+        print(
+            f"break-even ({tier} hit): faster from {be} tokens on"
+            if be is not None
+            else f"break-even ({tier} hit): no swept length where every longer hit is faster"
+        )
+    f, ssd = r["fidelity"], r["ssd"]
+    print(
+        f"every hit loaded all its cached tokens from its tier: cpu {r['all_from_cpu']}, "
+        f"ssd {r['all_from_ssd']} ({ssd['filesystem']}, O_DIRECT {ssd['direct_io']}, "
+        f"{ssd['restarts']} restarts)"
+    )
+    print(
+        f"fidelity: bit-identical to split_recompute {f['all_exact']} "
+        f"(required: {f['exact_required']}); max |diff| vs the one-shot recompute "
+        f"{f['max_abs_diff_vs_recompute']:.3g} (within tolerance: {f['within_tolerance']}); "
+        f"argmax equal {f['argmax_equal']}"
+    )
+    print(
+        f"torch threads {r['torch_threads']}; sidecar exits {r['sidecar_exit_codes']}, "
+        f"{len(r['shm_leftovers'])} shm leftovers"
+    )
+
+
+def _pair(row: dict[str, Any]) -> str:
+    return f"{row['cpu_lookup_load_ms']:.3g} / {row['ssd_lookup_load_ms']:.3g}"
