@@ -38,6 +38,7 @@ from sidecar.dataplane import DataPlane, TierOps
 from sidecar.engines import Engines, Session, namespace_of, pid_namespace
 from sidecar.figures import server_stats
 from sidecar.protocol import ErrorCode, ProtocolError
+from sidecar.publisher import EventPublisher
 from sidecar.remote_tier import RemoteTier
 from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
 from sidecar.ssd import SsdStore
@@ -95,6 +96,7 @@ class Server:
         self.snapshot: dict[str, Any] = {}
         """Stats published for the metrics thread; replaced whole, never mutated."""
         self._metrics: Any = None
+        self.publisher: EventPublisher | None = None
         self._next_lease_check = 0.0
         self._poller = zmq.Poller()
         self._handlers: dict[type, Callable[[Any, list[bytes]], p.Reply]] = {
@@ -142,6 +144,15 @@ class Server:
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self.sock.bind(self.endpoint)
             self._poller.register(self.sock, zmq.POLLIN)
+            if self.config.events_endpoint is not None:
+                self.publisher = EventPublisher(
+                    self.ctx,
+                    self.config.events_endpoint,
+                    self.config.events_resync_endpoint,
+                    self.config.events_worker_id,
+                )
+                if self.publisher.resync is not None:
+                    self._poller.register(self.publisher.resync, zmq.POLLIN)
             self.snapshot = self.stats()
             if self.config.metrics_port is not None:
                 from sidecar.metrics import serve_metrics
@@ -181,6 +192,11 @@ class Server:
         # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
         while sock.getsockopt(_EVENTS) & _POLLIN:
             self._serve_one(sock.recv_multipart(zmq.NOBLOCK))
+        if self.publisher is not None:
+            index = self.cache.cpu.index if self.cache is not None else None
+            if index is not None:
+                self.publisher.publish(index.drain_events())
+            self.publisher.serve_resync(index)
         now = time.monotonic()
         if now >= self._next_lease_check:
             self.engines.expire(self.config.lease_seconds)
@@ -217,6 +233,9 @@ class Server:
             self._metrics.shutdown()
             self._metrics.server_close()
             self._metrics = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None
