@@ -14,7 +14,7 @@ import numpy as np
 
 from router.choice import Choice, WorkerSelector
 from router.index import KvIndex, OverlapScores, make_index
-from router.keys import BlockKey, Worker
+from router.keys import BlockKey, Worker, split_keys
 from router.stats import RouterStats
 from router.wire import Cleared, Removed, RouterEvent, Stored
 from sidecar.blocks import KeyHasher
@@ -75,7 +75,12 @@ class Router:
         return choice
 
     def keys_of_tokens(self, tokens: Sequence[int] | np.ndarray) -> list[BlockKey]:
+        """The sidecars' keys of the full blocks of `tokens` (ValueError if
+        this router has no hasher or a token is out of range)."""
         if self.hasher is None:
-            raise ValueError("this router has no token hasher: send block keys instead")
-        raw = self.hasher.keys(np.asarray(tokens)).tobytes()
-        return [BlockKey(raw[i : i + 16]) for i in range(0, len(raw), 16)]
+            raise ValueError("this router has no token hasher (start it with --namespace)")
+        try:
+            raw = self.hasher.hash_tokens(tokens).tobytes()
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"bad tokens: {exc}") from None
+        return split_keys(raw)
