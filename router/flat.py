@@ -15,7 +15,6 @@ from router.index import (
     IndexDump,
     KvIndex,
     OverlapScores,
-    check_chain,
     register,
     walk_scores,
 )
@@ -25,51 +24,21 @@ from router.keys import BlockKey, Worker
 @register("flat")
 class FlatIndex(KvIndex):
     def __init__(self) -> None:
+        super().__init__()
         self._holders: dict[BlockKey, set[Worker]] = {}
         self._parent: dict[BlockKey, BlockKey | None] = {}
-        self._held: dict[Worker, set[BlockKey]] = {}
 
-    def held(self, worker: Worker) -> set[BlockKey] | None:
-        return self._held.get(worker)
-
-    def workers(self) -> dict[Worker, int]:
-        return {w: len(keys) for w, keys in self._held.items()}
-
-    def apply_stored(
-        self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None
-    ) -> None:
-        self.check_parent(worker, parent)
-        check_chain(keys, parent, self._parent_key)
-        held = self._held.setdefault(worker, set())
+    def _link(self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
         up = parent
         for key in keys:
             self._holders.setdefault(key, set()).add(worker)
             self._parent[key] = up
-            held.add(key)
             up = key
 
     def _parent_key(self, key: BlockKey) -> tuple[bool, BlockKey | None]:
         if key in self._parent:
             return True, self._parent[key]
         return False, None
-
-    def apply_removed(self, worker: Worker, keys: Sequence[BlockKey]) -> None:
-        self.check_held(worker, keys)
-        held = self._held[worker]
-        for key in keys:
-            if key in held:
-                held.discard(key)
-                self._drop(key, worker)
-
-    def apply_cleared(self, worker: Worker) -> None:
-        for key in self._held.get(worker, ()):
-            self._drop(key, worker)
-        self._held[worker] = set()
-
-    def remove_worker(self, worker: Worker) -> None:
-        if worker in self._held:
-            self.apply_cleared(worker)
-            del self._held[worker]
 
     def _drop(self, key: BlockKey, worker: Worker) -> None:
         holders = self._holders[key]
@@ -100,12 +69,8 @@ class FlatIndex(KvIndex):
 
     def restore(self, dump: IndexDump) -> None:
         self.check_empty()
-        for w in dump.workers:
-            self._held[w] = set()
         for key, parent, workers in dump.entries:
-            if not workers:
-                continue
-            self._holders[key] = set(workers)
-            self._parent[key] = parent
-            for w in workers:
-                self._held.setdefault(w, set()).add(key)
+            if workers:
+                self._holders[key] = set(workers)
+                self._parent[key] = parent
+        self.restore_workers(dump)

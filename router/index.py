@@ -77,19 +77,29 @@ class KvIndex(ABC):
       index of the same implementation rebuilds an index with equal answers.
     """
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._held: dict[Worker, set[BlockKey]] = {}
+        """Per known worker, the blocks it holds."""
+
     def apply_stored(
         self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None
-    ) -> None: ...
+    ) -> None:
+        self.check_parent(worker, parent)
+        check_chain(keys, parent, self._parent_key)
+        self._link(worker, keys, parent)
+        self._held.setdefault(worker, set()).update(keys)
 
     @abstractmethod
-    def apply_removed(self, worker: Worker, keys: Sequence[BlockKey]) -> None: ...
+    def _link(self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
+        """Record the validated store of `keys` after `parent` by `worker`."""
 
     @abstractmethod
-    def apply_cleared(self, worker: Worker) -> None: ...
+    def _parent_key(self, key: BlockKey) -> tuple[bool, BlockKey | None]:
+        """(whether `key` is known, its parent)."""
 
     @abstractmethod
-    def remove_worker(self, worker: Worker) -> None: ...
+    def _drop(self, key: BlockKey, worker: Worker) -> None:
+        """Forget that `worker` holds `key` (already taken out of `_held`)."""
 
     @abstractmethod
     def find_matches(self, keys: Sequence[BlockKey], early_exit: bool = False) -> OverlapScores: ...
@@ -101,36 +111,53 @@ class KvIndex(ABC):
     def restore(self, dump: IndexDump) -> None:
         """Rebuild from `dump`; the index must be empty (RouterIndexError if not)."""
 
-    @abstractmethod
-    def workers(self) -> dict[Worker, int]:
-        """Every known worker and its number of cached blocks."""
-
-    def check_parent(self, worker: Worker, parent: BlockKey | None) -> None:
-        held = self.held(worker)
-        if parent is not None and (held is None or parent not in held):
-            raise UnknownParent(f"worker {worker} does not hold parent block {parent.hex()}")
-
-    @abstractmethod
-    def held(self, worker: Worker) -> set[BlockKey] | None:
-        """The blocks `worker` holds (None: unknown worker). Do not mutate."""
-
-    def check_held(self, worker: Worker, keys: Sequence[BlockKey]) -> None:
-        held = self.held(worker) or set()
+    def apply_removed(self, worker: Worker, keys: Sequence[BlockKey]) -> None:
+        held = self._held.get(worker, set())
         missing = [k for k in keys if k not in held]
         if missing:
             raise UnknownBlock(
                 f"worker {worker} does not hold {len(missing)} of the {len(keys)} removed "
                 f"block(s), first {missing[0].hex()}"
             )
+        for key in keys:
+            if key in held:  # a key repeated in one event is removed once
+                held.discard(key)
+                self._drop(key, worker)
 
-    def check_empty(self) -> None:
-        if self.workers():
-            raise RouterIndexError("restore needs an empty index")
+    def apply_cleared(self, worker: Worker) -> None:
+        for key in self._held.get(worker, ()):
+            self._drop(key, worker)
+        self._held[worker] = set()
+
+    def remove_worker(self, worker: Worker) -> None:
+        if worker in self._held:
+            self.apply_cleared(worker)
+            del self._held[worker]
 
     def add_worker(self, worker: Worker) -> None:
         """Make `worker` known with no blocks (a no-op if known)."""
-        if worker not in self.workers():
-            self.apply_cleared(worker)
+        self._held.setdefault(worker, set())
+
+    def workers(self) -> dict[Worker, int]:
+        """Every known worker and its number of cached blocks."""
+        return {w: len(keys) for w, keys in self._held.items()}
+
+    def check_parent(self, worker: Worker, parent: BlockKey | None) -> None:
+        held = self._held.get(worker)
+        if parent is not None and (held is None or parent not in held):
+            raise UnknownParent(f"worker {worker} does not hold parent block {parent.hex()}")
+
+    def check_empty(self) -> None:
+        if self._held:
+            raise RouterIndexError("restore needs an empty index")
+
+    def restore_workers(self, dump: IndexDump) -> None:
+        """Take the dump's workers and who holds what (after `check_empty`)."""
+        for w in dump.workers:
+            self._held[w] = set()
+        for entry in dump.entries:
+            for w in entry.workers:
+                self._held.setdefault(w, set()).add(entry.key)
 
 
 INDEXES: dict[str, Callable[[], KvIndex]] = {}

@@ -16,7 +16,6 @@ from router.index import (
     IndexDump,
     KvIndex,
     OverlapScores,
-    check_chain,
     register,
     walk_scores,
 )
@@ -36,22 +35,11 @@ class _Node:
 @register("radix")
 class RadixTreeIndex(KvIndex):
     def __init__(self) -> None:
+        super().__init__()
         self._root = _Node(None, None)
         self._nodes: dict[BlockKey, _Node] = {}
-        self._held: dict[Worker, set[BlockKey]] = {}
 
-    def held(self, worker: Worker) -> set[BlockKey] | None:
-        return self._held.get(worker)
-
-    def workers(self) -> dict[Worker, int]:
-        return {w: len(keys) for w, keys in self._held.items()}
-
-    def apply_stored(
-        self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None
-    ) -> None:
-        self.check_parent(worker, parent)
-        check_chain(keys, parent, self._parent_key)
-        held = self._held.setdefault(worker, set())
+    def _link(self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
         cur = self._root if parent is None else self._nodes[parent]
         for key in keys:
             node = self._nodes.get(key)
@@ -60,7 +48,6 @@ class RadixTreeIndex(KvIndex):
                 cur.children[key] = node
                 self._nodes[key] = node
             node.workers.add(worker)
-            held.add(key)
             cur = node
 
     def _parent_key(self, key: BlockKey) -> tuple[bool, BlockKey | None]:
@@ -70,25 +57,8 @@ class RadixTreeIndex(KvIndex):
         assert node.parent is not None
         return True, node.parent.key
 
-    def apply_removed(self, worker: Worker, keys: Sequence[BlockKey]) -> None:
-        self.check_held(worker, keys)
-        held = self._held[worker]
-        for key in keys:
-            if key in held:  # a key repeated in one event is removed once
-                held.discard(key)
-                self._drop(self._nodes[key], worker)
-
-    def apply_cleared(self, worker: Worker) -> None:
-        for key in self._held.get(worker, ()):
-            self._drop(self._nodes[key], worker)
-        self._held[worker] = set()
-
-    def remove_worker(self, worker: Worker) -> None:
-        if worker in self._held:
-            self.apply_cleared(worker)
-            del self._held[worker]
-
-    def _drop(self, node: _Node, worker: Worker) -> None:
+    def _drop(self, key: BlockKey, worker: Worker) -> None:
+        node = self._nodes[key]
         node.workers.discard(worker)
         while node.parent is not None and not node.workers and not node.children:
             assert node.key is not None
@@ -121,13 +91,10 @@ class RadixTreeIndex(KvIndex):
 
     def restore(self, dump: IndexDump) -> None:
         self.check_empty()
-        for w in dump.workers:
-            self._held[w] = set()
         for key, parent, workers in dump.entries:
             up = self._root if parent is None else self._nodes[parent]
             node = _Node(key, up)
             up.children[key] = node
             self._nodes[key] = node
             node.workers.update(workers)
-            for w in workers:
-                self._held.setdefault(w, set()).add(key)
+        self.restore_workers(dump)

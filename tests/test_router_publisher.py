@@ -4,7 +4,7 @@ an engine saving through engine_shim.KVClient, and the router's subscriber."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from router import wire
 from router.keys import split_keys, worker
 from router.router import Router
 from router.subscriber import Source, Subscriptions
+from tests.helpers import wait_until
 from tests.sidecar_proc import Sidecar, connect, make_kv, tokens
 
 WORKER = worker(3)
@@ -32,15 +33,6 @@ def sidecar() -> Iterator[Sidecar]:
         assert s.stop() == 0
     finally:
         s.cleanup()
-
-
-def _wait(cond: Callable[[], bool], subs: Subscriptions, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, dict(subs.counts)
-        for sock in subs.sockets:
-            if sock.poll(20):
-                subs.drain(sock)
 
 
 def _save(endpoint: str, n_blocks: int, start: int = 0) -> list:
@@ -63,7 +55,7 @@ def test_router_sees_blocks_an_engine_saved(sidecar: Sidecar, index: str) -> Non
         subs.resync_all()  # joins with an empty dump: epoch and seq known
         assert router.index.workers() == {WORKER: 0} and subs.counts["resyncs"] == 1
         keys = _save(sidecar.endpoint, 4)
-        _wait(lambda: router.index.workers().get(WORKER) == 4, subs)
+        wait_until(lambda: router.index.workers().get(WORKER) == 4, subs)
         assert router.find_matches(keys).scores == {WORKER: 4}
         assert router.choose(keys).worker == WORKER
         assert subs.counts["gaps"] == 0
@@ -72,35 +64,22 @@ def test_router_sees_blocks_an_engine_saved(sidecar: Sidecar, index: str) -> Non
         ctx.term()
 
 
-def test_a_gap_triggers_a_resync(sidecar: Sidecar) -> None:
+@pytest.mark.parametrize("with_resync", [True, False])
+def test_a_gap_resyncs_or_clears_without_a_resync_endpoint(
+    sidecar: Sidecar, with_resync: bool
+) -> None:
     pub, resync = sidecar.events  # type: ignore[attr-defined]
     first = _save(sidecar.endpoint, 3)  # published before the router subscribed
     ctx = zmq.Context()
-    router = Router("radix")
-    subs = Subscriptions(ctx, router, [Source(pub, resync)])
+    router = Router("radix" if with_resync else "flat")
+    subs = Subscriptions(ctx, router, [Source(pub, resync if with_resync else None)])
     try:
         time.sleep(0.3)  # let the SUB connect, so the next batch arrives
         second = _save(sidecar.endpoint, 2, start=10_000)
-        _wait(lambda: router.index.workers().get(WORKER) == 5, subs)
-        assert subs.counts["gaps"] == 1 and subs.counts["resyncs"] == 1
-        assert router.find_matches(first).scores == {WORKER: 3}
-        assert router.find_matches(second).scores == {WORKER: 2}
-    finally:
-        subs.close()
-        ctx.term()
-
-
-def test_without_a_resync_endpoint_a_gap_clears_and_carries_on(sidecar: Sidecar) -> None:
-    pub, _ = sidecar.events  # type: ignore[attr-defined]
-    _save(sidecar.endpoint, 3)
-    ctx = zmq.Context()
-    router = Router("flat")
-    subs = Subscriptions(ctx, router, [Source(pub)])
-    try:
-        time.sleep(0.3)
-        second = _save(sidecar.endpoint, 2, start=10_000)
-        _wait(lambda: router.index.workers().get(WORKER) == 2, subs)
-        assert subs.counts["gaps"] == 1 and subs.counts["resyncs"] == 0
+        expected = 5 if with_resync else 2  # without a dump the first save is forgotten
+        wait_until(lambda: router.index.workers().get(WORKER) == expected, subs)
+        assert subs.counts["gaps"] == 1 and subs.counts["resyncs"] == int(with_resync)
+        assert router.find_matches(first).scores == ({WORKER: 3} if with_resync else {})
         assert router.find_matches(second).scores == {WORKER: 2}
     finally:
         subs.close()

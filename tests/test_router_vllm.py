@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any
 
@@ -15,6 +14,7 @@ from router.router import Router
 from router.subscriber import Source, Subscriptions
 from router.vllm_events import decode_vllm
 from router.wire import Cleared, Removed, Stored, WireError
+from tests.helpers import wait_until
 
 
 # The structs of vllm/distributed/kv_events.py, re-declared for the wire format:
@@ -133,15 +133,6 @@ def test_malformed_messages_are_rejected(bad: list[bytes]) -> None:
         decode_vllm(bad)
 
 
-def _wait(cond: Any, subs: Subscriptions, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, dict(subs.counts)
-        for sock in subs.sockets:
-            if sock.poll(20):
-                subs.drain(sock)
-
-
 def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap() -> None:
     ctx = zmq.Context()
     endpoint = f"ipc:///tmp/kvs-vllm-{uuid.uuid4().hex[:8]}"
@@ -152,19 +143,21 @@ def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap() -> None:
     w = worker(7, 0)
     try:
         stored = ArrayBatch(0.0, [BlockStored([1, 2, 3], None, [], 16, None)])
-        _wait(lambda: pub.send_multipart(frames(0, stored)) or w in router.index.workers(), subs)
+        wait_until(
+            lambda: pub.send_multipart(frames(0, stored)) or w in router.index.workers(), subs
+        )
         assert router.find_matches([vllm_key(i) for i in (1, 2, 3)]).scores == {w: 3}
         pub.send_multipart([b"", bytes(8), b"garbage"])
         more = ArrayBatch(0.0, [BlockStored([4], 3, [], 16, None)])
         pub.send_multipart(frames(1, more))
-        _wait(lambda: router.index.workers()[w] == 4, subs)
+        wait_until(lambda: router.index.workers()[w] == 4, subs)
         assert subs.counts["bad_messages"] == 1
         # seq 2 is lost: the worker is cleared; a store continuing a lost block is skipped.
         gap = ArrayBatch(
             0.0, [BlockStored([5], 4, [], 16, None), BlockStored([8], None, [], 16, None)]
         )
         pub.send_multipart(frames(3, gap))
-        _wait(lambda: subs.counts["gaps"] == 1, subs)
+        wait_until(lambda: subs.counts["gaps"] == 1, subs)
         assert router.index.workers() == {w: 1}
         assert subs.counts["rejected_events"] == 1
     finally:
