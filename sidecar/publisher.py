@@ -19,6 +19,7 @@ import zmq
 from router import wire
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from sidecar.control.index import RadixIndex
+from sidecar.control.node import RadixNode
 
 log = logging.getLogger("kvsidecar")
 
@@ -93,7 +94,9 @@ def _to_msgs(events: list[KVEvent]) -> list[wire.StoredMsg | wire.RemovedMsg | w
 def index_runs(index: RadixIndex) -> list[wire.StoredMsg]:
     """Every ready run of `index`, parents first (unready nodes are leaves)."""
     runs: list[wire.StoredMsg] = []
-    stack = [(child, None) for child in index.root.children.values()]
+    stack: list[tuple[RadixNode, bytes | None]] = [
+        (child, None) for child in index.root.children.values()
+    ]
     while stack:
         node, parent = stack.pop()
         if not node.ready:

@@ -104,3 +104,15 @@ def test_resync_endpoint_answers_a_bad_request_with_an_error(sidecar: Sidecar) -
     finally:
         req.close(0)
         ctx.term()
+
+
+def test_event_config_is_checked() -> None:
+    from sidecar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="events_endpoint is not"):
+        load_config(overrides={"events_resync_endpoint": "ipc:///tmp/x"})
+    with pytest.raises(ConfigError, match="events_endpoint"):
+        load_config(overrides={"events_endpoint": "udp://x"})
+    with pytest.raises(ConfigError, match="events_worker_id"):
+        load_config(overrides={"events_worker_id": -1})
+    assert load_config().events_endpoint is None  # off by default
