@@ -116,6 +116,10 @@ class RouterServer:
         except (msgspec.DecodeError, BadRequest, NoWorkers, ValueError) as exc:
             self.errors += 1
             return {"ok": False, "error": str(exc)}
+        except Exception as exc:  # a bug must not leave the REP socket unanswered
+            log.exception("request failed")
+            self.errors += 1
+            return {"ok": False, "error": f"internal error: {exc!r}"}
 
     def _route(self, req: RouteRequest, keys: list[BlockKey]) -> dict[str, Any]:
         loads = {worker(w, dp): n for w, dp, n in req.loads}
