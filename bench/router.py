@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from bench.replay import DEFAULT_TRACE, _finish
-from bench.report import machine, positive_int_list, print_table, write_json
-from bench.trace import Trace, load_mooncake
+from bench.report import positive_int_list, print_table, write_json
+from bench.trace import Trace, infinite_hit_ratio, load_mooncake
 from router.keys import BlockKey, Worker, split_keys, worker
 from router.router import Router
 from router.wire import Cleared, Removed, RouterEvent, Stored
@@ -206,8 +206,8 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_block": trace.tokens_per_block,
         "capacity_blocks_per_worker": capacity,
         "inflight_per_worker": args.inflight,
+        "infinite_hit_ratio": infinite_hit_ratio(trace),
         "runs": runs,
-        "machine": machine(),
     }
     _print(result, args.workers)
     if args.json:
@@ -219,7 +219,7 @@ def _print(result: dict[str, Any], fleet_sizes: list[int]) -> None:
     print(
         f"{result['requests']:,} requests, {result['block_lookups']:,} block lookups of "
         f"{result['tokens_per_block']} tokens; {result['capacity_blocks_per_worker']:,} "
-        f"blocks per worker"
+        f"blocks per worker; unlimited-cache hit ratio {result['infinite_hit_ratio']:.3f}"
     )
     rows = []
     for n in fleet_sizes:
