@@ -9,12 +9,21 @@ bytes, depending on the vLLM version) are mapped into that key type by
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple, NewType
 
 from sidecar.control.ids import KEY_BYTES, BlockKey
 
-__all__ = ["KEY_BYTES", "BlockKey", "Worker", "WorkerId", "join_keys", "split_keys", "vllm_key"]
+__all__ = [
+    "KEY_BYTES",
+    "BlockKey",
+    "Worker",
+    "WorkerId",
+    "split_keys",
+    "vllm_key",
+    "vllm_keys",
+    "worker",
+]
 
 WorkerId = NewType("WorkerId", int)
 """One engine instance (a sidecar host, or one vLLM engine without a sidecar)."""
@@ -40,10 +49,6 @@ def split_keys(raw: bytes) -> list[BlockKey]:
     if len(raw) % KEY_BYTES:
         raise ValueError(f"key bytes must be a multiple of {KEY_BYTES}, got {len(raw)}")
     return [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
-
-
-def join_keys(keys: Iterable[BlockKey]) -> bytes:
-    return b"".join(keys)
 
 
 _VLLM_PERSON = b"kvs-vllm-hash"

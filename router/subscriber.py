@@ -46,7 +46,6 @@ class _State:
     sock: zmq.Socket
     epoch: str | None = None
     seq: int = -1
-    worker: Worker | None = None
 
 
 class Subscriptions:
@@ -156,7 +155,6 @@ class Subscriptions:
     def _apply(self, st: _State, w: Worker, events: list[RouterEvent]) -> bool:
         """Apply a batch; on an index error, clear the worker (its state is no
         longer known) and resync at the next batch."""
-        st.worker = w
         try:
             self.router.apply(w, events)
             self.counts["events"] += len(events)
@@ -171,7 +169,6 @@ class Subscriptions:
     def _apply_each(self, st: _State, w: Worker, events: list[RouterEvent]) -> None:
         """Without a dump to fall back on, each event stands alone: one the
         index rejects (a store continuing a block lost in a gap) is skipped."""
-        st.worker = w
         for event in events:
             try:
                 self.router.apply(w, [event])
