@@ -29,6 +29,8 @@ class Choice(NamedTuple):
     cost: float
     costs: dict[Worker, float]
     """Every candidate's cost."""
+    scores: OverlapScores
+    """The overlaps the choice was made on."""
 
 
 class NoWorkers(ValueError):
@@ -77,7 +79,8 @@ class WorkerSelector:
             best = self._draw(pool, costs)
         else:
             best = min(pool, key=lambda w: (costs[w], scores.tree_sizes.get(w, 0), w))
-        return Choice(best, min(scores.scores.get(best, 0), request_blocks), costs[best], costs)
+        overlap = min(scores.scores.get(best, 0), request_blocks)
+        return Choice(best, overlap, costs[best], costs, scores)
 
     def _draw(self, pool: list[Worker], costs: dict[Worker, float]) -> Worker:
         low = min(costs.values())

@@ -127,7 +127,6 @@ class RouterServer:
             raise BadRequest("loads must be >= 0")
         cands = None if req.candidates is None else [worker(w, dp) for w, dp in req.candidates]
         choice = self.router.choose(keys, loads, cands)
-        scores = self.router.find_matches(keys).scores
         return {
             "ok": True,
             "worker_id": choice.worker.worker_id,
@@ -135,7 +134,7 @@ class RouterServer:
             "overlap": choice.overlap,
             "cost": choice.cost,
             "request_blocks": len(keys),
-            "scores": _rows(scores),
+            "scores": _rows(choice.scores.scores),
         }
 
     def _keys(self, req: RouteRequest | MatchRequest) -> list[BlockKey]:
