@@ -80,6 +80,8 @@ class KvIndex(ABC):
     def __init__(self) -> None:
         self._held: dict[Worker, set[BlockKey]] = {}
         """Per known worker, the blocks it holds."""
+        self._sizes: dict[Worker, int] = {}
+        """len(self._held[w]), kept so that a match copies it instead of counting."""
 
     def apply_stored(
         self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None
@@ -87,7 +89,9 @@ class KvIndex(ABC):
         self.check_parent(worker, parent)
         check_chain(keys, parent, self._parent_key)
         self._link(worker, keys, parent)
-        self._held.setdefault(worker, set()).update(keys)
+        held = self._held.setdefault(worker, set())
+        held.update(keys)
+        self._sizes[worker] = len(held)
 
     @abstractmethod
     def _link(self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
@@ -123,24 +127,28 @@ class KvIndex(ABC):
             if key in held:  # a key repeated in one event is removed once
                 held.discard(key)
                 self._drop(key, worker)
+        self._sizes[worker] = len(held)
 
     def apply_cleared(self, worker: Worker) -> None:
         for key in self._held.get(worker, ()):
             self._drop(key, worker)
         self._held[worker] = set()
+        self._sizes[worker] = 0
 
     def remove_worker(self, worker: Worker) -> None:
         if worker in self._held:
             self.apply_cleared(worker)
             del self._held[worker]
+            del self._sizes[worker]
 
     def add_worker(self, worker: Worker) -> None:
         """Make `worker` known with no blocks (a no-op if known)."""
         self._held.setdefault(worker, set())
+        self._sizes.setdefault(worker, 0)
 
     def workers(self) -> dict[Worker, int]:
         """Every known worker and its number of cached blocks."""
-        return {w: len(keys) for w, keys in self._held.items()}
+        return self._sizes.copy()
 
     def check_parent(self, worker: Worker, parent: BlockKey | None) -> None:
         held = self._held.get(worker)
@@ -158,6 +166,7 @@ class KvIndex(ABC):
         for entry in dump.entries:
             for w in entry.workers:
                 self._held.setdefault(w, set()).add(entry.key)
+        self._sizes = {w: len(keys) for w, keys in self._held.items()}
 
 
 INDEXES: dict[str, Callable[[], KvIndex]] = {}
@@ -202,6 +211,8 @@ def walk_scores(
         here = holders(i, keys[i])
         if not here:
             break
+        if active <= here:  # the common case: nobody drops out here
+            continue
         dropped = active - here
         for w in dropped:
             scores[w] = i
