@@ -16,6 +16,7 @@ BENCH_MODULES = (
     "bench.ssd",
     "bench.ttft",
     "bench.remote",
+    "bench.router",
 )
 
 

@@ -32,9 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_status if name == "status" else _stats)
     from bench.cli import add_bench_parser
     from engine_shim.demo import add_parser as add_demo_parser
+    from router.cli import add_parsers as add_router_parsers
 
     add_demo_parser(sub)
     add_bench_parser(sub)
+    add_router_parsers(sub)
     return parser
 
 

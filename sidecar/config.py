@@ -248,12 +248,35 @@ class Config:
     key_hash: str = config_key(
         "blake2b", "str", "Block-key hash function.", choices=("blake2b", "xxh3_128")
     )
+    events_endpoint: str | None = config_key(
+        None,
+        "str",
+        "ZMQ PUB endpoint (bound) publishing the CPU tier's KV events to cluster routers; "
+        "None = off.",
+        prefixes=("tcp://", "ipc://"),
+        optional=True,
+    )
+    events_resync_endpoint: str | None = config_key(
+        None,
+        "str",
+        "ZMQ ROUTER endpoint (bound) answering a router's resync request with a full dump; "
+        "needs events_endpoint.",
+        prefixes=("tcp://", "ipc://"),
+        optional=True,
+    )
+    events_worker_id: int = config_key(
+        0, "int", "This sidecar's worker id in its KV events (unique per cluster).", low=0
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
             # The documented way to normalise a field of a frozen dataclass.
             object.__setattr__(
                 self, f.name, f.metadata[SPEC].convert(f.name, getattr(self, f.name))
+            )
+        if self.events_resync_endpoint is not None and self.events_endpoint is None:
+            raise ConfigError(
+                "events_resync_endpoint is set but events_endpoint is not: set both, or neither"
             )
 
     def to_dict(self) -> dict[str, object]:

@@ -35,6 +35,7 @@ from sidecar.engines import Engines
 from sidecar.figures import server_stats
 from sidecar.handlers import Handlers
 from sidecar.protocol import ErrorCode, ProtocolError
+from sidecar.publisher import EventPublisher
 from sidecar.remote_tier import RemoteTier
 from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
 from sidecar.ssd import SsdStore
@@ -86,6 +87,7 @@ class Server(Handlers):
         self.snapshot: dict[str, Any] = {}
         """Stats published for the metrics thread; replaced whole, never mutated."""
         self._metrics: Any = None
+        self.publisher: EventPublisher | None = None
         self._next_lease_check = 0.0
         self._poller = zmq.Poller()
         self._handlers: dict[type, Callable[[Any, list[bytes]], p.Reply]] = {
@@ -133,6 +135,15 @@ class Server(Handlers):
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self.sock.bind(self.endpoint)
             self._poller.register(self.sock, zmq.POLLIN)
+            if self.config.events_endpoint is not None:
+                self.publisher = EventPublisher(
+                    self.ctx,
+                    self.config.events_endpoint,
+                    self.config.events_resync_endpoint,
+                    self.config.events_worker_id,
+                )
+                if self.publisher.resync is not None:
+                    self._poller.register(self.publisher.resync, zmq.POLLIN)
             self.snapshot = self.stats()
             if self.config.metrics_port is not None:
                 from sidecar.metrics import serve_metrics
@@ -172,6 +183,11 @@ class Server(Handlers):
         # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
         while sock.getsockopt(_EVENTS) & _POLLIN:
             self._serve_one(sock.recv_multipart(zmq.NOBLOCK))
+        if self.publisher is not None:
+            index = self.cache.cpu.index if self.cache is not None else None
+            if index is not None:
+                self.publisher.publish(index.drain_events())
+            self.publisher.serve_resync(index)
         now = time.monotonic()
         if now >= self._next_lease_check:
             self.engines.expire(self.config.lease_seconds)
@@ -208,6 +224,9 @@ class Server(Handlers):
             self._metrics.shutdown()
             self._metrics.server_close()
             self._metrics = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
         if self.sock is not None:
             self.sock.close(0)
             self.sock = None

@@ -57,6 +57,7 @@ def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
         c.evict_start_threshold,
         c.evict_ratio,
         c.hit_reward_seconds,
+        record_events=c.events_endpoint is not None,
     )
     log.info("CPU tier: %d slots of %d bytes", num_slots, layout.slot_stride)
     ssd = open_ssd_tier(c, layout)

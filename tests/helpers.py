@@ -3,7 +3,9 @@ and whole-state checks. Add functions here; keep the existing ones stable."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -117,3 +119,13 @@ def assert_clean(g: GlobalCacheEngine) -> None:
     assert g.num_active_plans == 0
     for engine in tiers(g):
         assert_engine_clean(engine)
+
+
+def wait_until(cond: Callable[[], bool], subs: Any, timeout: float = 10.0) -> None:
+    """Feed a router's `Subscriptions` its waiting messages until `cond()` holds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, dict(subs.counts)
+        for sock in subs.sockets:
+            if sock.poll(20):
+                subs.drain(sock)

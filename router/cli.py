@@ -1,0 +1,105 @@
+"""`kvsidecar router serve` and `kvsidecar analyze`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from router.subscriber import Source
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    router = sub.add_parser("router", help="the cluster KV-aware router")
+    router_sub = router.add_subparsers(dest="router_command", metavar="COMMAND")
+    router_sub.required = True
+    p = router_sub.add_parser(
+        "serve",
+        help="subscribe to sidecars' and engines' KV events, answer which worker to use",
+        description="Answers route/match/stats requests (msgpack over ZMQ REQ/REP); "
+        "see docs/router.md.",
+    )
+    p.add_argument("--bind", default="tcp://127.0.0.1:5600", help="REP endpoint to bind")
+    p.add_argument(
+        "--sidecar",
+        action="append",
+        default=[],
+        metavar="PUB[,RESYNC]",
+        help="a sidecar's events_endpoint and, after a comma, its events_resync_endpoint "
+        "(repeatable)",
+    )
+    p.add_argument(
+        "--vllm",
+        action="append",
+        default=[],
+        metavar="PUB=WORKER_ID",
+        help="a vLLM engine's KV events endpoint and the worker id to give it (repeatable)",
+    )
+    p.add_argument("--index", choices=("radix", "flat"), default="radix")
+    p.add_argument("--overlap-weight", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
+    p.add_argument("--seed", type=int, default=0, help="seed of the temperature draws")
+    p.add_argument("--window", type=int, default=1000, help="requests in the hit-ratio window")
+    p.add_argument(
+        "--namespace",
+        type=Path,
+        metavar="FILE",
+        help="JSON of the sidecars' Namespace fields (to route by token ids)",
+    )
+    p.add_argument("--key-hash", default="blake2b", choices=("blake2b", "xxh3_128"))
+    p.set_defaults(func=_serve)
+
+    a = sub.add_parser(
+        "analyze",
+        help="prefix-reuse analysis of a Mooncake trace, with a hit ratio vs cache size plot",
+    )
+    from router.analyze import add_arguments
+
+    add_arguments(a)
+
+
+def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:
+    sources = []
+    for text in sidecars:
+        pub, _, resync = text.partition(",")
+        sources.append(Source(pub, resync or None))
+    for text in vllms:
+        pub, sep, wid = text.rpartition("=")
+        if not sep or not wid.isdigit():
+            raise ValueError(f"--vllm wants PUB=WORKER_ID, got {text!r}")
+        sources.append(Source(pub, None, int(wid)))
+    for s in sources:
+        if not s.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"not a ZMQ endpoint: {s.endpoint!r}")
+    return sources
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from router.router import Router
+    from router.serve import RouterServer
+    from sidecar.blocks import KeyHasher, Namespace
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        sources = parse_sources(args.sidecar, args.vllm)
+        hasher = None
+        if args.namespace is not None:
+            ns = Namespace(**json.loads(args.namespace.read_text()))
+            hasher = KeyHasher(ns, algorithm=args.key_hash)
+        router = Router(
+            args.index,
+            overlap_weight=args.overlap_weight,
+            temperature=args.temperature,
+            seed=args.seed,
+            window=args.window,
+            hasher=hasher,
+        )
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"kvsidecar router: {exc}", file=sys.stderr)
+        return 2
+    server = RouterServer(router, args.bind, sources)
+    print(f"router serving on {server.endpoint} ({len(sources)} source(s))", flush=True)
+    server.serve_forever()
+    return 0

@@ -1,0 +1,192 @@
+"""Subscriptions: the router's SUB sockets to sidecars and vLLM engines.
+
+Per sidecar source, the subscriber tracks (epoch, seq). A batch that does
+not follow the last one (a gap, a restart, a late join) triggers a resync: a
+full dump from the source's resync endpoint replaces that worker's blocks,
+and batches the dump already covers are skipped. Without a resync endpoint,
+or when the resync fails, the worker's blocks are cleared instead: the router
+then under-estimates overlap for a while, which is safe, rather than routing
+on blocks that may be gone.
+
+vLLM sources have no dump; on a gap their worker is cleared the same way.
+Malformed messages are counted and dropped; they never change the index.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import zmq
+
+from router import wire
+from router.index import RouterIndexError
+from router.keys import Worker, worker
+from router.router import Router
+from router.vllm_events import decode_vllm
+from router.wire import Cleared, RouterEvent, WireError
+
+log = logging.getLogger("kvsidecar.router")
+
+
+@dataclass(frozen=True)
+class Source:
+    endpoint: str
+    """PUB endpoint to connect to."""
+    resync_endpoint: str | None = None
+    """Sidecar only: its events_resync_endpoint."""
+    vllm_worker_id: int | None = None
+    """Set for a vLLM engine (whose events carry no worker id); None: a sidecar."""
+
+
+@dataclass
+class _State:
+    source: Source
+    sock: zmq.Socket
+    epoch: str | None = None
+    seq: int = -1
+
+
+class Subscriptions:
+    def __init__(
+        self, ctx: zmq.Context, router: Router, sources: list[Source], resync_timeout: float = 2.0
+    ) -> None:
+        self.ctx = ctx
+        self.router = router
+        self.resync_timeout = resync_timeout
+        self.counts: Counter[str] = Counter()
+        self._states: dict[zmq.Socket, _State] = {}
+        for src in sources:
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"" if src.vllm_worker_id is not None else wire.TOPIC)
+            sock.connect(src.endpoint)
+            self._states[sock] = _State(src, sock)
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        return list(self._states)
+
+    def drain(self, sock: zmq.Socket) -> None:
+        """Handle every message waiting on `sock` (one of `sockets`)."""
+        st = self._states[sock]
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            try:
+                if st.source.vllm_worker_id is None:
+                    self._on_sidecar(st, frames)
+                else:
+                    self._on_vllm(st, frames)
+            except WireError as exc:
+                self.counts["bad_messages"] += 1
+                log.warning("dropped a message from %s: %s", st.source.endpoint, exc)
+
+    def resync_all(self) -> None:
+        """Dump every sidecar source now (at start: a router joining late)."""
+        for st in self._states.values():
+            if st.source.vllm_worker_id is None and st.source.resync_endpoint is not None:
+                self._resync(st)
+
+    def close(self) -> None:
+        for sock in self._states:
+            sock.close(0)
+        self._states.clear()
+
+    # ---- sidecars ------------------------------------------------------------
+
+    def _on_sidecar(self, st: _State, frames: list[bytes]) -> None:
+        if len(frames) != 2 or frames[0] != wire.TOPIC:
+            raise WireError(f"expected 2 frames [{wire.TOPIC!r}, batch]")
+        batch = wire.decode_batch(frames[1])
+        events = wire.to_events(batch.events)
+        w = worker(batch.worker_id, batch.dp_rank)
+        self.counts["batches"] += 1
+        if batch.epoch == st.epoch and batch.seq <= st.seq:
+            return  # already covered by a dump
+        if batch.epoch != st.epoch or batch.seq != st.seq + 1:
+            self.counts["gaps"] += 1
+            if not self._resync(st):
+                self.router.apply(w, [Cleared()])  # no dump: forget, start over
+                st.epoch, st.seq = batch.epoch, batch.seq - 1
+            if batch.epoch != st.epoch or batch.seq != st.seq + 1:
+                return
+        if st.source.resync_endpoint is None:
+            self._apply_each(st, w, events)
+        elif not self._apply(st, w, events):
+            return
+        st.seq = batch.seq
+
+    def _resync(self, st: _State) -> bool:
+        """Replace the source's blocks by its dump; False if there is none."""
+        reply = self._request_dump(st.source.resync_endpoint)
+        if not isinstance(reply, wire.DumpReply):
+            self.counts["resync_failures"] += st.source.resync_endpoint is not None
+            return False
+        w = worker(reply.worker_id, reply.dp_rank)
+        if not self._apply(st, w, [Cleared(), *wire.to_events(list(reply.runs))]):
+            return False
+        st.epoch, st.seq = reply.epoch, reply.seq
+        self.counts["resyncs"] += 1
+        return True
+
+    def _request_dump(self, endpoint: str | None) -> wire.DumpReply | wire.ErrorReply | None:
+        if endpoint is None:
+            return None
+        req = self.ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        try:
+            req.connect(endpoint)
+            req.send(wire.DUMP_REQUEST)
+            if not req.poll(int(self.resync_timeout * 1000)):
+                log.warning("resync from %s timed out", endpoint)
+                return None
+            reply = wire.decode_reply(req.recv())
+            if isinstance(reply, wire.ErrorReply):
+                log.warning("resync from %s refused: %s", endpoint, reply.message)
+            return reply
+        except WireError as exc:
+            log.warning("resync from %s: %s", endpoint, exc)
+            return None
+        finally:
+            req.close(0)
+
+    def _apply(self, st: _State, w: Worker, events: list[RouterEvent]) -> bool:
+        """Apply a batch; on an index error, clear the worker (its state is no
+        longer known) and resync at the next batch."""
+        try:
+            self.router.apply(w, events)
+            self.counts["events"] += len(events)
+            return True
+        except RouterIndexError as exc:
+            self.counts["rejected_batches"] += 1
+            log.warning("worker %s: %s; clearing it", w, exc)
+            self.router.apply(w, [Cleared()])
+            st.epoch = None
+            return False
+
+    def _apply_each(self, st: _State, w: Worker, events: list[RouterEvent]) -> None:
+        """Without a dump to fall back on, each event stands alone: one the
+        index rejects (a store continuing a block lost in a gap) is skipped."""
+        for event in events:
+            try:
+                self.router.apply(w, [event])
+                self.counts["events"] += 1
+            except RouterIndexError:
+                self.counts["rejected_events"] += 1
+
+    # ---- vLLM engines --------------------------------------------------------
+
+    def _on_vllm(self, st: _State, frames: list[bytes]) -> None:
+        batch = decode_vllm(frames)
+        assert st.source.vllm_worker_id is not None
+        w = worker(st.source.vllm_worker_id, batch.dp_rank)
+        self.counts["batches"] += 1
+        if st.seq >= 0 and batch.seq == st.seq:
+            return  # a duplicate
+        if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart
+            self.counts["gaps"] += 1
+            self.router.apply(w, [Cleared()])
+        st.seq = batch.seq
+        self._apply_each(st, w, batch.events)

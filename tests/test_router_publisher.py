@@ -1,0 +1,118 @@
+"""The sidecar's KV event publisher, end to end: a real sidecar with events on,
+an engine saving through engine_shim.KVClient, and the router's subscriber."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from router import wire
+from router.keys import split_keys, worker
+from router.router import Router
+from router.subscriber import Source, Subscriptions
+from tests.helpers import wait_until
+from tests.sidecar_proc import Sidecar, connect, make_kv, tokens
+
+WORKER = worker(3)
+
+
+@pytest.fixture
+def sidecar() -> Iterator[Sidecar]:
+    s = Sidecar()
+    pub, resync = f"ipc://{s.runtime_dir}/ev.pub", f"ipc://{s.runtime_dir}/ev.resync"
+    s.args += ["--set", f"events_endpoint={pub}", "--set", f"events_resync_endpoint={resync}"]
+    s.args += ["--set", "events_worker_id=3"]
+    s.start()
+    s.events = (pub, resync)  # type: ignore[attr-defined]
+    yield s
+    try:
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def _save(endpoint: str, n_blocks: int, start: int = 0) -> list:
+    client = connect(endpoint, make_kv(1))
+    try:
+        toks = tokens(n_blocks, start)
+        assert client.save(toks, np.arange(n_blocks)).wait() == n_blocks * 16
+        return split_keys(client._keys(toks).tobytes())
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("index", ["radix", "flat"])
+def test_router_sees_blocks_an_engine_saved(sidecar: Sidecar, index: str) -> None:
+    pub, resync = sidecar.events  # type: ignore[attr-defined]
+    ctx = zmq.Context()
+    router = Router(index)
+    subs = Subscriptions(ctx, router, [Source(pub, resync)])
+    try:
+        subs.resync_all()  # joins with an empty dump: epoch and seq known
+        assert router.index.workers() == {WORKER: 0} and subs.counts["resyncs"] == 1
+        keys = _save(sidecar.endpoint, 4)
+        wait_until(lambda: router.index.workers().get(WORKER) == 4, subs)
+        assert router.find_matches(keys).scores == {WORKER: 4}
+        assert router.choose(keys).worker == WORKER
+        assert subs.counts["gaps"] == 0
+    finally:
+        subs.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("with_resync", [True, False])
+def test_a_gap_resyncs_or_clears_without_a_resync_endpoint(
+    sidecar: Sidecar, with_resync: bool
+) -> None:
+    pub, resync = sidecar.events  # type: ignore[attr-defined]
+    first = _save(sidecar.endpoint, 3)  # published before the router subscribed
+    ctx = zmq.Context()
+    router = Router("radix" if with_resync else "flat")
+    subs = Subscriptions(ctx, router, [Source(pub, resync if with_resync else None)])
+    try:
+        time.sleep(0.3)  # let the SUB connect, so the next batch arrives
+        second = _save(sidecar.endpoint, 2, start=10_000)
+        expected = 5 if with_resync else 2  # without a dump the first save is forgotten
+        wait_until(lambda: router.index.workers().get(WORKER) == expected, subs)
+        assert subs.counts["gaps"] == 1 and subs.counts["resyncs"] == int(with_resync)
+        assert router.find_matches(first).scores == ({WORKER: 3} if with_resync else {})
+        assert router.find_matches(second).scores == {WORKER: 2}
+    finally:
+        subs.close()
+        ctx.term()
+
+
+def test_resync_endpoint_answers_a_bad_request_with_an_error(sidecar: Sidecar) -> None:
+    _, resync = sidecar.events  # type: ignore[attr-defined]
+    ctx = zmq.Context()
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(resync)
+        req.send(b"give me everything")
+        assert req.poll(5000)
+        reply = wire.decode_reply(req.recv())
+        assert isinstance(reply, wire.ErrorReply) and "dump" in reply.message
+        req.send(wire.DUMP_REQUEST)
+        assert req.poll(5000)
+        dump = wire.decode_reply(req.recv())
+        assert isinstance(dump, wire.DumpReply) and dump.worker_id == 3 and dump.runs == []
+    finally:
+        req.close(0)
+        ctx.term()
+
+
+def test_event_config_is_checked() -> None:
+    from sidecar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="events_endpoint is not"):
+        load_config(overrides={"events_resync_endpoint": "ipc:///tmp/x"})
+    with pytest.raises(ConfigError, match="events_endpoint"):
+        load_config(overrides={"events_endpoint": "udp://x"})
+    with pytest.raises(ConfigError, match="events_worker_id"):
+        load_config(overrides={"events_worker_id": -1})
+    assert load_config().events_endpoint is None  # off by default

@@ -1,0 +1,146 @@
+"""`kvsidecar router serve` as a process: routes by keys and tokens, answers
+malformed requests with an error, follows a real sidecar's KV events."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from tests.sidecar_proc import ROOT, Sidecar, connect, make_kv, tokens
+
+
+@pytest.fixture
+def sidecar() -> Iterator[Sidecar]:
+    s = Sidecar()
+    s.args += ["--set", f"events_endpoint=ipc://{s.runtime_dir}/ev.pub"]
+    s.args += ["--set", f"events_resync_endpoint=ipc://{s.runtime_dir}/ev.resync"]
+    s.args += ["--set", "events_worker_id=5"]
+    s.start()
+    yield s
+    try:
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+class RouterProc:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "router", "serve", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
+        line = self.proc.stdout.readline() if ready else ""
+        assert "router serving on" in line, line + (self.proc.stderr.read() if ready else "")  # type: ignore[union-attr]
+        self.endpoint = line.split()[3]
+        self.ctx = zmq.Context()
+        self.sock = self._socket()
+
+    def _socket(self) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def ask(self, request: Any, raw: bool = False) -> dict[str, Any]:
+        self.sock.send(request if raw else msgspec.msgpack.encode(request))
+        assert self.sock.poll(10_000), "router did not answer"
+        return msgspec.msgpack.decode(self.sock.recv())
+
+    def stop(self) -> int:
+        self.sock.close(0)
+        self.ctx.term()
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(10)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            assert pipe is not None
+            pipe.close()
+        return code
+
+
+def test_routes_to_the_sidecar_holding_the_prefix(sidecar: Sidecar, tmp_path: Path) -> None:
+    client = connect(sidecar.endpoint, make_kv(2))
+    toks = tokens(6)
+    try:
+        assert client.save(toks, np.arange(6)).wait() == 96
+        keys = client._keys(toks).tobytes()
+        ns = tmp_path / "ns.json"
+        ns.write_text(json.dumps(dataclasses.asdict(client._hasher.namespace)))  # type: ignore[union-attr]
+    finally:
+        client.close()
+    pub = f"ipc://{sidecar.runtime_dir}/ev.pub,ipc://{sidecar.runtime_dir}/ev.resync"
+    router = RouterProc("--bind", "tcp://127.0.0.1:0", "--sidecar", pub, "--namespace", str(ns))
+    try:
+        deadline = time.monotonic() + 10
+        while router.ask({"op": "stats"})["index"].get("5/0") != 6:  # the start-up resync
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        reply = router.ask({"op": "route", "keys": keys + bytes(16)})
+        assert reply["ok"] and (reply["worker_id"], reply["dp_rank"]) == (5, 0)
+        assert reply["overlap"] == 6 and reply["request_blocks"] == 7 and reply["cost"] == 1
+        by_tokens = router.ask({"op": "route", "tokens": toks.tolist()})
+        assert by_tokens["overlap"] == 6 and by_tokens["cost"] == 0
+        match = router.ask({"op": "match", "keys": keys[:32]})
+        assert match == {"ok": True, "scores": [[5, 0, 2]], "tree_sizes": [[5, 0, 6]]}
+        loaded = router.ask({"op": "route", "keys": keys, "loads": [[5, 0, 3]]})
+        assert loaded["cost"] == 3
+        stats = router.ask({"op": "stats"})
+        assert stats["hits"]["all"]["requests"] == 3 and stats["events"]["resyncs"] >= 1
+    finally:
+        assert router.stop() == 0
+
+
+BAD = [
+    (b"\xc1not msgpack", True, "malformed"),
+    ({"op": "fly"}, False, "Invalid value 'fly'"),
+    ({"keys": bytes(16)}, False, "op"),
+    ({"op": "route"}, False, "exactly one of"),
+    ({"op": "route", "keys": bytes(16), "tokens": [1]}, False, "exactly one of"),
+    ({"op": "route", "keys": bytes(15)}, False, "multiple of 16"),
+    ({"op": "route", "tokens": [1, 2]}, False, "no token hasher"),
+    ({"op": "route", "keys": bytes(16), "extra": 1}, False, "unknown field"),
+    ({"op": "route", "keys": bytes(16), "loads": [[0, 0, -1]]}, False, ">= 0"),
+    ({"op": "route", "vllm_hashes": [1.5]}, False, "Expected"),
+    ({"op": "route", "keys": bytes(16)}, False, "no worker is known"),
+]
+
+
+def test_malformed_requests_get_an_error_reply_and_change_nothing() -> None:
+    router = RouterProc("--bind", "tcp://127.0.0.1:0", "--index", "flat")
+    try:
+        for request, raw, message in BAD:
+            reply = router.ask(request, raw=raw)
+            assert reply["ok"] is False and message in reply["error"], (request, reply)
+        stats = router.ask({"op": "stats"})
+        assert stats["bad_requests"] == len(BAD) and stats["index"] == {}
+        assert stats["hits"]["all"]["requests"] == 0
+    finally:
+        assert router.stop() == 0
+
+
+def test_bad_command_line_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "router", "serve", "--vllm", "tcp://x:1=abc"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "PUB=WORKER_ID" in proc.stderr
