@@ -89,6 +89,8 @@ class Server(Handlers):
         self._metrics: Any = None
         self.publisher: EventPublisher | None = None
         self._next_lease_check = 0.0
+        self._busy_poll = config.busy_poll_us / 1e6
+        self._spin_until = 0.0
         self._poller = zmq.Poller()
         self._handlers: dict[type, Callable[[Any, list[bytes]], p.Reply]] = {
             p.Register: self._register,
@@ -171,7 +173,7 @@ class Server(Handlers):
     def poll_once(self, timeout_ms: int = POLL_MS) -> None:
         sock = self.sock
         assert sock is not None
-        ready = dict(self._poller.poll(timeout_ms))
+        ready = self._wait(timeout_ms)
         if self.dataplane is not None:
             for io in self.dataplane.pools:
                 if io.fd in ready:
@@ -181,8 +183,10 @@ class Server(Handlers):
                 self.remote.collect()
             self.remote.tick()
         # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
-        while sock.getsockopt(_EVENTS) & _POLLIN:
-            self._serve_one(sock.recv_multipart(zmq.NOBLOCK))
+        if sock.getsockopt(_EVENTS) & _POLLIN:
+            while sock.getsockopt(_EVENTS) & _POLLIN:
+                self._serve_one(sock.recv_multipart(zmq.NOBLOCK))
+            self._spin_until = time.perf_counter() + self._busy_poll
         if self.publisher is not None:
             index = self.cache.cpu.index if self.cache is not None else None
             if index is not None:
@@ -193,6 +197,15 @@ class Server(Handlers):
             self.engines.expire(self.config.lease_seconds)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
+
+    def _wait(self, timeout_ms: int) -> dict[Any, int]:
+        """What is ready: within the busy-poll window, polled without sleeping
+        (the next request of a busy engine is served without a wake-up)."""
+        while time.perf_counter() < self._spin_until:
+            ready = self._poller.poll(0)
+            if ready:
+                return dict(ready)
+        return dict(self._poller.poll(timeout_ms))
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         log.info("signal %d: draining", signum)

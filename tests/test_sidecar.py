@@ -310,6 +310,19 @@ def test_tcp_endpoint():
         s.cleanup()
 
 
+def test_busy_polling_loop_serves_and_stops():
+    s = Sidecar("--set", "busy_poll_us=5000").start()
+    try:
+        with connect(s.endpoint, make_kv(8)) as client:
+            for n in (1, 2, 3):  # back to back, inside the busy-poll window
+                assert client.save(tokens(n), np.arange(n)).wait() == n * sp.TOKENS_PER_BLOCK
+        loaded, blocks = run(sp.load_worker, s.endpoint, 3)
+        assert loaded == 3 * sp.TOKENS_PER_BLOCK and blocks == expected_blocks(8, 3)
+        assert s.stop() == 0  # SIGTERM is honoured while spinning too
+    finally:
+        s.cleanup()
+
+
 # ---- tools ---------------------------------------------------------------------------------------
 
 
