@@ -5,6 +5,7 @@ request objects with the attributes the connector reads (tests/vllm_helpers)."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 
 import numpy as np
@@ -338,3 +339,27 @@ def test_halves_made_before_the_sidecar_starts_work_once_it_is_up():
         assert late.stop() == 0
     finally:
         late.cleanup()
+
+
+def test_a_stalled_sidecar_delays_each_request_at_most_one_timeout(sidecar, make_pair):
+    """Lookups queued behind one that hangs on a stopped sidecar must not wait
+    in turn: each request is answered as a miss within about `timeout`."""
+    timeout = 0.4
+    sched, _, _ = make_pair(seed=6, lookup_async=True, timeout=timeout)
+    sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        reqs = [request(f"r{i}", prompt(2 * BLOCK + 1, start=100 * i)) for i in range(6)]
+        started = time.monotonic()
+        waited: dict[str, float] = {}
+        while len(waited) < len(reqs):
+            for req in reqs:
+                if req.request_id not in waited:
+                    answer = sched.num_new_matched_tokens(req, 0)
+                    if answer[0] is not None:
+                        assert answer == (0, False)
+                        waited[req.request_id] = time.monotonic() - started
+            assert time.monotonic() - started < 30
+            time.sleep(0.01)
+        assert max(waited.values()) < 2 * timeout, waited
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
