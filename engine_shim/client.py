@@ -241,6 +241,10 @@ class KVClient:
         """A request on this session; re-registers once if the sidecar forgot us."""
         if self._register_args is None:
             raise RuntimeError("register() first")
+        if self._copier is None:
+            # The last Register got no reply in time: the sidecar may know the
+            # session all the same, but the pool is not mapped here yet.
+            self._register()
         try:
             return self._channel.call(request, arrays)
         except SidecarError as err:

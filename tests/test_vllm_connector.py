@@ -14,6 +14,7 @@ from sidecar_proc import Sidecar
 from vllm_helpers import BLOCK, GEOMETRY, blocks_of, halves, kv_caches, prompt, request, settings
 
 import engine_shim.vllm_connector as glue
+from engine_shim.client import KVClient, SidecarUnavailable
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
 from engine_shim.kvconnector.scheduler import SchedulerSide
 from engine_shim.kvconnector.settings import ConnectorSettings
@@ -363,3 +364,31 @@ def test_a_stalled_sidecar_delays_each_request_at_most_one_timeout(sidecar, make
         assert max(waited.values()) < 2 * timeout, waited
     finally:
         sidecar.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_registration_whose_reply_came_late_is_completed_before_a_load(sidecar, pair):
+    """The sidecar registered the session but its reply missed the timeout:
+    the client never mapped the pool. A later load must not trip on that."""
+    sched, worker, kv = pair
+    tokens = prompt(2 * BLOCK + 1)
+    save(sched, worker, request("a", tokens), [0, 1])
+    late_kv = kv_caches(seed=None)
+    client = KVClient.connect(sidecar.endpoint, timeout=0.3)
+    try:
+        client.stats()  # connected: the Register below is sent, only its reply is late
+        sidecar.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(SidecarUnavailable):
+                client.register(
+                    GEOMETRY.planes(late_kv),
+                    engine_id=f"{sched.settings.engine_id}-late",
+                    **GEOMETRY.register_args(sched.settings),
+                )
+        finally:
+            sidecar.proc.send_signal(signal.SIGCONT)
+        keys = client.block_keys(tokens)
+        assert client.load_keys(keys, [20, 21]).wait() == 2 * BLOCK
+        for got, want in zip(blocks_of(late_kv, [20, 21]), blocks_of(kv, [0, 1]), strict=True):
+            assert np.array_equal(got, want)
+    finally:
+        client.close()
