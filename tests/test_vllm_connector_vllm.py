@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import (
     KVConnectorModelRunnerMixin,
@@ -281,7 +281,11 @@ def test_ask_again_while_the_lookup_is_in_flight(engine):
     engine.scheduler.reset_prefix_cache()
     engine.add("b", tokens)
     first, _ = engine.step()
-    assert first.total_num_scheduled_tokens == 0  # (None, False): b waits for its lookup
+    # (None, False): b waits for its lookup. Nothing scheduled alone would not
+    # show it: a hit loaded asynchronously schedules no tokens either.
+    assert first.total_num_scheduled_tokens == 0
+    assert first.kv_connector_metadata.loads == ()
+    assert engine.scheduler.requests["b"].status == RequestStatus.WAITING
     engine.run(lambda: finished(engine, "b"))
     assert min(engine.computed["b"]) == 2 * BLOCK
     engine.assert_kv_of("b", tokens)
