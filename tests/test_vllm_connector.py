@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from sidecar_proc import Sidecar
 from vllm_helpers import BLOCK, GEOMETRY, blocks_of, halves, kv_caches, prompt, request, settings
 
@@ -157,7 +158,13 @@ def test_token_keys_skip_requests_their_tokens_do_not_describe(pair):
     sched, worker, _ = pair
     tokens = prompt(2 * BLOCK + 1)
     save(sched, worker, request("a", tokens), [0, 1])
-    for extra in ({"mm_features": ["image"]}, {"lora_request": "adapter"}, {"cache_salt": "s"}):
+    embeds = torch.zeros(len(tokens), 8)  # vLLM then holds 0 for every token id
+    for extra in (
+        {"mm_features": ["image"]},
+        {"lora_request": "adapter"},
+        {"cache_salt": "s"},
+        {"prompt_embeds": embeds},
+    ):
         req = request("b", tokens)
         for name, value in extra.items():
             setattr(req, name, value)
