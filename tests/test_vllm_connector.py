@@ -402,3 +402,23 @@ def test_a_registration_whose_reply_came_late_is_completed_before_a_load(sidecar
             assert np.array_equal(got, want)
     finally:
         client.close()
+
+
+def test_a_short_synchronous_load_is_reported_before_wait_for_save(make_pair):
+    """With speculative decoding vLLM reads the load errors before it calls
+    wait_for_save (defer_finalize): a short synchronous load must be reported
+    in that step's pass, once."""
+    sched, worker, kv = make_pair(seed=7, load_async=False)
+    tokens = prompt(3 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1, 2])
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    sched.after_alloc(req, [8, 9, 10, 11], 3 * BLOCK)
+    assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
+    meta = sched.build_meta()
+    worker.start_loads(meta)
+    assert worker.finished() == (set(), set())
+    assert worker.load_errors() == {9, 10}  # the step's pass, before its wait_for_save
+    worker.run_saves(meta)
+    assert worker.finished() == (set(), set())
+    assert worker.load_errors() == set()  # not reported again next step
+    assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
