@@ -201,10 +201,10 @@ class KVClient:
             "pid_ns": _pid_namespace(),
         }
         self._register()
-        if self._heartbeat is None:
-            self._heartbeat = _Heartbeat(self)
 
     def _register(self) -> None:
+        """Register (again); the heartbeat starts with the first success,
+        which may be a later call's re-registration."""
         assert self._register_args is not None
         reply, _ = self._channel.call(
             p.Register(v=p.PROTOCOL_VERSION, id=0, session=self.session, **self._register_args)
@@ -214,6 +214,8 @@ class KVClient:
         if self._copier is None:
             self._open_copier(reply)
         self.lease_seconds = float(reply["lease_seconds"])
+        if self._heartbeat is None:
+            self._heartbeat = _Heartbeat(self)
 
     def _attach(self, reply: dict[str, Any]) -> None:
         """Map the (new) sidecar's segments."""
@@ -241,6 +243,10 @@ class KVClient:
         """A request on this session; re-registers once if the sidecar forgot us."""
         if self._register_args is None:
             raise RuntimeError("register() first")
+        if self._copier is None:
+            # The last Register got no reply in time: the sidecar may know the
+            # session all the same, but the pool is not mapped here yet.
+            self._register()
         try:
             return self._channel.call(request, arrays)
         except SidecarError as err:

@@ -5,14 +5,17 @@ request objects with the attributes the connector reads (tests/vllm_helpers)."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 
 import numpy as np
 import pytest
+import torch
 from sidecar_proc import Sidecar
 from vllm_helpers import BLOCK, GEOMETRY, blocks_of, halves, kv_caches, prompt, request, settings
 
 import engine_shim.vllm_connector as glue
+from engine_shim.client import KVClient, SidecarUnavailable
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
 from engine_shim.kvconnector.scheduler import SchedulerSide
 from engine_shim.kvconnector.settings import ConnectorSettings
@@ -155,7 +158,13 @@ def test_token_keys_skip_requests_their_tokens_do_not_describe(pair):
     sched, worker, _ = pair
     tokens = prompt(2 * BLOCK + 1)
     save(sched, worker, request("a", tokens), [0, 1])
-    for extra in ({"mm_features": ["image"]}, {"lora_request": "adapter"}, {"cache_salt": "s"}):
+    embeds = torch.zeros(len(tokens), 8)  # vLLM then holds 0 for every token id
+    for extra in (
+        {"mm_features": ["image"]},
+        {"lora_request": "adapter"},
+        {"cache_salt": "s"},
+        {"prompt_embeds": embeds},
+    ):
         req = request("b", tokens)
         for name, value in extra.items():
             setattr(req, name, value)
@@ -333,8 +342,83 @@ def test_halves_made_before_the_sidecar_starts_work_once_it_is_up():
         while sched.num_new_matched_tokens(cached(sched, worker, tokens, [0, 1]), 0)[0] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # Registered late, the leases are renewed all the same (not only by traffic).
+        assert sched._client._heartbeat is not None
+        assert worker._client is not None and worker._client._heartbeat is not None
         sched.close()
         worker.close()
         assert late.stop() == 0
     finally:
         late.cleanup()
+
+
+def test_a_stalled_sidecar_delays_each_request_at_most_one_timeout(sidecar, make_pair):
+    """Lookups queued behind one that hangs on a stopped sidecar must not wait
+    in turn: each request is answered as a miss within about `timeout`."""
+    timeout = 0.4
+    sched, _, _ = make_pair(seed=6, lookup_async=True, timeout=timeout)
+    sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        reqs = [request(f"r{i}", prompt(2 * BLOCK + 1, start=100 * i)) for i in range(6)]
+        started = time.monotonic()
+        waited: dict[str, float] = {}
+        while len(waited) < len(reqs):
+            for req in reqs:
+                if req.request_id not in waited:
+                    answer = sched.num_new_matched_tokens(req, 0)
+                    if answer[0] is not None:
+                        assert answer == (0, False)
+                        waited[req.request_id] = time.monotonic() - started
+            assert time.monotonic() - started < 30
+            time.sleep(0.01)
+        assert max(waited.values()) < 2 * timeout, waited
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_registration_whose_reply_came_late_is_completed_before_a_load(sidecar, pair):
+    """The sidecar registered the session but its reply missed the timeout:
+    the client never mapped the pool. A later load must not trip on that."""
+    sched, worker, kv = pair
+    tokens = prompt(2 * BLOCK + 1)
+    save(sched, worker, request("a", tokens), [0, 1])
+    late_kv = kv_caches(seed=None)
+    client = KVClient.connect(sidecar.endpoint, timeout=0.3)
+    try:
+        client.stats()  # connected: the Register below is sent, only its reply is late
+        sidecar.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(SidecarUnavailable):
+                client.register(
+                    GEOMETRY.planes(late_kv),
+                    engine_id=f"{sched.settings.engine_id}-late",
+                    **GEOMETRY.register_args(sched.settings),
+                )
+        finally:
+            sidecar.proc.send_signal(signal.SIGCONT)
+        keys = client.block_keys(tokens)
+        assert client.load_keys(keys, [20, 21]).wait() == 2 * BLOCK
+        for got, want in zip(blocks_of(late_kv, [20, 21]), blocks_of(kv, [0, 1]), strict=True):
+            assert np.array_equal(got, want)
+    finally:
+        client.close()
+
+
+def test_a_short_synchronous_load_is_reported_before_wait_for_save(make_pair):
+    """With speculative decoding vLLM reads the load errors before it calls
+    wait_for_save (defer_finalize): a short synchronous load must be reported
+    in that step's pass, once."""
+    sched, worker, kv = make_pair(seed=7, load_async=False)
+    tokens = prompt(3 * BLOCK + 1)
+    req = cached(sched, worker, tokens, [0, 1, 2])
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    sched.after_alloc(req, [8, 9, 10, 11], 3 * BLOCK)
+    assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
+    meta = sched.build_meta()
+    worker.start_loads(meta)
+    assert worker.finished() == (set(), set())
+    assert worker.load_errors() == {9, 10}  # the step's pass, before its wait_for_save
+    worker.run_saves(meta)
+    assert worker.finished() == (set(), set())
+    assert worker.load_errors() == set()  # not reported again next step
+    assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])

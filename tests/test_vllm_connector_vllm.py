@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
 )
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.kv_connector_model_runner_mixin import (
     KVConnectorModelRunnerMixin,
@@ -135,7 +135,9 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
-    def step(self, before_forward=None):
+    def step(self, before_forward=None, defer_finalize: bool = False):
+        """One engine step; `defer_finalize`: as with speculative decoding,
+        wait_for_save comes after the errors are read (a draft model's forward)."""
         out = self.scheduler.schedule()
         if before_forward is not None:
             before_forward(out)
@@ -150,9 +152,13 @@ class Engine:
                 table.extend(cached.new_block_ids[i][0])
         with (
             set_forward_context(None, self.config),
-            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output,
+            KVConnectorModelRunnerMixin._get_kv_connector_output(
+                out, defer_finalize=defer_finalize
+            ) as kv_output,
         ):
             sampled = self._forward(out)
+        if defer_finalize:
+            KVConnectorModelRunnerMixin.finalize_kv_connector()
         runner_output = ModelRunnerOutput(
             req_ids=list(sampled),
             req_id_to_index={r: i for i, r in enumerate(sampled)},
@@ -182,10 +188,10 @@ class Engine:
             sampled[req_id] = [7] if done else []
         return sampled
 
-    def run(self, until, steps: int = 50, before_forward=None) -> list:
+    def run(self, until, steps: int = 50, before_forward=None, **step) -> list:
         outputs = []
         for _ in range(steps):
-            outputs.append(self.step(before_forward))
+            outputs.append(self.step(before_forward, **step))
             if until():
                 return outputs
             time.sleep(0.002)  # let an asynchronous lookup land
@@ -281,7 +287,11 @@ def test_ask_again_while_the_lookup_is_in_flight(engine):
     engine.scheduler.reset_prefix_cache()
     engine.add("b", tokens)
     first, _ = engine.step()
-    assert first.total_num_scheduled_tokens == 0  # (None, False): b waits for its lookup
+    # (None, False): b waits for its lookup. Nothing scheduled alone would not
+    # show it: a hit loaded asynchronously schedules no tokens either.
+    assert first.total_num_scheduled_tokens == 0
+    assert first.kv_connector_metadata.loads == ()
+    assert engine.scheduler.requests["b"].status == RequestStatus.WAITING
     engine.run(lambda: finished(engine, "b"))
     assert min(engine.computed["b"]) == 2 * BLOCK
     engine.assert_kv_of("b", tokens)
@@ -303,3 +313,33 @@ def test_a_load_failure_is_recomputed_by_vllm(engine, sidecar):
     assert any(kv.invalid_block_ids for _, kv in steps)
     assert min(engine.computed["b"]) == 0  # vLLM recomputed the blocks that failed
     engine.assert_kv_of("b", tokens)
+
+
+def test_a_short_synchronous_load_is_reported_in_its_own_step(tmp_path, sidecar):
+    """Speculative decoding defers wait_for_save past the read of the load
+    errors: blocks evicted between lookup and load are still reported in the
+    step whose forward they were missing from."""
+    engine = Engine(tmp_path, sidecar.endpoint, load_async=False, block_keys="tokens")
+    try:
+        tokens = prompt(3 * BLOCK + 1, start=1700)
+        engine.add("a", tokens)
+        engine.run(lambda: finished(engine, "a"), defer_finalize=True)
+        engine.scheduler.reset_prefix_cache()
+        engine.add("b", tokens)
+        client = engine.scheduler.connector._scheduler._client
+
+        def evict_before_the_load(out) -> None:
+            if out.kv_connector_metadata.loads:
+                assert client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
+
+        steps = engine.run(
+            lambda: finished(engine, "b"), before_forward=evict_before_the_load, defer_finalize=True
+        )
+        (load_step,) = [kv for out, kv in steps if out.kv_connector_metadata.loads]
+        table = engine.block_tables["b"]
+        assert load_step.invalid_block_ids == {table[1], table[2]}
+        assert all(not kv.invalid_block_ids for _, kv in steps if kv is not load_step)
+        assert min(engine.computed["b"]) == BLOCK
+        engine.assert_kv_of("b", tokens)
+    finally:
+        engine.close()

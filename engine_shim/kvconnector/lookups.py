@@ -3,16 +3,26 @@
 With `background=True` a lookup runs on one thread of its own, the only user
 of the client's socket after registration, and `poll` answers None ("ask
 again") until it is back; the scheduler loop never waits on the sidecar. A
-result is kept until `forget`, so a request that could not be scheduled this
-step is not looked up again.
+lookup not back within the client's timeout of being asked is a miss: lookups
+queued behind one stalled on a hung sidecar do not each wait a timeout in
+turn. A result is kept until `forget`, so a request that could not be
+scheduled this step is not looked up again.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 from engine_shim.client import KVClient
 from sidecar.control.ids import BlockKeys
+
+
+class _InFlight(NamedTuple):
+    future: Future[int]
+    deadline: float
+    """time.monotonic() past which the lookup counts as a miss."""
 
 
 class Lookups:
@@ -21,28 +31,37 @@ class Lookups:
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="kvsidecar-lookup") if background else None
         )
-        self._results: dict[str, Future[int] | int] = {}
+        self._results: dict[str, _InFlight | int] = {}
 
     def poll(self, req_id: str, keys: BlockKeys) -> int | None:
-        """Cached tokens of the prefix `keys` (0 when the sidecar is down); None
-        while a background lookup is in flight. The first call for `req_id`
-        fixes the keys until `forget(req_id)`."""
+        """Cached tokens of the prefix `keys` (0 when the sidecar is down or
+        has not answered within its timeout); None while a background lookup
+        is in flight. The first call for `req_id` fixes the keys until
+        `forget(req_id)`."""
         result = self._results.get(req_id)
         if result is None:
             if self._pool is None:
                 result = self._client.lookup_keys(keys)
             else:
-                result = self._pool.submit(self._client.lookup_keys, keys)
+                future = self._pool.submit(self._client.lookup_keys, keys)
+                result = _InFlight(future, time.monotonic() + self._client.timeout)
             self._results[req_id] = result
-        if isinstance(result, Future):
-            if not result.done():
+        if isinstance(result, _InFlight):
+            if result.future.done():
+                result = result.future.result()  # lookup_keys never raises
+            elif time.monotonic() < result.deadline:
                 return None
-            result = self._results[req_id] = result.result()  # lookup_keys never raises
+            else:
+                result.future.cancel()  # still queued: never sent
+                result = 0
+            self._results[req_id] = result
         return result
 
     def forget(self, req_id: str) -> None:
         """Drop the result (or the lookup in flight, whose answer is ignored)."""
-        self._results.pop(req_id, None)
+        result = self._results.pop(req_id, None)
+        if isinstance(result, _InFlight):
+            result.future.cancel()
 
     def close(self) -> None:
         """Wait for the lookup in flight, if any; later polls are refused."""

@@ -3,8 +3,8 @@ what each request loads and saves; the workers move the bytes.
 
 The requests it reads are vLLM `Request`s, of which it uses `request_id`,
 `all_token_ids`, `num_computed_tokens`, `mm_features`, `lora_request`,
-`cache_salt` and, when keying from vLLM's hashes, `block_hashes` (one
-chained digest per full block).
+`cache_salt`, `prompt_embeds` and, when keying from vLLM's hashes,
+`block_hashes` (one chained digest per full block).
 
 Contract with vLLM's scheduler:
 - `get_num_new_matched_tokens` never claims a request's last token: vLLM
@@ -151,11 +151,14 @@ class SchedulerSide:
         self._pending.pop(req_id, None)
 
     def _cacheable(self, request: Any) -> bool:
-        """Token keys know nothing of images, LoRA adapters or cache salts:
+        """Token keys know nothing of images, LoRA adapters, cache salts or
+        prompt embeddings (whose positions vLLM holds as token id 0):
         requests with them are cached only when keyed from vLLM's block
         hashes, which include them."""
         if self.use_block_hashes:
             return True
+        if getattr(request, "prompt_embeds", None) is not None:  # a tensor: no truth value
+            return False
         extras = ("mm_features", "lora_request", "cache_salt")
         return not any(getattr(request, name, None) for name in extras)
 

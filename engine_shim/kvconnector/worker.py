@@ -33,6 +33,8 @@ TRANSFER_ERRORS = (SidecarUnavailable, SidecarError)
 class _Load:
     spec: LoadSpec
     handle: TransferHandle
+    reported_from: int
+    """Blocks `reported_from..` are reported failed already."""
 
 
 class WorkerSide:
@@ -80,7 +82,14 @@ class WorkerSide:
                 log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err)
                 self._fail(spec, spec.skip_blocks)
                 continue
-            self._loads.append(_Load(spec, handle))
+            load = _Load(spec, handle, spec.num_blocks)
+            hit = handle.num_tokens // self.block_size
+            if hit < spec.num_blocks and not self.settings.load_async:
+                # A short hit is known now. vLLM reads the errors of a synchronous
+                # load in this step's pass, before wait_for_save when it defers
+                # that past a draft model's forward.
+                self._fail(load, hit)
+            self._loads.append(load)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Make the current CUDA stream wait for the synchronous loads of this
@@ -136,13 +145,19 @@ class WorkerSide:
                 log.warning("kvsidecar: load of %s failed: %s", load.spec.req_id, err)
                 loaded = load.spec.skip_blocks
             if loaded < load.spec.num_blocks:
-                self._fail(load.spec, loaded)
+                self._fail(load, loaded)
             elif self.settings.load_async:
                 self._recving.add(load.spec.req_id)
 
-    def _fail(self, spec: LoadSpec, loaded_blocks: int) -> None:
-        """Blocks `loaded_blocks..` of the load did not land: vLLM recomputes them."""
-        self._load_errors.update(int(b) for b in spec.block_ids[loaded_blocks:])
+    def _fail(self, load: LoadSpec | _Load, loaded_blocks: int) -> None:
+        """Blocks `loaded_blocks..` of the load did not land: vLLM recomputes
+        them. Each block is reported once."""
+        if isinstance(load, _Load):
+            spec, end = load.spec, load.reported_from
+            load.reported_from = min(end, loaded_blocks)
+        else:
+            spec, end = load, load.num_blocks
+        self._load_errors.update(int(b) for b in spec.block_ids[loaded_blocks:end])
         if self.settings.load_async:
             self._recving.add(spec.req_id)
 
