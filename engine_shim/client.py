@@ -37,7 +37,7 @@ from cuda_ext.gpu import GpuBlockCopier
 from cuda_ext.layouts import KVPlanes, kv_planes
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from shm.layout import BlockLayout
-from shm.pool import ShmPool
+from shm.pool import ShmPool, ShmPoolError
 from sidecar import protocol as p
 from sidecar.blocks import KeyHasher, Namespace
 from sidecar.config import load_config
@@ -225,7 +225,10 @@ class KVClient:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
+        try:
+            self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
+        except (OSError, ShmPoolError) as err:  # that sidecar went away since it replied
+            raise SidecarUnavailable(f"cannot map the sidecar's shared memory: {err}") from None
         self._boot_id = reply["boot_id"]
 
     def _open_copier(self, reply: dict[str, Any]) -> None:

@@ -217,6 +217,15 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
     client.close()
 
 
+def test_shm_gone_between_a_register_reply_and_its_mapping_is_unavailable(sidecar):
+    with connect(sidecar.endpoint, make_kv(3)) as client:
+        gone = {"segments": [f"/{sidecar.shm_prefix}.99"], "segment_sizes": [4096], "boot_id": "x"}
+        with pytest.raises(SidecarUnavailable, match="shared memory"):
+            client._attach(gone)  # a restarted sidecar's reply, its segments already unlinked
+        # The next call maps the live sidecar's segments again and goes on.
+        assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+
+
 def test_cpu_tier_on_a_huge_page_mount_and_its_leftovers_cleaned():
     try:
         mount = thp_tmpfs(8 << 20)
