@@ -97,7 +97,13 @@ class RouterServer:
             if sock in ready:
                 self.subs.drain(sock)
         if self.rep in ready:
-            self.rep.send(_encoder.encode(self.handle(self.rep.recv())))
+            frames = self.rep.recv_multipart()  # all of them, or REP cannot reply
+            if len(frames) == 1:
+                reply = self.handle(frames[0])
+            else:
+                self.errors += 1
+                reply = {"ok": False, "error": f"expected 1 frame, got {len(frames)}"}
+            self.rep.send(_encoder.encode(reply))
 
     def handle(self, payload: bytes) -> dict[str, Any]:
         try:

@@ -144,3 +144,25 @@ def test_bad_command_line_exits_2() -> None:
         timeout=30,
     )
     assert proc.returncode == 2 and "PUB=WORKER_ID" in proc.stderr
+
+
+def test_a_multipart_request_gets_an_error_reply() -> None:
+    from router.router import Router
+    from router.serve import RouterServer
+
+    server = RouterServer(Router("flat"), "tcp://127.0.0.1:0", [])
+    req = server.ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(server.endpoint)
+        req.send_multipart([msgspec.msgpack.encode({"op": "stats"}), b"extra"])
+        server.poll_once(5000)
+        assert req.poll(5000)
+        reply = msgspec.msgpack.decode(req.recv())
+        assert reply["ok"] is False and "1 frame" in reply["error"]
+        req.send(msgspec.msgpack.encode({"op": "stats"}))  # the socket still serves
+        server.poll_once(5000)
+        assert req.poll(5000) and msgspec.msgpack.decode(req.recv())["bad_requests"] == 1
+    finally:
+        req.close(0)
+        server.close()
