@@ -124,8 +124,14 @@ class Subscriptions:
         if not isinstance(reply, wire.DumpReply):
             self.counts["resync_failures"] += st.source.resync_endpoint is not None
             return False
+        try:
+            runs = wire.to_events(list(reply.runs))
+        except WireError as exc:
+            self.counts["resync_failures"] += 1
+            log.warning("resync from %s: %s", st.source.resync_endpoint, exc)
+            return False
         w = worker(reply.worker_id, reply.dp_rank)
-        if not self._apply(st, w, [Cleared(), *wire.to_events(list(reply.runs))]):
+        if not self._apply(st, w, [Cleared(), *runs]):
             return False
         st.epoch, st.seq = reply.epoch, reply.seq
         self.counts["resyncs"] += 1

@@ -116,3 +116,38 @@ def test_event_config_is_checked() -> None:
     with pytest.raises(ConfigError, match="events_worker_id"):
         load_config(overrides={"events_worker_id": -1})
     assert load_config().events_endpoint is None  # off by default
+
+
+def test_a_malformed_dump_is_a_failed_resync_not_a_crash() -> None:
+    import threading
+
+    ctx = zmq.Context()
+    resync = ctx.socket(zmq.ROUTER)
+    resync.setsockopt(zmq.LINGER, 0)
+    resync.bind("tcp://127.0.0.1:0")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    bad = wire.DumpReply("e", 0, 3, 0, [wire.StoredMsg(b"x" * 15, None)])  # not 16-byte keys
+
+    def answer_one() -> None:
+        frames = resync.recv_multipart()
+        resync.send_multipart([*frames[:-1], wire.encode(bad)])
+
+    answerer = threading.Thread(target=answer_one)
+    answerer.start()
+    router = Router("radix")
+    source = Source(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT), resync.getsockopt_string(zmq.LAST_ENDPOINT)
+    )
+    subs = Subscriptions(ctx, router, [source])
+    try:
+        subs.resync_all()
+        assert subs.counts["resync_failures"] == 1 and subs.counts["resyncs"] == 0
+        assert router.index.workers() == {}
+    finally:
+        answerer.join(5)
+        subs.close()
+        pub.close(0)
+        resync.close(0)
+        ctx.term()
