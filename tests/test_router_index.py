@@ -198,3 +198,11 @@ def test_dump_restore_round_trip(impl: str) -> None:
 def test_empty_query_and_empty_index(idx: KvIndex) -> None:
     assert idx.find_matches([]) == OverlapScores({}, {})
     assert scores(idx, 1) == {}
+
+
+def test_an_empty_removal_for_an_unknown_worker_changes_nothing(idx: KvIndex) -> None:
+    idx.apply_removed(W1, [])
+    assert idx.workers() == {} and idx.dump().workers == ()
+    store_chain(idx, W0, [1])
+    idx.apply_removed(W0, [])
+    assert idx.workers() == {W0: 1}
