@@ -71,9 +71,14 @@ class RouterServer:
         self.rep = self.ctx.socket(zmq.REP)
         self.rep.setsockopt(zmq.LINGER, 0)
         self.rep.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self.rep.bind(bind)
+        try:
+            self.rep.bind(bind)
+            self.subs = Subscriptions(self.ctx, router, sources)
+        except zmq.ZMQError:  # a bad endpoint: release the socket and context
+            self.rep.close(0)
+            self.ctx.term()
+            raise
         self.endpoint = self.rep.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.subs = Subscriptions(self.ctx, router, sources)
         self.poller = zmq.Poller()
         self.poller.register(self.rep, zmq.POLLIN)
         for sock in self.subs.sockets:

@@ -57,13 +57,20 @@ class Subscriptions:
         self.resync_timeout = resync_timeout
         self.counts: Counter[str] = Counter()
         self._states: dict[zmq.Socket, _State] = {}
-        for src in sources:
-            sock = ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.setsockopt(zmq.SUBSCRIBE, b"" if src.vllm_worker_id is not None else wire.TOPIC)
-            sock.connect(src.endpoint)
-            self._states[sock] = _State(src, sock)
+        try:
+            for src in sources:
+                sock = ctx.socket(zmq.SUB)
+                self._states[sock] = _State(src, sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 100_000)
+                topic = b"" if src.vllm_worker_id is not None else wire.TOPIC
+                sock.setsockopt(zmq.SUBSCRIBE, topic)
+                sock.connect(src.endpoint)
+                if src.resync_endpoint is not None:
+                    _check_endpoint(ctx, src.resync_endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -152,7 +159,7 @@ class Subscriptions:
             if isinstance(reply, wire.ErrorReply):
                 log.warning("resync from %s refused: %s", endpoint, reply.message)
             return reply
-        except WireError as exc:
+        except (WireError, zmq.ZMQError) as exc:
             log.warning("resync from %s: %s", endpoint, exc)
             return None
         finally:
@@ -196,3 +203,12 @@ class Subscriptions:
             self.router.apply(w, [Cleared()])
         st.seq = batch.seq
         self._apply_each(st, w, batch.events)
+
+
+def _check_endpoint(ctx: zmq.Context, endpoint: str) -> None:
+    """ZMQError now, at start, if `endpoint` cannot be connected to at all."""
+    probe = ctx.socket(zmq.REQ)
+    try:
+        probe.connect(endpoint)
+    finally:
+        probe.close(0)

@@ -135,15 +135,26 @@ def test_malformed_requests_get_an_error_reply_and_change_nothing() -> None:
         assert router.stop() == 0
 
 
-def test_bad_command_line_exits_2() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--vllm", "tcp://x:1=abc"], "PUB=WORKER_ID"),
+        (["--sidecar", "tcp://127.0.0.1:1,foo"], "not a ZMQ endpoint: 'foo'"),
+        (["--sidecar", "tcp://bad"], "cannot bind or connect"),
+        (["--sidecar", "tcp://127.0.0.1:1,tcp://bad"], "cannot bind or connect"),
+        (["--bind", "tcp://bad"], "cannot bind or connect"),
+    ],
+)
+def test_bad_command_line_exits_2(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar", "router", "serve", "--vllm", "tcp://x:1=abc"],
+        [sys.executable, "-m", "sidecar", "router", "serve", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert proc.returncode == 2 and "PUB=WORKER_ID" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_multipart_request_gets_an_error_reply() -> None:
