@@ -8,6 +8,11 @@ or when the resync fails, the worker's blocks are cleared instead: the router
 then under-estimates overlap for a while, which is safe, rather than routing
 on blocks that may be gone.
 
+After a failed resync the source is followed like one without a resync
+endpoint (stores continuing a block lost in the gap are skipped one by one)
+and no other resync is tried for `resync_retry` seconds: a dead endpoint
+must not block the router for a timeout on every batch.
+
 vLLM sources have no dump; on a gap their worker is cleared the same way.
 Malformed messages are counted and dropped; they never change the index.
 """
@@ -15,6 +20,7 @@ Malformed messages are counted and dropped; they never change the index.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -46,15 +52,23 @@ class _State:
     sock: zmq.Socket
     epoch: str | None = None
     seq: int = -1
+    resync_after: float = 0.0
+    """time.monotonic() before which no resync is tried (one just failed)."""
 
 
 class Subscriptions:
     def __init__(
-        self, ctx: zmq.Context, router: Router, sources: list[Source], resync_timeout: float = 2.0
+        self,
+        ctx: zmq.Context,
+        router: Router,
+        sources: list[Source],
+        resync_timeout: float = 2.0,
+        resync_retry: float = 30.0,
     ) -> None:
         self.ctx = ctx
         self.router = router
         self.resync_timeout = resync_timeout
+        self.resync_retry = resync_retry
         self.counts: Counter[str] = Counter()
         self._states: dict[zmq.Socket, _State] = {}
         try:
@@ -119,7 +133,7 @@ class Subscriptions:
                 st.epoch, st.seq = batch.epoch, batch.seq - 1
             if batch.epoch != st.epoch or batch.seq != st.seq + 1:
                 return
-        if st.source.resync_endpoint is None:
+        if st.source.resync_endpoint is None or time.monotonic() < st.resync_after:
             self._apply_each(st, w, events)
         elif not self._apply(st, w, events):
             return
@@ -127,15 +141,17 @@ class Subscriptions:
 
     def _resync(self, st: _State) -> bool:
         """Replace the source's blocks by its dump; False if there is none."""
-        reply = self._request_dump(st.source.resync_endpoint)
-        if not isinstance(reply, wire.DumpReply):
-            self.counts["resync_failures"] += st.source.resync_endpoint is not None
+        if st.source.resync_endpoint is None or time.monotonic() < st.resync_after:
             return False
+        reply = self._request_dump(st.source.resync_endpoint)
         try:
+            if not isinstance(reply, wire.DumpReply):
+                raise WireError("no dump")
             runs = wire.to_events(list(reply.runs))
         except WireError as exc:
             self.counts["resync_failures"] += 1
-            log.warning("resync from %s: %s", st.source.resync_endpoint, exc)
+            st.resync_after = time.monotonic() + self.resync_retry
+            log.warning("resync from %s failed: %s", st.source.resync_endpoint, exc)
             return False
         w = worker(reply.worker_id, reply.dp_rank)
         if not self._apply(st, w, [Cleared(), *runs]):

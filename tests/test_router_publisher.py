@@ -151,3 +151,40 @@ def test_a_malformed_dump_is_a_failed_resync_not_a_crash() -> None:
         pub.close(0)
         resync.close(0)
         ctx.term()
+
+
+def test_a_dead_resync_endpoint_is_not_retried_on_every_batch() -> None:
+    """Without an answer to resyncs, stores continuing blocks lost in the gap
+    are skipped one by one (as without a resync endpoint), instead of each
+    batch clearing the worker and blocking the router for another timeout."""
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes resync requests, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    router = Router("flat")
+    source = Source(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT), silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    )
+    subs = Subscriptions(ctx, router, [source], resync_timeout=0.2)
+    a, b, c, d = (bytes([i]) * 16 for i in range(1, 5))
+
+    def send(seq: int, keys: bytes, parent: bytes | None) -> None:
+        batch = wire.EventBatch("e", seq, 3, 0, [wire.StoredMsg(keys, parent)])
+        pub.send_multipart([wire.TOPIC, wire.encode(batch)])
+
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        send(5, b, a)  # joins mid-stream: a was stored before the router subscribed
+        send(6, c, None)
+        send(7, d, b)  # continues a block the router skipped
+        wait_until(lambda: subs.counts["batches"] == 3, subs)
+        assert subs.counts["resync_failures"] == 1 and subs.counts["gaps"] == 1
+        assert router.find_matches(split_keys(c)).scores == {WORKER: 1}
+    finally:
+        subs.close()
+        pub.close(0)
+        silent.close(0)
+        ctx.term()
