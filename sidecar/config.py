@@ -288,6 +288,12 @@ class Config:
             raise ConfigError(
                 "events_resync_endpoint is set but events_endpoint is not: set both, or neither"
             )
+        bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
+        if len(set(bound)) != len(bound):
+            raise ConfigError(
+                "endpoint, events_endpoint and events_resync_endpoint must all differ "
+                f"(each is bound by its own socket), got {bound}"
+            )
 
     def to_dict(self) -> dict[str, object]:
         """Plain values (lists, not tuples) that `load_config` accepts back."""

@@ -115,6 +115,13 @@ def test_event_config_is_checked() -> None:
         load_config(overrides={"events_endpoint": "udp://x"})
     with pytest.raises(ConfigError, match="events_worker_id"):
         load_config(overrides={"events_worker_id": -1})
+    same = {"events_endpoint": "ipc:///tmp/x", "events_resync_endpoint": "ipc:///tmp/x"}
+    with pytest.raises(ConfigError, match="must all differ"):
+        load_config(overrides=same)
+    with pytest.raises(ConfigError, match="must all differ"):
+        load_config(
+            overrides={"endpoint": "tcp://127.0.0.1:7", "events_endpoint": "tcp://127.0.0.1:7"}
+        )
     assert load_config().events_endpoint is None  # off by default
 
 
