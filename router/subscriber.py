@@ -54,6 +54,9 @@ class _State:
     seq: int = -1
     resync_after: float = 0.0
     """time.monotonic() before which no resync is tried (one just failed)."""
+    left_epoch: str | None = None
+    """An epoch a dump showed the publisher has left (it restarted): batches of
+    it still queued are dropped without another resync each."""
 
 
 class Subscriptions:
@@ -126,11 +129,15 @@ class Subscriptions:
         self.counts["batches"] += 1
         if batch.epoch == st.epoch and batch.seq <= st.seq:
             return  # already covered by a dump
+        if batch.epoch == st.left_epoch:
+            return  # sent before the publisher restarted
         if batch.epoch != st.epoch or batch.seq != st.seq + 1:
             self.counts["gaps"] += 1
             if not self._resync(st):
                 self.router.apply(w, [Cleared()])  # no dump: forget, start over
                 st.epoch, st.seq = batch.epoch, batch.seq - 1
+            elif batch.epoch != st.epoch:
+                st.left_epoch = batch.epoch
             if batch.epoch != st.epoch or batch.seq != st.seq + 1:
                 return
         if st.source.resync_endpoint is None or time.monotonic() < st.resync_after:

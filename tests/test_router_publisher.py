@@ -195,3 +195,54 @@ def test_a_dead_resync_endpoint_is_not_retried_on_every_batch() -> None:
         pub.close(0)
         silent.close(0)
         ctx.term()
+
+
+def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync() -> None:
+    """Batches still queued from before a sidecar restart: the first one's
+    resync shows the new epoch; the rest are dropped, not each resynced."""
+    import threading
+
+    ctx = zmq.Context()
+    resync = ctx.socket(zmq.ROUTER)
+    resync.setsockopt(zmq.LINGER, 0)
+    resync.bind("tcp://127.0.0.1:0")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    dump = wire.encode(wire.DumpReply("new", 2, 3, 0, [wire.StoredMsg(a, None)]))
+    stop = threading.Event()
+
+    def answer() -> None:  # the restarted sidecar: epoch "new", after its batch 2
+        while not stop.is_set():
+            if resync.poll(20):
+                frames = resync.recv_multipart()
+                resync.send_multipart([*frames[:-1], dump])
+
+    answerer = threading.Thread(target=answer)
+    answerer.start()
+    router = Router("radix")
+    source = Source(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT), resync.getsockopt_string(zmq.LAST_ENDPOINT)
+    )
+    subs = Subscriptions(ctx, router, [source])
+
+    def send(epoch: str, seq: int, keys: bytes, parent: bytes | None) -> None:
+        batch = wire.EventBatch(epoch, seq, 3, 0, [wire.StoredMsg(keys, parent)])
+        pub.send_multipart([wire.TOPIC, wire.encode(batch)])
+
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        for seq in (5, 6, 7):
+            send("old", seq, bytes([seq]) * 16, None)
+        send("new", 3, b, a)
+        wait_until(lambda: subs.counts["batches"] == 4, subs)
+        assert subs.counts["resyncs"] == 1
+        assert router.find_matches(split_keys(a + b)).scores == {WORKER: 2}
+    finally:
+        stop.set()
+        answerer.join(5)
+        subs.close()
+        pub.close(0)
+        resync.close(0)
+        ctx.term()
