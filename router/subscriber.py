@@ -93,10 +93,14 @@ class Subscriptions:
     def sockets(self) -> list[zmq.Socket]:
         return list(self._states)
 
-    def drain(self, sock: zmq.Socket) -> None:
-        """Handle every message waiting on `sock` (one of `sockets`)."""
+    def drain(self, sock: zmq.Socket, max_messages: int = 1000) -> None:
+        """Handle the messages waiting on `sock` (one of `sockets`), at most
+        `max_messages`: a publisher sending without pause must not keep the
+        caller from its other sockets (router serve's queries)."""
         st = self._states[sock]
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(max_messages):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
             frames = sock.recv_multipart(zmq.NOBLOCK)
             try:
                 if st.source.vllm_worker_id is None:

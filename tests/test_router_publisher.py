@@ -246,3 +246,31 @@ def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync() -> None:
         pub.close(0)
         resync.close(0)
         ctx.term()
+
+
+def test_drain_handles_at_most_max_messages() -> None:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    router = Router("flat")
+    subs = Subscriptions(ctx, router, [Source(pub.getsockopt_string(zmq.LAST_ENDPOINT))])
+    (sock,) = subs.sockets
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        for seq in range(1, 6):
+            batch = wire.EventBatch("e", seq, 3, 0, [wire.StoredMsg(bytes([seq]) * 16, None)])
+            pub.send_multipart([wire.TOPIC, wire.encode(batch)])
+        deadline = time.monotonic() + 5
+        while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            assert time.monotonic() < deadline
+            sock.poll(20)
+        time.sleep(0.2)  # the other four arrive too
+        subs.drain(sock, max_messages=2)
+        assert subs.counts["batches"] == 2
+        wait_until(lambda: subs.counts["batches"] == 5, subs)
+        assert router.index.workers() == {WORKER: 5}
+    finally:
+        subs.close()
+        pub.close(0)
+        ctx.term()
