@@ -223,9 +223,7 @@ class Subscriptions:
         assert st.source.vllm_worker_id is not None
         w = worker(st.source.vllm_worker_id, batch.dp_rank)
         self.counts["batches"] += 1
-        if st.seq >= 0 and batch.seq == st.seq:
-            return  # a duplicate
-        if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart
+        if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart (from 0)
             self.counts["gaps"] += 1
             self.router.apply(w, [Cleared()])
         st.seq = batch.seq
