@@ -275,7 +275,11 @@ class Config:
         optional=True,
     )
     events_worker_id: int = config_key(
-        0, "int", "This sidecar's worker id in its KV events (unique per cluster).", low=0
+        0,
+        "int",
+        "This sidecar's worker id in its KV events (unique per cluster).",
+        low=0,
+        high=2**63 - 1,  # a msgpack int64: larger ids would fail at the first publish
     )
 
     def __post_init__(self) -> None:

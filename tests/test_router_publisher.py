@@ -115,6 +115,8 @@ def test_event_config_is_checked() -> None:
         load_config(overrides={"events_endpoint": "udp://x"})
     with pytest.raises(ConfigError, match="events_worker_id"):
         load_config(overrides={"events_worker_id": -1})
+    with pytest.raises(ConfigError, match="events_worker_id"):
+        load_config(overrides={"events_worker_id": 2**63})  # not a msgpack int64
     same = {"events_endpoint": "ipc:///tmp/x", "events_resync_endpoint": "ipc:///tmp/x"}
     with pytest.raises(ConfigError, match="must all differ"):
         load_config(overrides=same)
