@@ -69,8 +69,8 @@ def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:
         sources.append(Source(pub, resync or None))
     for text in vllms:
         pub, sep, wid = text.rpartition("=")
-        if not sep or not wid.isdigit():
-            raise ValueError(f"--vllm wants PUB=WORKER_ID, got {text!r}")
+        if not sep or not wid.isascii() or not wid.isdigit() or int(wid) >= 2**63:
+            raise ValueError(f"--vllm wants PUB=WORKER_ID (an int64 >= 0), got {text!r}")
         sources.append(Source(pub, None, int(wid)))
     for s in sources:
         for endpoint in (s.endpoint, s.resync_endpoint):

@@ -139,6 +139,7 @@ def test_malformed_requests_get_an_error_reply_and_change_nothing() -> None:
     ("args", "message"),
     [
         (["--vllm", "tcp://x:1=abc"], "PUB=WORKER_ID"),
+        (["--vllm", f"tcp://127.0.0.1:1={2**64}"], "PUB=WORKER_ID"),  # replies could not encode it
         (["--sidecar", "tcp://127.0.0.1:1,foo"], "not a ZMQ endpoint: 'foo'"),
         (["--sidecar", "tcp://bad"], "cannot bind or connect"),
         (["--sidecar", "tcp://127.0.0.1:1,tcp://bad"], "cannot bind or connect"),
