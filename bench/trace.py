@@ -66,6 +66,9 @@ class Trace:
         return int(np.unique(self.hash_ids).size) * self.blocks_per_hash
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def load_mooncake(path: str | Path, tokens_per_block: int = 16, limit: int | None = None) -> Trace:
     """Read a Mooncake JSONL trace (at most `limit` requests) and expand it.
 
@@ -90,7 +93,12 @@ def load_mooncake(path: str | Path, tokens_per_block: int = 16, limit: int | Non
                 continue
             try:
                 row = json.loads(line)
-                ids.append(row["hash_ids"])
+                hashes = row["hash_ids"]
+                if not isinstance(hashes, list) or not all(
+                    type(h) is int and _INT64_MIN <= h <= _INT64_MAX for h in hashes
+                ):
+                    raise ValueError("hash_ids must be a list of 64-bit integers")
+                ids.append(hashes)
                 stamps.append(row.get("timestamp", 0))
                 inputs.append(row.get("input_length", 0))
                 outputs.append(row.get("output_length", 0))

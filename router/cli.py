@@ -8,6 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
+import zmq
+
 from router.subscriber import Source
 
 
@@ -67,12 +69,13 @@ def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:
         sources.append(Source(pub, resync or None))
     for text in vllms:
         pub, sep, wid = text.rpartition("=")
-        if not sep or not wid.isdigit():
-            raise ValueError(f"--vllm wants PUB=WORKER_ID, got {text!r}")
+        if not sep or not wid.isascii() or not wid.isdigit() or int(wid) >= 2**63:
+            raise ValueError(f"--vllm wants PUB=WORKER_ID (an int64 >= 0), got {text!r}")
         sources.append(Source(pub, None, int(wid)))
     for s in sources:
-        if not s.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"not a ZMQ endpoint: {s.endpoint!r}")
+        for endpoint in (s.endpoint, s.resync_endpoint):
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"not a ZMQ endpoint: {endpoint!r}")
     return sources
 
 
@@ -99,7 +102,11 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         print(f"kvsidecar router: {exc}", file=sys.stderr)
         return 2
-    server = RouterServer(router, args.bind, sources)
+    try:
+        server = RouterServer(router, args.bind, sources)
+    except zmq.ZMQError as exc:
+        print(f"kvsidecar router: cannot bind or connect: {exc}", file=sys.stderr)
+        return 2
     print(f"router serving on {server.endpoint} ({len(sources)} source(s))", flush=True)
     server.serve_forever()
     return 0

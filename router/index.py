@@ -116,7 +116,11 @@ class KvIndex(ABC):
         """Rebuild from `dump`; the index must be empty (RouterIndexError if not)."""
 
     def apply_removed(self, worker: Worker, keys: Sequence[BlockKey]) -> None:
-        held = self._held.get(worker, set())
+        held = self._held.get(worker)
+        if held is None:
+            if keys:
+                raise UnknownBlock(f"worker {worker} holds no blocks; cannot remove {len(keys)}")
+            return  # an unknown worker stays unknown (no ghost entry in _sizes)
         missing = [k for k in keys if k not in held]
         if missing:
             raise UnknownBlock(

@@ -71,9 +71,14 @@ class RouterServer:
         self.rep = self.ctx.socket(zmq.REP)
         self.rep.setsockopt(zmq.LINGER, 0)
         self.rep.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self.rep.bind(bind)
+        try:
+            self.rep.bind(bind)
+            self.subs = Subscriptions(self.ctx, router, sources)
+        except zmq.ZMQError:  # a bad endpoint: release the socket and context
+            self.rep.close(0)
+            self.ctx.term()
+            raise
         self.endpoint = self.rep.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.subs = Subscriptions(self.ctx, router, sources)
         self.poller = zmq.Poller()
         self.poller.register(self.rep, zmq.POLLIN)
         for sock in self.subs.sockets:
@@ -97,7 +102,13 @@ class RouterServer:
             if sock in ready:
                 self.subs.drain(sock)
         if self.rep in ready:
-            self.rep.send(_encoder.encode(self.handle(self.rep.recv())))
+            frames = self.rep.recv_multipart()  # all of them, or REP cannot reply
+            if len(frames) == 1:
+                reply = self.handle(frames[0])
+            else:
+                self.errors += 1
+                reply = {"ok": False, "error": f"expected 1 frame, got {len(frames)}"}
+            self.rep.send(_encoder.encode(reply))
 
     def handle(self, payload: bytes) -> dict[str, Any]:
         try:

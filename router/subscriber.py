@@ -8,6 +8,11 @@ or when the resync fails, the worker's blocks are cleared instead: the router
 then under-estimates overlap for a while, which is safe, rather than routing
 on blocks that may be gone.
 
+After a failed resync the source is followed like one without a resync
+endpoint (stores continuing a block lost in the gap are skipped one by one)
+and no other resync is tried for `resync_retry` seconds: a dead endpoint
+must not block the router for a timeout on every batch.
+
 vLLM sources have no dump; on a gap their worker is cleared the same way.
 Malformed messages are counted and dropped; they never change the index.
 """
@@ -15,6 +20,7 @@ Malformed messages are counted and dropped; they never change the index.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -46,33 +52,55 @@ class _State:
     sock: zmq.Socket
     epoch: str | None = None
     seq: int = -1
+    resync_after: float = 0.0
+    """time.monotonic() before which no resync is tried (one just failed)."""
+    left_epoch: str | None = None
+    """An epoch a dump showed the publisher has left (it restarted): batches of
+    it still queued are dropped without another resync each."""
 
 
 class Subscriptions:
     def __init__(
-        self, ctx: zmq.Context, router: Router, sources: list[Source], resync_timeout: float = 2.0
+        self,
+        ctx: zmq.Context,
+        router: Router,
+        sources: list[Source],
+        resync_timeout: float = 2.0,
+        resync_retry: float = 30.0,
     ) -> None:
         self.ctx = ctx
         self.router = router
         self.resync_timeout = resync_timeout
+        self.resync_retry = resync_retry
         self.counts: Counter[str] = Counter()
         self._states: dict[zmq.Socket, _State] = {}
-        for src in sources:
-            sock = ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 100_000)
-            sock.setsockopt(zmq.SUBSCRIBE, b"" if src.vllm_worker_id is not None else wire.TOPIC)
-            sock.connect(src.endpoint)
-            self._states[sock] = _State(src, sock)
+        try:
+            for src in sources:
+                sock = ctx.socket(zmq.SUB)
+                self._states[sock] = _State(src, sock)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 100_000)
+                topic = b"" if src.vllm_worker_id is not None else wire.TOPIC
+                sock.setsockopt(zmq.SUBSCRIBE, topic)
+                sock.connect(src.endpoint)
+                if src.resync_endpoint is not None:
+                    _check_endpoint(ctx, src.resync_endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
 
     @property
     def sockets(self) -> list[zmq.Socket]:
         return list(self._states)
 
-    def drain(self, sock: zmq.Socket) -> None:
-        """Handle every message waiting on `sock` (one of `sockets`)."""
+    def drain(self, sock: zmq.Socket, max_messages: int = 1000) -> None:
+        """Handle the messages waiting on `sock` (one of `sockets`), at most
+        `max_messages`: a publisher sending without pause must not keep the
+        caller from its other sockets (router serve's queries)."""
         st = self._states[sock]
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        for _ in range(max_messages):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
             frames = sock.recv_multipart(zmq.NOBLOCK)
             try:
                 if st.source.vllm_worker_id is None:
@@ -105,14 +133,18 @@ class Subscriptions:
         self.counts["batches"] += 1
         if batch.epoch == st.epoch and batch.seq <= st.seq:
             return  # already covered by a dump
+        if batch.epoch == st.left_epoch:
+            return  # sent before the publisher restarted
         if batch.epoch != st.epoch or batch.seq != st.seq + 1:
             self.counts["gaps"] += 1
             if not self._resync(st):
                 self.router.apply(w, [Cleared()])  # no dump: forget, start over
                 st.epoch, st.seq = batch.epoch, batch.seq - 1
+            elif batch.epoch != st.epoch:
+                st.left_epoch = batch.epoch
             if batch.epoch != st.epoch or batch.seq != st.seq + 1:
                 return
-        if st.source.resync_endpoint is None:
+        if st.source.resync_endpoint is None or time.monotonic() < st.resync_after:
             self._apply_each(st, w, events)
         elif not self._apply(st, w, events):
             return
@@ -120,12 +152,20 @@ class Subscriptions:
 
     def _resync(self, st: _State) -> bool:
         """Replace the source's blocks by its dump; False if there is none."""
+        if st.source.resync_endpoint is None or time.monotonic() < st.resync_after:
+            return False
         reply = self._request_dump(st.source.resync_endpoint)
-        if not isinstance(reply, wire.DumpReply):
-            self.counts["resync_failures"] += st.source.resync_endpoint is not None
+        try:
+            if not isinstance(reply, wire.DumpReply):
+                raise WireError("no dump")
+            runs = wire.to_events(list(reply.runs))
+        except WireError as exc:
+            self.counts["resync_failures"] += 1
+            st.resync_after = time.monotonic() + self.resync_retry
+            log.warning("resync from %s failed: %s", st.source.resync_endpoint, exc)
             return False
         w = worker(reply.worker_id, reply.dp_rank)
-        if not self._apply(st, w, [Cleared(), *wire.to_events(list(reply.runs))]):
+        if not self._apply(st, w, [Cleared(), *runs]):
             return False
         st.epoch, st.seq = reply.epoch, reply.seq
         self.counts["resyncs"] += 1
@@ -146,7 +186,7 @@ class Subscriptions:
             if isinstance(reply, wire.ErrorReply):
                 log.warning("resync from %s refused: %s", endpoint, reply.message)
             return reply
-        except WireError as exc:
+        except (WireError, zmq.ZMQError) as exc:
             log.warning("resync from %s: %s", endpoint, exc)
             return None
         finally:
@@ -183,10 +223,17 @@ class Subscriptions:
         assert st.source.vllm_worker_id is not None
         w = worker(st.source.vllm_worker_id, batch.dp_rank)
         self.counts["batches"] += 1
-        if st.seq >= 0 and batch.seq == st.seq:
-            return  # a duplicate
-        if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart
+        if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart (from 0)
             self.counts["gaps"] += 1
             self.router.apply(w, [Cleared()])
         st.seq = batch.seq
         self._apply_each(st, w, batch.events)
+
+
+def _check_endpoint(ctx: zmq.Context, endpoint: str) -> None:
+    """ZMQError now, at start, if `endpoint` cannot be connected to at all."""
+    probe = ctx.socket(zmq.REQ)
+    try:
+        probe.connect(endpoint)
+    finally:
+        probe.close(0)

@@ -275,7 +275,11 @@ class Config:
         optional=True,
     )
     events_worker_id: int = config_key(
-        0, "int", "This sidecar's worker id in its KV events (unique per cluster).", low=0
+        0,
+        "int",
+        "This sidecar's worker id in its KV events (unique per cluster).",
+        low=0,
+        high=2**63 - 1,  # a msgpack int64: larger ids would fail at the first publish
     )
 
     def __post_init__(self) -> None:
@@ -287,6 +291,12 @@ class Config:
         if self.events_resync_endpoint is not None and self.events_endpoint is None:
             raise ConfigError(
                 "events_resync_endpoint is set but events_endpoint is not: set both, or neither"
+            )
+        bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
+        if len(set(bound)) != len(bound):
+            raise ConfigError(
+                "endpoint, events_endpoint and events_resync_endpoint must all differ "
+                f"(each is bound by its own socket), got {bound}"
             )
 
     def to_dict(self) -> dict[str, object]:

@@ -52,3 +52,13 @@ def test_analyze_reports_a_missing_trace(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "sidecar", "analyze", str(tmp_path / "none.jsonl")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not found" in proc.stderr
+
+
+def test_analyze_reports_hash_ids_that_are_not_a_list_of_int64(tmp_path: Path) -> None:
+    for n, line in enumerate(['{"hash_ids": 5}', '{"hash_ids": [99999999999999999999999]}']):
+        path = tmp_path / f"bad{n}.jsonl"
+        path.write_text(line + "\n")
+        cmd = [sys.executable, "-m", "sidecar", "analyze", str(path)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and f"bad{n}.jsonl:1" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -198,3 +198,28 @@ def test_dump_restore_round_trip(impl: str) -> None:
 def test_empty_query_and_empty_index(idx: KvIndex) -> None:
     assert idx.find_matches([]) == OverlapScores({}, {})
     assert scores(idx, 1) == {}
+
+
+def test_an_empty_removal_for_an_unknown_worker_changes_nothing(idx: KvIndex) -> None:
+    idx.apply_removed(W1, [])
+    assert idx.workers() == {} and idx.dump().workers == ()
+    store_chain(idx, W0, [1])
+    idx.apply_removed(W0, [])
+    assert idx.workers() == {W0: 1}
+
+
+def test_a_key_under_its_own_descendant_is_a_conflict(idx: KvIndex) -> None:
+    """A block removed from the middle of a chain still names that chain's
+    prefix: storing it below its own descendant would make a cycle."""
+    store_chain(idx, W0, [1, 2])
+    idx.apply_removed(W0, ks(1))
+    before = idx.dump()
+    with pytest.raises(KeyConflict):
+        store_chain(idx, W0, [1], parent=2)
+    with pytest.raises(KeyConflict):
+        store_chain(idx, W0, [2, 1])
+    assert idx.dump() == before
+    idx.apply_removed(W0, ks(2))  # the hole goes with its last descendant
+    assert idx.dump().entries == []
+    store_chain(idx, W1, [1], parent=None)
+    assert scores(idx, 1) == {W1: 1}

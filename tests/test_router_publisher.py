@@ -115,4 +115,164 @@ def test_event_config_is_checked() -> None:
         load_config(overrides={"events_endpoint": "udp://x"})
     with pytest.raises(ConfigError, match="events_worker_id"):
         load_config(overrides={"events_worker_id": -1})
+    with pytest.raises(ConfigError, match="events_worker_id"):
+        load_config(overrides={"events_worker_id": 2**63})  # not a msgpack int64
+    same = {"events_endpoint": "ipc:///tmp/x", "events_resync_endpoint": "ipc:///tmp/x"}
+    with pytest.raises(ConfigError, match="must all differ"):
+        load_config(overrides=same)
+    with pytest.raises(ConfigError, match="must all differ"):
+        load_config(
+            overrides={"endpoint": "tcp://127.0.0.1:7", "events_endpoint": "tcp://127.0.0.1:7"}
+        )
     assert load_config().events_endpoint is None  # off by default
+
+
+def test_a_malformed_dump_is_a_failed_resync_not_a_crash() -> None:
+    import threading
+
+    ctx = zmq.Context()
+    resync = ctx.socket(zmq.ROUTER)
+    resync.setsockopt(zmq.LINGER, 0)
+    resync.bind("tcp://127.0.0.1:0")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    bad = wire.DumpReply("e", 0, 3, 0, [wire.StoredMsg(b"x" * 15, None)])  # not 16-byte keys
+
+    def answer_one() -> None:
+        frames = resync.recv_multipart()
+        resync.send_multipart([*frames[:-1], wire.encode(bad)])
+
+    answerer = threading.Thread(target=answer_one)
+    answerer.start()
+    router = Router("radix")
+    source = Source(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT), resync.getsockopt_string(zmq.LAST_ENDPOINT)
+    )
+    subs = Subscriptions(ctx, router, [source])
+    try:
+        subs.resync_all()
+        assert subs.counts["resync_failures"] == 1 and subs.counts["resyncs"] == 0
+        assert router.index.workers() == {}
+    finally:
+        answerer.join(5)
+        subs.close()
+        pub.close(0)
+        resync.close(0)
+        ctx.term()
+
+
+def test_a_dead_resync_endpoint_is_not_retried_on_every_batch() -> None:
+    """Without an answer to resyncs, stores continuing blocks lost in the gap
+    are skipped one by one (as without a resync endpoint), instead of each
+    batch clearing the worker and blocking the router for another timeout."""
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # takes resync requests, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    router = Router("flat")
+    source = Source(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT), silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    )
+    subs = Subscriptions(ctx, router, [source], resync_timeout=0.2)
+    a, b, c, d = (bytes([i]) * 16 for i in range(1, 5))
+
+    def send(seq: int, keys: bytes, parent: bytes | None) -> None:
+        batch = wire.EventBatch("e", seq, 3, 0, [wire.StoredMsg(keys, parent)])
+        pub.send_multipart([wire.TOPIC, wire.encode(batch)])
+
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        send(5, b, a)  # joins mid-stream: a was stored before the router subscribed
+        send(6, c, None)
+        send(7, d, b)  # continues a block the router skipped
+        wait_until(lambda: subs.counts["batches"] == 3, subs)
+        assert subs.counts["resync_failures"] == 1 and subs.counts["gaps"] == 1
+        assert router.find_matches(split_keys(c)).scores == {WORKER: 1}
+    finally:
+        subs.close()
+        pub.close(0)
+        silent.close(0)
+        ctx.term()
+
+
+def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync() -> None:
+    """Batches still queued from before a sidecar restart: the first one's
+    resync shows the new epoch; the rest are dropped, not each resynced."""
+    import threading
+
+    ctx = zmq.Context()
+    resync = ctx.socket(zmq.ROUTER)
+    resync.setsockopt(zmq.LINGER, 0)
+    resync.bind("tcp://127.0.0.1:0")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    dump = wire.encode(wire.DumpReply("new", 2, 3, 0, [wire.StoredMsg(a, None)]))
+    stop = threading.Event()
+
+    def answer() -> None:  # the restarted sidecar: epoch "new", after its batch 2
+        while not stop.is_set():
+            if resync.poll(20):
+                frames = resync.recv_multipart()
+                resync.send_multipart([*frames[:-1], dump])
+
+    answerer = threading.Thread(target=answer)
+    answerer.start()
+    router = Router("radix")
+    source = Source(
+        pub.getsockopt_string(zmq.LAST_ENDPOINT), resync.getsockopt_string(zmq.LAST_ENDPOINT)
+    )
+    subs = Subscriptions(ctx, router, [source])
+
+    def send(epoch: str, seq: int, keys: bytes, parent: bytes | None) -> None:
+        batch = wire.EventBatch(epoch, seq, 3, 0, [wire.StoredMsg(keys, parent)])
+        pub.send_multipart([wire.TOPIC, wire.encode(batch)])
+
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        for seq in (5, 6, 7):
+            send("old", seq, bytes([seq]) * 16, None)
+        send("new", 3, b, a)
+        wait_until(lambda: subs.counts["batches"] == 4, subs)
+        assert subs.counts["resyncs"] == 1
+        assert router.find_matches(split_keys(a + b)).scores == {WORKER: 2}
+    finally:
+        stop.set()
+        answerer.join(5)
+        subs.close()
+        pub.close(0)
+        resync.close(0)
+        ctx.term()
+
+
+def test_drain_handles_at_most_max_messages() -> None:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    router = Router("flat")
+    subs = Subscriptions(ctx, router, [Source(pub.getsockopt_string(zmq.LAST_ENDPOINT))])
+    (sock,) = subs.sockets
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        for seq in range(1, 6):
+            batch = wire.EventBatch("e", seq, 3, 0, [wire.StoredMsg(bytes([seq]) * 16, None)])
+            pub.send_multipart([wire.TOPIC, wire.encode(batch)])
+        deadline = time.monotonic() + 5
+        while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            assert time.monotonic() < deadline
+            sock.poll(20)
+        time.sleep(0.2)  # the other four arrive too
+        subs.drain(sock, max_messages=2)
+        assert subs.counts["batches"] == 2
+        wait_until(lambda: subs.counts["batches"] == 5, subs)
+        assert router.index.workers() == {WORKER: 5}
+    finally:
+        subs.close()
+        pub.close(0)
+        ctx.term()

@@ -135,12 +135,46 @@ def test_malformed_requests_get_an_error_reply_and_change_nothing() -> None:
         assert router.stop() == 0
 
 
-def test_bad_command_line_exits_2() -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--vllm", "tcp://x:1=abc"], "PUB=WORKER_ID"),
+        (["--vllm", f"tcp://127.0.0.1:1={2**64}"], "PUB=WORKER_ID"),  # replies could not encode it
+        (["--sidecar", "tcp://127.0.0.1:1,foo"], "not a ZMQ endpoint: 'foo'"),
+        (["--sidecar", "tcp://bad"], "cannot bind or connect"),
+        (["--sidecar", "tcp://127.0.0.1:1,tcp://bad"], "cannot bind or connect"),
+        (["--bind", "tcp://bad"], "cannot bind or connect"),
+    ],
+)
+def test_bad_command_line_exits_2(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar", "router", "serve", "--vllm", "tcp://x:1=abc"],
+        [sys.executable, "-m", "sidecar", "router", "serve", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert proc.returncode == 2 and "PUB=WORKER_ID" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_multipart_request_gets_an_error_reply() -> None:
+    from router.router import Router
+    from router.serve import RouterServer
+
+    server = RouterServer(Router("flat"), "tcp://127.0.0.1:0", [])
+    req = server.ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    try:
+        req.connect(server.endpoint)
+        req.send_multipart([msgspec.msgpack.encode({"op": "stats"}), b"extra"])
+        server.poll_once(5000)
+        assert req.poll(5000)
+        reply = msgspec.msgpack.decode(req.recv())
+        assert reply["ok"] is False and "1 frame" in reply["error"]
+        req.send(msgspec.msgpack.encode({"op": "stats"}))  # the socket still serves
+        server.poll_once(5000)
+        assert req.poll(5000) and msgspec.msgpack.decode(req.recv())["bad_requests"] == 1
+    finally:
+        req.close(0)
+        server.close()

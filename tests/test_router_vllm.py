@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Any
 
@@ -143,9 +144,9 @@ def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap() -> None:
     w = worker(7, 0)
     try:
         stored = ArrayBatch(0.0, [BlockStored([1, 2, 3], None, [], 16, None)])
-        wait_until(
-            lambda: pub.send_multipart(frames(0, stored)) or w in router.index.workers(), subs
-        )
+        time.sleep(0.3)  # let the SUB connect (PUB sends nobody is subscribed to are lost)
+        pub.send_multipart(frames(0, stored))
+        wait_until(lambda: w in router.index.workers(), subs)
         assert router.find_matches([vllm_key(i) for i in (1, 2, 3)]).scores == {w: 3}
         pub.send_multipart([b"", bytes(8), b"garbage"])
         more = ArrayBatch(0.0, [BlockStored([4], 3, [], 16, None)])
@@ -160,6 +161,31 @@ def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap() -> None:
         wait_until(lambda: subs.counts["gaps"] == 1, subs)
         assert router.index.workers() == {w: 1}
         assert subs.counts["rejected_events"] == 1
+    finally:
+        subs.close()
+        pub.close(0)
+        ctx.term()
+
+
+def test_a_vllm_restart_at_the_same_seq_clears_the_worker() -> None:
+    """vLLM numbers batches from 0 at every start: a batch with the seq just
+    seen is a restart (PUB/SUB never repeats a message), not a duplicate."""
+    ctx = zmq.Context()
+    endpoint = f"ipc:///tmp/kvs-vllm-{uuid.uuid4().hex[:8]}"
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(endpoint)
+    router = Router("radix")
+    subs = Subscriptions(ctx, router, [Source(endpoint, vllm_worker_id=7)])
+    w = worker(7, 0)
+    try:
+        time.sleep(0.3)  # let the SUB connect
+        pub.send_multipart(frames(0, ArrayBatch(0.0, [BlockStored([1], None, [], 16, None)])))
+        pub.send_multipart(frames(0, ArrayBatch(0.0, [BlockStored([2], None, [], 16, None)])))
+        wait_until(lambda: subs.counts["batches"] == 2, subs)
+        assert router.find_matches([vllm_key(1)]).scores == {}
+        assert router.find_matches([vllm_key(2)]).scores == {w: 1}
+        assert subs.counts["gaps"] == 1
     finally:
         subs.close()
         pub.close(0)
