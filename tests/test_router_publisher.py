@@ -3,6 +3,7 @@ an engine saving through engine_shim.KVClient, and the router's subscriber."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -33,6 +34,35 @@ def sidecar() -> Iterator[Sidecar]:
         assert s.stop() == 0
     finally:
         s.cleanup()
+
+
+class Loopback:
+    """A ZeroMQ context and sockets bound on loopback TCP, closed together
+    (after the test closed whatever else it made on the context)."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self._sockets: list[zmq.Socket] = []
+
+    def bind(self, kind: int) -> tuple[zmq.Socket, str]:
+        """A socket of `kind` bound on a free port, and its endpoint."""
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind("tcp://127.0.0.1:0")
+        self._sockets.append(sock)
+        return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def loopback() -> Iterator[Loopback]:
+    sockets = Loopback()
+    yield sockets
+    sockets.close()
 
 
 def _save(endpoint: str, n_blocks: int, start: int = 0) -> list:
@@ -127,16 +157,9 @@ def test_event_config_is_checked() -> None:
     assert load_config().events_endpoint is None  # off by default
 
 
-def test_a_malformed_dump_is_a_failed_resync_not_a_crash() -> None:
-    import threading
-
-    ctx = zmq.Context()
-    resync = ctx.socket(zmq.ROUTER)
-    resync.setsockopt(zmq.LINGER, 0)
-    resync.bind("tcp://127.0.0.1:0")
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind("tcp://127.0.0.1:0")
+def test_a_malformed_dump_is_a_failed_resync_not_a_crash(loopback: Loopback) -> None:
+    resync, resync_endpoint = loopback.bind(zmq.ROUTER)
+    _, pub_endpoint = loopback.bind(zmq.PUB)
     bad = wire.DumpReply("e", 0, 3, 0, [wire.StoredMsg(b"x" * 15, None)])  # not 16-byte keys
 
     def answer_one() -> None:
@@ -146,10 +169,7 @@ def test_a_malformed_dump_is_a_failed_resync_not_a_crash() -> None:
     answerer = threading.Thread(target=answer_one)
     answerer.start()
     router = Router("radix")
-    source = Source(
-        pub.getsockopt_string(zmq.LAST_ENDPOINT), resync.getsockopt_string(zmq.LAST_ENDPOINT)
-    )
-    subs = Subscriptions(ctx, router, [source])
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, resync_endpoint)])
     try:
         subs.resync_all()
         assert subs.counts["resync_failures"] == 1 and subs.counts["resyncs"] == 0
@@ -157,27 +177,16 @@ def test_a_malformed_dump_is_a_failed_resync_not_a_crash() -> None:
     finally:
         answerer.join(5)
         subs.close()
-        pub.close(0)
-        resync.close(0)
-        ctx.term()
 
 
-def test_a_dead_resync_endpoint_is_not_retried_on_every_batch() -> None:
+def test_a_dead_resync_endpoint_is_not_retried_on_every_batch(loopback: Loopback) -> None:
     """Without an answer to resyncs, stores continuing blocks lost in the gap
     are skipped one by one (as without a resync endpoint), instead of each
     batch clearing the worker and blocking the router for another timeout."""
-    ctx = zmq.Context()
-    silent = ctx.socket(zmq.ROUTER)  # takes resync requests, never answers
-    silent.setsockopt(zmq.LINGER, 0)
-    silent.bind("tcp://127.0.0.1:0")
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind("tcp://127.0.0.1:0")
+    _, silent = loopback.bind(zmq.ROUTER)  # takes resync requests, never answers
+    pub, pub_endpoint = loopback.bind(zmq.PUB)
     router = Router("flat")
-    source = Source(
-        pub.getsockopt_string(zmq.LAST_ENDPOINT), silent.getsockopt_string(zmq.LAST_ENDPOINT)
-    )
-    subs = Subscriptions(ctx, router, [source], resync_timeout=0.2)
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, silent)], resync_timeout=0.2)
     a, b, c, d = (bytes([i]) * 16 for i in range(1, 5))
 
     def send(seq: int, keys: bytes, parent: bytes | None) -> None:
@@ -194,23 +203,15 @@ def test_a_dead_resync_endpoint_is_not_retried_on_every_batch() -> None:
         assert router.find_matches(split_keys(c)).scores == {WORKER: 1}
     finally:
         subs.close()
-        pub.close(0)
-        silent.close(0)
-        ctx.term()
 
 
-def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync() -> None:
+def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync(
+    loopback: Loopback,
+) -> None:
     """Batches still queued from before a sidecar restart: the first one's
     resync shows the new epoch; the rest are dropped, not each resynced."""
-    import threading
-
-    ctx = zmq.Context()
-    resync = ctx.socket(zmq.ROUTER)
-    resync.setsockopt(zmq.LINGER, 0)
-    resync.bind("tcp://127.0.0.1:0")
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind("tcp://127.0.0.1:0")
+    resync, resync_endpoint = loopback.bind(zmq.ROUTER)
+    pub, pub_endpoint = loopback.bind(zmq.PUB)
     a, b = bytes([1]) * 16, bytes([2]) * 16
     dump = wire.encode(wire.DumpReply("new", 2, 3, 0, [wire.StoredMsg(a, None)]))
     stop = threading.Event()
@@ -224,10 +225,7 @@ def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync() -> None:
     answerer = threading.Thread(target=answer)
     answerer.start()
     router = Router("radix")
-    source = Source(
-        pub.getsockopt_string(zmq.LAST_ENDPOINT), resync.getsockopt_string(zmq.LAST_ENDPOINT)
-    )
-    subs = Subscriptions(ctx, router, [source])
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, resync_endpoint)])
 
     def send(epoch: str, seq: int, keys: bytes, parent: bytes | None) -> None:
         batch = wire.EventBatch(epoch, seq, 3, 0, [wire.StoredMsg(keys, parent)])
@@ -245,18 +243,12 @@ def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync() -> None:
         stop.set()
         answerer.join(5)
         subs.close()
-        pub.close(0)
-        resync.close(0)
-        ctx.term()
 
 
-def test_drain_handles_at_most_max_messages() -> None:
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.LINGER, 0)
-    pub.bind("tcp://127.0.0.1:0")
+def test_drain_handles_at_most_max_messages(loopback: Loopback) -> None:
+    pub, pub_endpoint = loopback.bind(zmq.PUB)
     router = Router("flat")
-    subs = Subscriptions(ctx, router, [Source(pub.getsockopt_string(zmq.LAST_ENDPOINT))])
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint)])
     (sock,) = subs.sockets
     try:
         time.sleep(0.3)  # let the SUB connect
@@ -274,5 +266,3 @@ def test_drain_handles_at_most_max_messages() -> None:
         assert router.index.workers() == {WORKER: 5}
     finally:
         subs.close()
-        pub.close(0)
-        ctx.term()
