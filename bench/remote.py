@@ -5,9 +5,11 @@ For each block size (2 MiB and 256 KiB by default) it fills N shm slots
 times, on the same server and interleaved round by round:
 
 - write: the remote tier's H2REMOTE path: `RemoteStore.write` straight from
-  the slots (header + checksum, zero-copy SET), one batch per worker
-  thread, on an `IoPool` of `--threads` as the sidecar runs it;
-- read: REMOTE2H: `RemoteStore.read` into other slots, each value verified;
+  the slots (header + checksum, zero-copy SET), split into
+  `--write-streams` pipelined batches (the sidecar's `remote_write_streams`)
+  on an `IoPool` of `--threads` as the sidecar runs it;
+- read: REMOTE2H: `RemoteStore.read` into other slots, each value verified,
+  one batch per worker thread (as the sidecar splits reads);
 - floor: raw redis-py pipelined SET / GET of the same number of values of
   the same size (bytes objects), one pipeline. Writes are timed with both
   of redis-py's command packers (hiredis, its default when installed, and
@@ -41,6 +43,7 @@ from redis.connection import Encoder, PythonRespSerializer
 
 from bench.report import print_table, time_interleaved, write_json
 from shm.pool import ShmPool
+from sidecar.config import Config
 from sidecar.redis_connector import RedisConnector
 from sidecar.remote import ReadResult, RemoteStore
 from sidecar.workers import IoPool
@@ -60,6 +63,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--total-mib", type=int, default=None, help="bytes per batch (256)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (5)")
     p.add_argument("--threads", type=int, default=4, help="remote worker threads (4)")
+    p.add_argument(
+        "--write-streams",
+        type=int,
+        default=Config().remote_write_streams,
+        help="batches one write is split into (the sidecar's remote_write_streams)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.set_defaults(func=run)
@@ -117,7 +126,15 @@ def _on_pool(io: IoPool, jobs: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
-def measure(url: str, block: int, total: int, repeats: int, threads: int) -> dict[str, Any]:
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Ranges of n blocks in at most `parts` parts, as the sidecar's data plane splits an op."""
+    step = -(-n // parts)
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def measure(
+    url: str, block: int, total: int, repeats: int, threads: int, write_streams: int
+) -> dict[str, Any]:
     n = max(threads, total // block)
     prefix = f"kvsbench.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     rng = np.random.default_rng(block)
@@ -127,8 +144,7 @@ def measure(url: str, block: int, total: int, repeats: int, threads: int) -> dic
     store = RemoteStore(RedisConnector(url, timeout=30.0), f"bench{os.getpid()}", block)
     default, python = redis.Redis.from_url(url), _python_packer_client(url)
     io = IoPool("bench-remote", threads)
-    step = -(-n // threads)
-    parts = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    read_parts, write_parts = _split(n, threads), _split(n, min(write_streams, threads))
     with ShmPool.create(prefix, 2 * n * block) as pool:
         src = [pool.slot_view(i, block) for i in range(n)]
         dst = [pool.slot_view(n + i, block) for i in range(n)]
@@ -136,10 +152,12 @@ def measure(url: str, block: int, total: int, repeats: int, threads: int) -> dic
             src[i][:] = np.frombuffer(v, dtype=np.uint8)
 
         def tier_write() -> None:
-            _on_pool(io, [lambda a=a, b=b: store.write(keys[a:b], src[a:b]) for a, b in parts])
+            jobs = [lambda a=a, b=b: store.write(keys[a:b], src[a:b]) for a, b in write_parts]
+            _on_pool(io, jobs)
 
         def tier_read() -> None:
-            got = _on_pool(io, [lambda a=a, b=b: store.read(keys[a:b], dst[a:b]) for a, b in parts])
+            jobs = [lambda a=a, b=b: store.read(keys[a:b], dst[a:b]) for a, b in read_parts]
+            got = _on_pool(io, jobs)
             if any(r is not ReadResult.HIT for part in got for r in part):
                 raise RuntimeError("a block written by the benchmark did not read back")
 
@@ -189,8 +207,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"--block-kib: expected KiB numbers, got {args.block_kib!r}", file=sys.stderr)
         return 2
-    if not sizes or min(sizes) <= 0 or args.threads < 1:
-        print("--block-kib and --threads must be positive", file=sys.stderr)
+    if not sizes or min(sizes) <= 0 or args.threads < 1 or args.write_streams < 1:
+        print("--block-kib, --threads and --write-streams must be positive", file=sys.stderr)
         return 2
     total = (args.total_mib or (4 if args.quick else 256)) << 20
     repeats = args.repeats or (1 if args.quick else 5)
@@ -201,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
             cases = {}
             for block in sizes:
                 print(f"{block >> 10} KiB blocks: {total >> 20} MiB ...", file=sys.stderr)
-                cases[f"{block >> 10}KiB"] = measure(url, block, total, repeats, args.threads)
+                cases[f"{block >> 10}KiB"] = measure(
+                    url, block, total, repeats, args.threads, args.write_streams
+                )
     except (RuntimeError, redis.RedisError) as err:
         print(f"bench remote: {err}", file=sys.stderr)
         return 2
@@ -216,11 +236,16 @@ def run(args: argparse.Namespace) -> int:
          "write/floor", "read GB/s", "redis-py GET", "read/floor"),
         rows,
     )  # fmt: skip
-    print(f"redis {version}, {args.threads} tier threads; target >= {TARGET_VS_FLOOR} x floor")
+    streams = min(args.write_streams, args.threads)
+    print(
+        f"redis {version}, {args.threads} tier threads, writes on {streams} stream(s); "
+        f"target >= {TARGET_VS_FLOOR} x floor"
+    )
     if args.json:
         result = {
             "redis_version": version,
             "threads": args.threads,
+            "write_streams": min(args.write_streams, args.threads),
             "total_bytes_per_case": total,
             "repeats": repeats,
             "target_vs_floor": TARGET_VS_FLOOR,

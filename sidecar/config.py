@@ -153,6 +153,16 @@ class Config:
         low=1,
         high=64,
     )
+    remote_write_streams: int = config_key(
+        1,
+        "int",
+        "Connections one remote write (an H2REMOTE op) is spread over (at most "
+        "remote_io_threads); reads use every thread. One pipelined stream per "
+        "server wrote fastest to one Redis on a 2-core host (docs/sidecar.md); "
+        "raise it where round trips, not bytes, bound the writes (a far store).",
+        low=1,
+        high=64,
+    )
     remote_timeout_seconds: float = config_key(
         0.5,
         "float",

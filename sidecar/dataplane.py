@@ -66,6 +66,11 @@ class TierOps(Protocol):
     pool: IoPool
     counters: Counter[str]
 
+    def parts(self, op: TransferOp) -> int:
+        """How many parts (ranges of its blocks, each a job on a thread of
+        `pool`) the op is split into, at most; >= 1."""
+        ...
+
     def job(self, op: TransferOp, tier: CacheEngine, node: RadixNode) -> Job:
         """The op as a job over a range of its blocks. Runs on the loop's
         thread; the job it returns runs on a worker thread."""
@@ -139,7 +144,7 @@ class DataPlane:
             assert target is not None, "a sidecar op always fills a node"
             job = ops.job(op, *target)
             n = op.num_blocks
-            step = max(1, -(-n // ops.pool.threads))  # one part per thread
+            step = max(1, -(-n // ops.parts(op)))
             token = OpToken(plan_id, op.op_id)
             self._parts_left[token] = -(-n // step)
             self._running[plan_id] += self._parts_left[token]

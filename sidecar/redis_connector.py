@@ -119,17 +119,33 @@ class RedisConnector(Connector):
     def _batch(self, keys: Sequence[bytes], pack: Callable[[int], list[Chunk]]) -> list[object]:
         """Pipeline one command per key (chunks from `pack(index)`) to the
         server(s) holding the keys; the replies in key order (a
-        ResponseError where a command failed)."""
+        ResponseError where a command failed). Every server's commands are
+        sent before any reply is read, so the servers of a cluster work at
+        once. Raises RemoteUnavailable (dropping the connections) on a
+        connection error or timeout."""
         if not keys:
             return []
-        groups = self._route(keys)
         out: list[object] = [None] * len(keys)
-        for pool, idx in groups:
-            chunks: list[Chunk] = []
-            for i in idx:
-                chunks += pack(i)
-            for i, reply in zip(idx, _roundtrip(pool, chunks, len(idx)), strict=True):
-                out[i] = reply
+        sent: list[tuple[redis.ConnectionPool, Any, list[int]]] = []
+        ok = False
+        try:
+            for pool, idx in self._route(keys):
+                conn = _connection(pool)
+                sent.append((pool, conn, idx))
+                conn.send_packed_command(
+                    _coalesce([c for i in idx for c in pack(i)]), check_health=False
+                )
+            for _, conn, idx in sent:
+                for i, reply in zip(idx, _replies(conn, len(idx)), strict=True):
+                    out[i] = reply
+            ok = True
+        except _DOWN as err:
+            raise RemoteUnavailable(str(err)) from None
+        finally:
+            for pool, conn, _ in sent:
+                if not ok:
+                    conn.disconnect()  # replies may be left unread: never reuse it
+                pool.release(conn)
         if any(isinstance(r, ResponseError) and _is_redirect(r) for r in out):
             self._refresh = True
         return out
@@ -178,27 +194,37 @@ def _roundtrip(pool: redis.ConnectionPool, chunks: list[Chunk], n: int) -> list:
     """Send `chunks` (n commands) on one connection of `pool` and read the n
     replies. Raises RemoteUnavailable (and drops the connection) on a
     connection error or timeout."""
-    try:
-        conn = pool.get_connection()
-    except _DOWN as err:
-        raise RemoteUnavailable(str(err)) from None
+    conn = _connection(pool)
+    ok = False
     try:
         conn.send_packed_command(_coalesce(chunks), check_health=False)
-        replies: list[object] = []
-        for _ in range(n):
-            try:
-                replies.append(conn.read_response(disable_decoding=True))
-            except ResponseError as err:  # this command failed; the next replies follow
-                replies.append(err)
+        replies = _replies(conn, n)
+        ok = True
         return replies
     except _DOWN as err:
-        conn.disconnect()
         raise RemoteUnavailable(str(err)) from None
-    except BaseException:
-        conn.disconnect()  # replies may be left unread: never reuse it
-        raise
     finally:
+        if not ok:
+            conn.disconnect()  # replies may be left unread: never reuse it
         pool.release(conn)
+
+
+def _connection(pool: redis.ConnectionPool) -> Any:
+    try:
+        return pool.get_connection()
+    except _DOWN as err:
+        raise RemoteUnavailable(str(err)) from None
+
+
+def _replies(conn: Any, n: int) -> list[object]:
+    """The next n replies on `conn`; a failed command's is its ResponseError."""
+    replies: list[object] = []
+    for _ in range(n):
+        try:
+            replies.append(conn.read_response(disable_decoding=True))
+        except ResponseError as err:  # this command failed; the next replies follow
+            replies.append(err)
+    return replies
 
 
 def _coalesce(chunks: list[Chunk]) -> list[Chunk]:

@@ -1,7 +1,8 @@
 """REMOTE2H and H2REMOTE: remote-store reads and writes of plans, run on the
 remote worker pool.
 
-Each part of an op is one pipelined batch on one connection. Writes send
+Each part of an op is one pipelined batch on one connection: a read is
+split over every thread of the pool, a write over `write_streams` of them. Writes send
 each block straight from its shm slot; reads verify each value and copy
 only good blocks into their slots. Socket I/O releases the GIL, so the
 pool's threads overlap their round trips.
@@ -39,14 +40,26 @@ class RemoteOps:
         shm: ShmPool,
         layout: BlockLayout,
         on_unavailable: Callable[[BaseException], None],
+        *,
+        write_streams: int = 1,
     ) -> None:
+        if write_streams < 1:
+            raise ValueError(f"write_streams must be >= 1, got {write_streams}")
         self.store = store
         self.pool = pool
         self.shm = shm
         self.layout = layout
         self.on_unavailable = on_unavailable
         """Called on the loop's thread when an op found the store down."""
+        self.write_streams = min(write_streams, pool.threads)
         self.counters: Counter[str] = Counter()
+
+    def parts(self, op: TransferOp) -> int:
+        """A write goes out on `write_streams` connections: parallel writers
+        to one server slow each other down (docs/sidecar.md#measured); a
+        read uses every thread (parsing and checking replies is the client's
+        work, and it runs in parallel)."""
+        return self.write_streams if op.kind is OpKind.H2REMOTE else self.pool.threads
 
     def job(self, op: TransferOp, tier: CacheEngine, node: RadixNode) -> Job:
         stride = self.layout.slot_stride

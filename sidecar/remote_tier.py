@@ -74,11 +74,15 @@ class RemoteTier:
         layout: BlockLayout,
         backoff: Backoff,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        write_streams: int = 1,
     ) -> None:
         self.cache = cache
         self.store = store
         self.pool = IoPool("remote", threads)
-        self.ops = RemoteOps(store, self.pool, shm, layout, self.mark_offline)
+        self.ops = RemoteOps(
+            store, self.pool, shm, layout, self.mark_offline, write_streams=write_streams
+        )
         self.control_pool = IoPool("remote-probe", 2)
         """Probes and pings: engines wait on them, so they never queue
         behind bulk transfers."""

@@ -51,8 +51,9 @@ class SsdError(OSError):
 
 def checksum(data: memoryview | np.ndarray, key: bytes) -> int:
     """xxh3-64 of the block, seeded by its key: a slot holding another key's
-    bytes fails it as surely as a slot with flipped bits."""
-    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
+    bytes fails it as surely as a slot with flipped bits. The streaming call
+    gives xxh3_64_intdigest's value but releases the GIL while it hashes."""
+    return xxhash.xxh3_64(data, seed=int.from_bytes(key[:8], "little")).intdigest()
 
 
 @dataclass(frozen=True)

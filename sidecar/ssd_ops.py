@@ -35,6 +35,9 @@ class SsdOps:
         self.layout = layout
         self.counters: Counter[str] = Counter()
 
+    def parts(self, op: TransferOp) -> int:
+        return self.pool.threads  # positional reads and writes scale with threads
+
     def job(self, op: TransferOp, tier: CacheEngine, node: RadixNode) -> Job:
         stride = self.layout.slot_stride
         if op.kind is OpKind.H2DISK:

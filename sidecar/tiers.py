@@ -105,7 +105,15 @@ def open_remote_tier(
         return None
     store = RemoteStore(connector, config.remote_namespace, layout.block_bytes)
     backoff = Backoff(config.remote_retry_seconds, config.remote_retry_max_seconds)
-    tier = RemoteTier(cache, store, config.remote_io_threads, pool, layout, backoff)
+    tier = RemoteTier(
+        cache,
+        store,
+        config.remote_io_threads,
+        pool,
+        layout,
+        backoff,
+        write_streams=config.remote_write_streams,
+    )
     log.info(
         "remote tier: %s, namespace %r, index of %d blocks",
         connector.describe(),

@@ -16,8 +16,10 @@ from sidecar.cli import main
 def test_remote_cli_quick_writes_figures_and_cleans_up(tmp_path):
     ensure_redis()
     out = tmp_path / "remote.json"
-    assert main(["bench", "remote", "--quick", "--threads", "2", "--json", str(out)]) == 0
+    args = ["bench", "remote", "--quick", "--threads", "2", "--write-streams", "3"]
+    assert main([*args, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["threads"] == 2 and data["write_streams"] == 2  # capped by the threads
     for key in ("write_vs_floor", "read_vs_floor"):
         assert sorted(data[key]) == ["2048KiB", "256KiB"], key
         assert all(math.isfinite(v) and v > 0 for v in data[key].values()), key
@@ -37,3 +39,4 @@ def test_remote_cli_reports_an_unreachable_server_and_bad_arguments(capsys):
     assert "bench remote:" in capsys.readouterr().err
     assert main(["bench", "remote", "--quick", "--block-kib", "x"]) == 2
     assert main(["bench", "remote", "--quick", "--threads", "0"]) == 2
+    assert main(["bench", "remote", "--quick", "--write-streams", "0"]) == 2

@@ -32,6 +32,9 @@ class GatedSsd:
         self.gate = threading.Event()
         self.started = threading.Event()
 
+    def parts(self, op: TransferOp) -> int:
+        return self.pool.threads
+
     def job(self, op: TransferOp, tier: CacheEngine, node: RadixNode) -> Job:
         def run(lo: int, hi: int) -> None:
             self.started.set()

@@ -3,6 +3,7 @@ across "hosts", a cluster, a server killed mid-load, the put quota."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -13,7 +14,14 @@ from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
 from sidecar_proc import MODEL, Sidecar, tokens
 
 from engine_shim import KVClient
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+from sidecar.control.graph import OpKind, TransferOp
 from sidecar.metrics import StatsCollector
+from sidecar.redis_connector import RedisConnector
+from sidecar.remote import RemoteStore
+from sidecar.remote_ops import RemoteOps
+from sidecar.workers import IoPool
 
 # 128 KiB blocks (2 layers of 64 KiB).
 SHAPE = (32, 2, 16, 8, 64)
@@ -114,8 +122,9 @@ def save_on_one_load_on_the_other(hosts: Hosts) -> None:
         assert s.shm_segments() == []
 
 
-def test_blocks_saved_through_one_host_load_byte_exact_through_another(tmp_path, server):
-    hosts = Hosts(tmp_path, server.url)
+@pytest.mark.parametrize("streams", ["1", "3"])
+def test_blocks_saved_through_one_host_load_byte_exact_through_another(tmp_path, server, streams):
+    hosts = Hosts(tmp_path, server.url, "--set", f"remote_write_streams={streams}")
     try:
         save_on_one_load_on_the_other(hosts)
     finally:
@@ -288,3 +297,18 @@ def test_an_unusable_remote_url_leaves_the_other_tiers_serving(tmp_path):
         assert s.stop() == 0
     finally:
         hosts.cleanup()
+
+
+def test_a_write_is_split_over_write_streams_and_a_read_over_every_thread(redis_bin):
+    store = RemoteStore(RedisConnector("redis://127.0.0.1:1"), "kv", 4096)  # never contacted
+    pool = IoPool("remote-parts", 4)
+    layout = BlockLayout(num_layers=1, layer_block_bytes=4096)
+    with ShmPool.create(f"kvs-parts-{os.getpid()}", 1 << 20) as shm:
+        ids = np.arange(8)
+        for streams, want in ((1, 1), (3, 3), (9, 4)):  # at most one per thread
+            ops = RemoteOps(store, pool, shm, layout, print, write_streams=streams)
+            assert ops.parts(TransferOp(0, OpKind.H2REMOTE, ids, ids)) == want
+            assert ops.parts(TransferOp(1, OpKind.REMOTE2H, ids, ids)) == 4
+        with pytest.raises(ValueError, match="write_streams"):
+            RemoteOps(store, pool, shm, layout, print, write_streams=0)
+    pool.close()

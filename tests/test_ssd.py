@@ -7,9 +7,10 @@ import os
 
 import numpy as np
 import pytest
+import xxhash
 from helpers import chain, make_engine
 
-from sidecar.ssd import Record, SsdStore
+from sidecar.ssd import Record, SsdStore, checksum
 from sidecar.tiers import recover
 
 SLOT = 8192
@@ -117,3 +118,12 @@ def test_recover_rebuilds_chains_and_returns_orphans():
     m = engine.match(keys)
     assert m.num_blocks == 4 and m.slots.tolist() == [5, 6, 7, 9]
     assert engine.mempool.num_used == 4
+
+
+def test_checksum_is_xxh3_64_seeded_by_the_key():
+    """The value stored on disk and in the remote tier: it must not change."""
+    data = np.random.default_rng(3).integers(0, 256, 256 << 10, dtype=np.uint8)
+    key = bytes(range(16))
+    want = xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
+    assert checksum(data, key) == want
+    assert checksum(data, bytes(16)) != want
