@@ -44,6 +44,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from bench.report import print_table, time_interleaved, write_json
 from shm.pool import ShmPool
 from sidecar.config import Config
+from sidecar.dataplane import split
 from sidecar.redis_connector import RedisConnector
 from sidecar.remote import ReadResult, RemoteStore
 from sidecar.workers import IoPool
@@ -126,12 +127,6 @@ def _on_pool(io: IoPool, jobs: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """Ranges of n blocks in at most `parts` parts, as the sidecar's data plane splits an op."""
-    step = -(-n // parts)
-    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
-
-
 def measure(
     url: str, block: int, total: int, repeats: int, threads: int, write_streams: int
 ) -> dict[str, Any]:
@@ -144,7 +139,7 @@ def measure(
     store = RemoteStore(RedisConnector(url, timeout=30.0), f"bench{os.getpid()}", block)
     default, python = redis.Redis.from_url(url), _python_packer_client(url)
     io = IoPool("bench-remote", threads)
-    read_parts, write_parts = _split(n, threads), _split(n, min(write_streams, threads))
+    read_parts, write_parts = split(n, threads), split(n, write_streams)  # as the sidecar
     with ShmPool.create(prefix, 2 * n * block) as pool:
         src = [pool.slot_view(i, block) for i in range(n)]
         dst = [pool.slot_view(n + i, block) for i in range(n)]
@@ -210,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if not sizes or min(sizes) <= 0 or args.threads < 1 or args.write_streams < 1:
         print("--block-kib, --threads and --write-streams must be positive", file=sys.stderr)
         return 2
+    streams = min(args.write_streams, args.threads)  # the sidecar's cap too
     total = (args.total_mib or (4 if args.quick else 256)) << 20
     repeats = args.repeats or (1 if args.quick else 5)
     try:
@@ -220,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             for block in sizes:
                 print(f"{block >> 10} KiB blocks: {total >> 20} MiB ...", file=sys.stderr)
                 cases[f"{block >> 10}KiB"] = measure(
-                    url, block, total, repeats, args.threads, args.write_streams
+                    url, block, total, repeats, args.threads, streams
                 )
     except (RuntimeError, redis.RedisError) as err:
         print(f"bench remote: {err}", file=sys.stderr)
@@ -236,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
          "write/floor", "read GB/s", "redis-py GET", "read/floor"),
         rows,
     )  # fmt: skip
-    streams = min(args.write_streams, args.threads)
     print(
         f"redis {version}, {args.threads} tier threads, writes on {streams} stream(s); "
         f"target >= {TARGET_VS_FLOOR} x floor"
@@ -245,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         result = {
             "redis_version": version,
             "threads": args.threads,
-            "write_streams": min(args.write_streams, args.threads),
+            "write_streams": streams,
             "total_bytes_per_case": total,
             "repeats": repeats,
             "target_vs_floor": TARGET_VS_FLOOR,

@@ -143,13 +143,12 @@ class DataPlane:
             target = self.cache.op_target(plan_id, op.op_id)
             assert target is not None, "a sidecar op always fills a node"
             job = ops.job(op, *target)
-            n = op.num_blocks
-            step = max(1, -(-n // ops.parts(op)))
+            ranges = split(op.num_blocks, ops.parts(op))
             token = OpToken(plan_id, op.op_id)
-            self._parts_left[token] = -(-n // step)
-            self._running[plan_id] += self._parts_left[token]
-            for lo in range(0, n, step):
-                ops.pool.submit(token, _part(job, lo, min(n, lo + step)))
+            self._parts_left[token] = len(ranges)
+            self._running[plan_id] += len(ranges)
+            for lo, hi in ranges:
+                ops.pool.submit(token, _part(job, lo, hi))
 
     def collect(self, pool: IoPool) -> None:
         """Apply every op result `pool` has sent back."""
@@ -244,6 +243,13 @@ def drop_blocks(tier: CacheEngine, prefixes: list[BlockKeys]) -> list[int]:
         tier.mempool.free(removed)
         freed += removed.tolist()
     return freed
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """Ranges [lo, hi) covering n blocks in at most `parts` parts of equal
+    size (the last may be smaller)."""
+    step = max(1, -(-n // parts))
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
 def _part(job: Job, lo: int, hi: int) -> Callable[[], Any]:

@@ -101,8 +101,7 @@ class RedisConnector(Connector):
         return sum(r for r in replies if isinstance(r, int))
 
     def ping(self) -> None:
-        for pool in self._pools():
-            (reply,) = _roundtrip(pool, [_command(b"PING")], 1)
+        for (reply,) in _exchange([(pool, [_command(b"PING")], 1) for pool in self._pools()]):
             if reply != b"PONG":
                 raise RemoteUnavailable(f"{self.describe()}: PING answered {reply!r}")
 
@@ -119,33 +118,16 @@ class RedisConnector(Connector):
     def _batch(self, keys: Sequence[bytes], pack: Callable[[int], list[Chunk]]) -> list[object]:
         """Pipeline one command per key (chunks from `pack(index)`) to the
         server(s) holding the keys; the replies in key order (a
-        ResponseError where a command failed). Every server's commands are
-        sent before any reply is read, so the servers of a cluster work at
-        once. Raises RemoteUnavailable (dropping the connections) on a
-        connection error or timeout."""
+        ResponseError where a command failed). Raises RemoteUnavailable on
+        a connection error or timeout."""
         if not keys:
             return []
+        groups = self._route(keys)
+        exchanges = [(pool, [c for i in idx for c in pack(i)], len(idx)) for pool, idx in groups]
         out: list[object] = [None] * len(keys)
-        sent: list[tuple[redis.ConnectionPool, Any, list[int]]] = []
-        ok = False
-        try:
-            for pool, idx in self._route(keys):
-                conn = _connection(pool)
-                sent.append((pool, conn, idx))
-                conn.send_packed_command(
-                    _coalesce([c for i in idx for c in pack(i)]), check_health=False
-                )
-            for _, conn, idx in sent:
-                for i, reply in zip(idx, _replies(conn, len(idx)), strict=True):
-                    out[i] = reply
-            ok = True
-        except _DOWN as err:
-            raise RemoteUnavailable(str(err)) from None
-        finally:
-            for pool, conn, _ in sent:
-                if not ok:
-                    conn.disconnect()  # replies may be left unread: never reuse it
-                pool.release(conn)
+        for (_, idx), replies in zip(groups, _exchange(exchanges), strict=True):
+            for i, reply in zip(idx, replies, strict=True):
+                out[i] = reply
         if any(isinstance(r, ResponseError) and _is_redirect(r) for r in out):
             self._refresh = True
         return out
@@ -190,30 +172,29 @@ class RedisConnector(Connector):
             return self._cluster
 
 
-def _roundtrip(pool: redis.ConnectionPool, chunks: list[Chunk], n: int) -> list:
-    """Send `chunks` (n commands) on one connection of `pool` and read the n
-    replies. Raises RemoteUnavailable (and drops the connection) on a
+def _exchange(exchanges: list[tuple[redis.ConnectionPool, list[Chunk], int]]) -> list[list]:
+    """For each (pool, chunks of n commands, n): send the chunks on one
+    connection of the pool, then read its n replies. Every server's commands
+    are sent before any reply is read, so the servers of a cluster work at
+    once. Raises RemoteUnavailable (dropping the connections) on a
     connection error or timeout."""
-    conn = _connection(pool)
+    held: list[tuple[redis.ConnectionPool, Any]] = []
     ok = False
     try:
-        conn.send_packed_command(_coalesce(chunks), check_health=False)
-        replies = _replies(conn, n)
+        for pool, chunks, _ in exchanges:
+            conn = pool.get_connection()
+            held.append((pool, conn))
+            conn.send_packed_command(_coalesce(chunks), check_health=False)
+        replies = [_replies(conn, n) for (_, conn), (_, _, n) in zip(held, exchanges, strict=True)]
         ok = True
         return replies
     except _DOWN as err:
         raise RemoteUnavailable(str(err)) from None
     finally:
-        if not ok:
-            conn.disconnect()  # replies may be left unread: never reuse it
-        pool.release(conn)
-
-
-def _connection(pool: redis.ConnectionPool) -> Any:
-    try:
-        return pool.get_connection()
-    except _DOWN as err:
-        raise RemoteUnavailable(str(err)) from None
+        for pool, conn in held:
+            if not ok:
+                conn.disconnect()  # replies may be left unread: never reuse it
+            pool.release(conn)
 
 
 def _replies(conn: Any, n: int) -> list[object]:

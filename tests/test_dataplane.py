@@ -14,7 +14,7 @@ from sidecar.control.engine import CacheEngine
 from sidecar.control.graph import OpKind, TransferOp
 from sidecar.control.node import RadixNode
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.dataplane import DataPlane, Job
+from sidecar.dataplane import DataPlane, Job, split
 from sidecar.workers import IoPool
 
 REQUEST = chain(4)
@@ -93,3 +93,17 @@ def test_cancel_of_an_idle_plan_is_immediate(setup):
     plane.cancel(plan.plan_id)
     assert not plane.plans and not ended
     assert_clean(cache)
+
+
+@pytest.mark.parametrize(
+    ("n", "parts", "ranges"),
+    [
+        (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        (7, 3, [(0, 3), (3, 6), (6, 7)]),
+        (2, 4, [(0, 1), (1, 2)]),
+        (5, 1, [(0, 5)]),
+        (0, 4, []),
+    ],
+)
+def test_split_covers_every_block_once_in_at_most_parts_ranges(n, parts, ranges):
+    assert split(n, parts) == ranges

@@ -299,7 +299,7 @@ def test_an_unusable_remote_url_leaves_the_other_tiers_serving(tmp_path):
         hosts.cleanup()
 
 
-def test_a_write_is_split_over_write_streams_and_a_read_over_every_thread(redis_bin):
+def test_a_write_is_split_over_write_streams_and_a_read_over_every_thread():
     store = RemoteStore(RedisConnector("redis://127.0.0.1:1"), "kv", 4096)  # never contacted
     pool = IoPool("remote-parts", 4)
     layout = BlockLayout(num_layers=1, layer_block_bytes=4096)
