@@ -30,7 +30,7 @@ MAX_SECRET_BYTES = 64  # BLAKE2b's key limit
 MIN_DIGEST_BYTES, MAX_DIGEST_BYTES = 16, 64
 """Lengths of engine block digests `KeyHasher.hash_digests` accepts."""
 
-ChainFn = Callable[[bytes, int, bytes, bytes], bytes]
+ChainFn = Callable[[bytes | memoryview, int, bytes, bytes], bytes]
 """(token bytes, block size in bytes, chain key, parent key) -> n * 16 key bytes."""
 
 
@@ -91,16 +91,27 @@ def canonical_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         raise ValueError(
             f"token ids must be integers in [0, {MAX_TOKEN_ID}], got dtype {arr.dtype}"
         )
-    if arr.dtype.kind == "i" and arr.min() < 0:
-        bad = int(np.flatnonzero(arr < 0)[0])
-        raise ValueError(f"token ids must be non-negative, got {arr[bad]} at index {bad}")
-    if arr.max() > MAX_TOKEN_ID:
+    if _out_of_range(arr):
+        if arr.dtype.kind == "i" and arr.min() < 0:
+            bad = int(np.flatnonzero(arr < 0)[0])
+            raise ValueError(f"token ids must be non-negative, got {arr[bad]} at index {bad}")
         bad = int(np.flatnonzero(arr > MAX_TOKEN_ID)[0])
         raise ValueError(f"token ids must be <= {MAX_TOKEN_ID}, got {arr[bad]} at index {bad}")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
 
 
-def blake2b_chain_python(data: bytes, block_bytes: int, key: bytes, parent: bytes) -> bytes:
+def _out_of_range(arr: np.ndarray) -> bool:
+    """Any id outside [0, MAX_TOKEN_ID], in one pass over `arr` (integers): ids
+    of 4 or more bytes are read as unsigned, so a negative one reads as huge."""
+    if arr.dtype.itemsize < 4:
+        return arr.dtype.kind == "i" and bool(arr.min() < 0)
+    unsigned = arr if arr.dtype.kind == "u" else arr.view(arr.dtype.str.replace("i", "u"))
+    return bool(unsigned.max() > MAX_TOKEN_ID)
+
+
+def blake2b_chain_python(
+    data: bytes | memoryview, block_bytes: int, key: bytes, parent: bytes
+) -> bytes:
     """Pure-Python (hashlib) chain; the reference for the C accelerator."""
     new = hashlib.blake2b(key=key, digest_size=KEY_BYTES).copy  # key block compressed once
     view = memoryview(data)
@@ -115,7 +126,7 @@ def blake2b_chain_python(data: bytes, block_bytes: int, key: bytes, parent: byte
     return b"".join(keys)
 
 
-def xxh3_128_chain(data: bytes, block_bytes: int, key: bytes, parent: bytes) -> bytes:
+def xxh3_128_chain(data: bytes | memoryview, block_bytes: int, key: bytes, parent: bytes) -> bytes:
     """xxh3_128 chain seeded from the chain key. Fast, but NOT collision resistant.
 
     Anyone who can choose tokens can build collisions (the 64-bit seed does not
@@ -218,7 +229,7 @@ class KeyHasher:
         tokens = canonical_tokens(token_ids)
         start = self.root if parent is None else _parent_bytes(parent)
         n = tokens.size // self.tokens_per_block
-        data = tokens[: n * self.tokens_per_block].tobytes()
+        data = memoryview(tokens[: n * self.tokens_per_block]).cast("B")  # no copy
         return as_keys(self._chain(data, self._block_bytes, self._chain_key, start))
 
     def hash_digests(self, digests: Sequence[bytes], parent: BlockKey | None = None) -> BlockKeys:

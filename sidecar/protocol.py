@@ -20,10 +20,12 @@ reply carries two frames per engine-side op: its source and destination ids.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+import zmq
 
 from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
 
@@ -272,6 +274,23 @@ def parse_ids(frame: bytes, what: str, count: int, upper: int) -> np.ndarray:
     if ids.size and (ids.min() < 0 or ids.max() >= upper):
         raise ProtocolError(ErrorCode.BAD_VALUE, f"{what} out of range [0, {upper})")
     return ids
+
+
+# ---- sending ------------------------------------------------------------------------
+
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:
+    """`sock.send_multipart(frames, flags)`, one message, frames copied.
+
+    pyzmq's send_multipart combines its flags as IntFlag enums per frame,
+    ~2 us a message on the hot path; plain ints here. `flags` is an int (0
+    or zmq.NOBLOCK); as with send_multipart, zmq.Again can only come from
+    the first frame, and then nothing was sent."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, flags | _SNDMORE if i < last else flags, copy=True)
 
 
 # ---- replies -------------------------------------------------------------------------

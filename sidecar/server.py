@@ -289,7 +289,7 @@ class Server(Handlers):
 
     def _send(self, identity: bytes, reply: p.Reply) -> None:
         assert self.sock is not None
-        self.sock.send_multipart([identity, p.encode(reply.header), *reply.arrays], copy=True)
+        p.send_frames(self.sock, [identity, p.encode(reply.header), *reply.arrays])
 
     # ---- figures ------------------------------------------------------------------------
 

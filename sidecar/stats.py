@@ -22,42 +22,56 @@ class HitStats:
         self.window = window
         self.requests = 0
         self.requested_blocks = 0
-        self.hit_blocks = dict.fromkeys(TIERS, 0)
+        self._hits = [0, 0, 0]  # per tier, in TIERS order
         self._recent: deque[tuple[int, TierCounts]] = deque()
         self._recent_requested = 0
-        self._recent_hits = dict.fromkeys(TIERS, 0)
+        self._recent_hits = [0, 0, 0]
+
+    @property
+    def hit_blocks(self) -> dict[str, int]:
+        """Hit blocks per tier since start."""
+        return dict(zip(TIERS, self._hits, strict=True))
 
     def record(self, requested: int, hits: TierCounts) -> None:
-        """One lookup: `requested` blocks asked, `hits` found per tier."""
+        """One lookup: `requested` blocks asked, `hits` found per tier.
+        Runs on every lookup: plain int arithmetic, no per-tier loop."""
+        cpu, ssd, remote = hits
         self.requests += 1
         self.requested_blocks += requested
-        self._recent.append((requested, hits))
+        total, recent = self._hits, self._recent_hits
+        total[0] += cpu
+        total[1] += ssd
+        total[2] += remote
+        recent[0] += cpu
+        recent[1] += ssd
+        recent[2] += remote
         self._recent_requested += requested
-        for tier, n in zip(TIERS, hits, strict=True):
-            self.hit_blocks[tier] += n
-            self._recent_hits[tier] += n
+        self._recent.append((requested, hits))
         if len(self._recent) > self.window:
-            old_requested, old_hits = self._recent.popleft()
+            old_requested, (cpu, ssd, remote) = self._recent.popleft()
             self._recent_requested -= old_requested
-            for tier, n in zip(TIERS, old_hits, strict=True):
-                self._recent_hits[tier] -= n
+            recent[0] -= cpu
+            recent[1] -= ssd
+            recent[2] -= remote
 
     def snapshot(self) -> dict[str, object]:
         """Plain figures: ratios are hit blocks / requested blocks (0 when none)."""
-        total = sum(self.hit_blocks.values())
-        recent = sum(self._recent_hits.values())
+        hit_blocks = self.hit_blocks
+        recent_hits = dict(zip(TIERS, self._recent_hits, strict=True))
+        total = sum(hit_blocks.values())
+        recent = sum(recent_hits.values())
         return {
             "requests": self.requests,
             "requested_blocks": self.requested_blocks,
-            "hit_blocks": dict(self.hit_blocks),
+            "hit_blocks": hit_blocks,
             "hit_ratio": _ratio(total, self.requested_blocks),
             "hit_ratio_by_tier": {
-                t: _ratio(n, self.requested_blocks) for t, n in self.hit_blocks.items()
+                t: _ratio(n, self.requested_blocks) for t, n in hit_blocks.items()
             },
             "window_requests": len(self._recent),
             "window_hit_ratio": _ratio(recent, self._recent_requested),
             "window_hit_ratio_by_tier": {
-                t: _ratio(n, self._recent_requested) for t, n in self._recent_hits.items()
+                t: _ratio(n, self._recent_requested) for t, n in recent_hits.items()
             },
         }
 

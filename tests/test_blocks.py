@@ -208,6 +208,25 @@ def test_bad_tokens_are_rejected(bad: object, match: str) -> None:
         KeyHasher(NS).hash_tokens(bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtype", ["i1", "u1", "i2", "u2", "<i4", ">i4", "u4", "<i8", ">i8", "u8"])
+def test_token_range_is_checked_for_every_integer_width(dtype: str) -> None:
+    info = np.iinfo(np.dtype(dtype))
+    top = min(int(info.max), MAX_TOKEN_ID)
+    ok = np.array([0, 1, top] * TPB, dtype=dtype)[:TPB]
+    assert key_list(KeyHasher(NS).hash_tokens(ok)) == key_list(
+        KeyHasher(NS).hash_tokens(ok.astype(np.int64))
+    )
+    if info.min < 0:
+        with pytest.raises(ValueError, match="non-negative, got -1 at index 2"):
+            KeyHasher(NS).hash_tokens(np.array([3, 4, -1, 5], dtype=dtype))
+    if info.max > MAX_TOKEN_ID:
+        bad = np.array([3, 4, MAX_TOKEN_ID + 1, 5], dtype=dtype)
+        with pytest.raises(
+            ValueError, match=f"<= {MAX_TOKEN_ID}, got {MAX_TOKEN_ID + 1} at index 2"
+        ):
+            KeyHasher(NS).hash_tokens(bad)
+
+
 def test_largest_token_id_is_accepted() -> None:
     assert KeyHasher(NS).hash_tokens([MAX_TOKEN_ID] * TPB).shape == (1,)
 

@@ -60,6 +60,17 @@ def test_exact_partial_and_longer_matches(policy):
     assert index.num_nodes == 1  # matching never splits
 
 
+def test_keys_read_from_a_frame_and_views_of_them_match_like_copies(policy):
+    index = make_index(policy)
+    index.insert(RUN, SLOTS, ready=True)
+    frame = RUN.tobytes()  # keys as the sidecar gets them: a view of the message bytes
+    wire = np.frombuffer(frame, dtype=KEY_DTYPE)
+    for view in (wire, wire[:3], wire[2:], wire[::2], wire[::-1]):
+        assert index.match(view).slots.tolist() == index.match(view.copy()).slots.tolist()
+    assert index.match(wire).num_blocks == 5
+    assert index.match(wire[::-1]).num_blocks == 0  # reversed: key 5 first, not a prefix
+
+
 @pytest.mark.parametrize("at", range(5))
 def test_divergence_at_every_position(policy, at):
     index = make_index(policy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import stat
 import time
 import urllib.request
@@ -185,6 +186,25 @@ def test_an_engine_killed_mid_save_leaks_nothing(sidecar):
     assert s["plans_in_flight"] == 0 and s["engines"] == []
     with connect(sidecar.endpoint, make_kv(None)) as client:
         assert client.lookup(tokens(4)) == 0
+
+
+def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(sidecar):
+    client = connect(sidecar.endpoint, make_kv(11), timeout=0.3)
+    assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert client.lookup(tokens(2)) == 0
+        with pytest.raises(SidecarUnavailable, match=r"did not answer within 0\.3 s"):
+            client.load(tokens(2), np.arange(2))
+        assert time.monotonic() - start < 2 * 0.3 + 1.0
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
+    # The stalled lookup and load are answered now; those replies come before
+    # the next one and must not be taken for it.
+    assert client.lookup(tokens(3)) == 2 * sp.TOKENS_PER_BLOCK
+    assert client.lookup(tokens(1)) == sp.TOKENS_PER_BLOCK
+    client.close()
 
 
 def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):

@@ -76,17 +76,17 @@ def _common_prefix(node_keys: bytes, query: bytes, pos: int) -> int:
     """Leading keys of `node_keys` equal to the keys of `query` from key `pos`.
 
     The caller found the node through its first key, so at least one matches.
-    A whole-node match (the common case) costs one bytes comparison.
+    A match of the whole node, or of the whole rest of the query (the common
+    cases), costs one bytes comparison.
     """
     start = pos * KEY_BYTES
     segment = query[start : start + len(node_keys)]
-    if segment == node_keys:
-        return len(node_keys) // KEY_BYTES
     n = len(segment) // KEY_BYTES
+    if segment == node_keys[: len(segment)]:
+        return n
     a = np.frombuffer(node_keys, dtype=np.uint64, count=2 * n)
     b = np.frombuffer(segment, dtype=np.uint64)
-    diff = np.flatnonzero(a != b)
-    return n if diff.size == 0 else int(diff[0]) // 2
+    return int(np.flatnonzero(a != b)[0]) // 2
 
 
 class RadixIndex:
@@ -404,6 +404,9 @@ class RadixIndex:
 def _key_bytes(keys: BlockKeys) -> bytes:
     if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
         raise TypeError(f"keys must be a 1-D numpy array of dtype {KEY_DTYPE}")
+    base = keys.base
+    if type(base) is bytes and len(base) == keys.nbytes and keys.flags.c_contiguous:
+        return base  # keys read straight from a message frame: all of it, in order
     return keys.tobytes()
 
 
