@@ -24,13 +24,22 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   deleted untimed so the next save stores it again). Lookups and loads hit a
   pre-saved 2,048-block prefix; each client saves its own sequence.
 - Hashing: `hash_us`, KeyHasher.hash_tokens of the same token counts.
+- The lookup target's terms side by side: `lookup_paired_us`, one client
+  timing a raw 2,048-block ping-pong, hashing 2,048 blocks and
+  KVClient.lookup of them, one call of each per round in rotating order.
+  These VMs drift by +-20% in speed over seconds, so three figures measured
+  in separate cases can differ by more than the target's 100 µs slack;
+  side by side they cannot drift apart. The target is judged on these;
+  `targets.lookup_2048_p50_us.from_separate_cases` shows the same rule on
+  the separate cases of the tables.
 - Header encoding: see `bench.codecs`.
 
 Latencies are µs, p50 and p99 over every call of every client of a case;
 with 4 clients they all run for the same seconds at once. `vs_floor` holds
 each figure over the floor of the same message sizes and client count.
 Targets: 2,048-block lookup p50 <= floor p50 + hashing p50 + 100 µs (1
-client); 64-block lookups/s from 4 clients >= 0.5x the raw rate from 4.
+client, from `lookup_paired_us`); 64-block lookups/s from 4 clients >= 0.5x
+the raw rate from 4.
 """
 
 from __future__ import annotations
@@ -87,6 +96,9 @@ ABOUT = {
     "save_full_us": "[blocks][clients]: KVClient.save(...).wait(): hashing, plan, KV -> shm "
     "copies, Complete and its ack; the blocks are deleted untimed after each save",
     "hash_us": "[blocks]: KeyHasher.hash_tokens of blocks x 16 tokens, one process",
+    "lookup_paired_us": "[floor|hash|lookup]: the terms of the 2,048-block lookup target "
+    "(raw ping-pong of lookup sizes, hashing, KVClient.lookup), one client timing one call "
+    "of each per round in rotating order, so the machine's speed drifts hit all three",
     "raw_rate_rps": "[clients]: closed-loop requests/s of the 64-block lookup-sized ping-pong",
     "lookup_rate_rps": "[clients]: closed-loop KVClient.lookup calls/s, 64 blocks",
     "lookup_keys_rate_rps": "[clients]: closed-loop pre-hashed Lookups/s, 64 blocks",
@@ -198,6 +210,11 @@ def measure(
                 table[str(n)][str(clients)] = _strip(summary)
                 if n == RATE_BLOCKS and rate is not None:
                     rates[rate][str(clients)] = summary["rate_rps"]
+    n = max(BLOCK_COUNTS)
+    print(f"{n:,} blocks, 1 client: the lookup target's terms side by side ...", file=sys.stderr)
+    kw = {"echo": echo, "header_bytes": sizes["lookup_request"], **_args(n, hash_timing)}
+    (paired,) = fleet.call("lookup_paired", 1, [kw], hash_timing.seconds + 60)
+    out["lookup_paired_us"] = {name: _strip(summarize([s])) for name, s in paired.items()}
     out["raw_rate_rps"] = rates["raw"]
     out["lookup_rate_rps"] = rates["lookup"]
     out["lookup_keys_rate_rps"] = rates["lookup_keys"]
@@ -249,17 +266,24 @@ def derive(r: dict[str, Any]) -> None:
         c: r["lookup_keys_rate_rps"][c] / r["raw_rate_rps"][c] for c in r["raw_rate_rps"]
     }
     n, most = str(max(BLOCK_COUNTS)), str(max(CLIENT_COUNTS))
+    paired = {name: s["p50"] for name, s in r["lookup_paired_us"].items()}
+    limit = paired["floor"] + paired["hash"] + LOOKUP_SLACK_US
     floor, hashing = r["floor_rtt_us"]["lookup"][n]["1"]["p50"], r["hash_us"][n]["p50"]
-    lookup = r["lookup_rtt_us"][n]["1"]["p50"]
-    limit = floor + hashing + LOOKUP_SLACK_US
+    separate = r["lookup_rtt_us"][n]["1"]["p50"]
     ratio = r["lookup_rate_vs_raw"][most]
     r["targets"] = {
         "lookup_2048_p50_us": {
-            "value": lookup,
+            "value": paired["lookup"],
             "limit": limit,
-            "rule": f"<= floor p50 ({floor:.1f}) + hashing p50 ({hashing:.1f}) + "
-            f"{LOOKUP_SLACK_US:g} us, 1 client",
-            "within": lookup <= limit,
+            "rule": f"<= floor p50 ({paired['floor']:.1f}) + hashing p50 "
+            f"({paired['hash']:.1f}) + {LOOKUP_SLACK_US:g} us, 1 client, the three "
+            "measured side by side (lookup_paired_us)",
+            "within": paired["lookup"] <= limit,
+            "from_separate_cases": {
+                "value": separate,
+                "limit": floor + hashing + LOOKUP_SLACK_US,
+                "within": separate <= floor + hashing + LOOKUP_SLACK_US,
+            },
         },
         "lookup_rate_4_clients_vs_raw": {
             "value": ratio,

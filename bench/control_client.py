@@ -14,12 +14,13 @@ get, so a figure never silently times a miss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import zmq
 
-from bench.fleet import Samples, Timing, timed_loop
+from bench.fleet import Samples, Timing, timed_loop, timed_rotation
 from engine_shim.channel import Channel
 from sidecar import protocol as p
 from sidecar.blocks import KeyHasher, Namespace
@@ -106,6 +107,11 @@ class ControlClient:
         self, sync, endpoint: str, header_bytes: int, blocks: int, with_ids: bool, timing: Timing
     ) -> Samples:
         """Raw DEALER -> echo ROUTER round trips of request-sized messages."""
+        return timed_loop(self._ping_step(endpoint, header_bytes, blocks, with_ids), timing, sync)
+
+    def _ping_step(
+        self, endpoint: str, header_bytes: int, blocks: int, with_ids: bool
+    ) -> Callable[[], None]:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._dealers[endpoint] = zmq.Context.instance().socket(zmq.DEALER)
@@ -117,7 +123,7 @@ class ControlClient:
             sock.send_multipart(frames, copy=False)
             sock.recv_multipart()
 
-        return timed_loop(step, timing, sync)
+        return step
 
     # ---- the sidecar -------------------------------------------------------------
 
@@ -144,6 +150,21 @@ class ControlClient:
         tokens = token_ids(blocks, LOOKUP_SET)
         _expect("lookup", self.kv.lookup(tokens), blocks * TOKENS_PER_BLOCK)
         return timed_loop(lambda: self.kv.lookup(tokens), timing, sync)
+
+    def lookup_paired(
+        self, sync, echo: str, header_bytes: int, blocks: int, timing: Timing
+    ) -> dict[str, Samples]:
+        """The three terms of the lookup target side by side (`timed_rotation`):
+        the raw ping-pong of lookup sizes, hashing the tokens, and
+        KVClient.lookup of the same tokens."""
+        tokens = token_ids(blocks, LOOKUP_SET)
+        _expect("lookup", self.kv.lookup(tokens), blocks * TOKENS_PER_BLOCK)
+        steps = {
+            "floor": self._ping_step(echo, header_bytes, blocks, with_ids=False),
+            "hash": lambda: self.hasher.hash_tokens(tokens),
+            "lookup": lambda: self.kv.lookup(tokens),
+        }
+        return timed_rotation(steps, timing, sync)
 
     def lookup_keys(self, sync, blocks: int, timing: Timing) -> Samples:
         """A Lookup of pre-hashed keys over the raw protocol."""

@@ -78,6 +78,36 @@ def timed_loop(
     return Samples(np.array(latencies, dtype=np.int64), (clock() - start) / 1e9)
 
 
+def timed_rotation(
+    steps: dict[str, Callable[[], Any]], timing: Timing, sync: Callable[[], None]
+) -> dict[str, Samples]:
+    """`timed_loop` for several steps measured side by side: every round
+    times each step once, starting one step later each round, so a drift in
+    the shared machine's speed (often +-20% over seconds on these VMs) hits
+    all of them alike and no step always runs right after the same other."""
+    names = list(steps)
+    for _ in range(timing.warmup):
+        for name in names:
+            steps[name]()
+    sync()
+    clock = time.perf_counter_ns
+    latencies: dict[str, list[int]] = {name: [] for name in names}
+    start = clock()
+    end = start + int(timing.seconds * 1e9)
+    rounds = 0
+    while True:
+        for k in range(len(names)):
+            name = names[(rounds + k) % len(names)]
+            t0 = clock()
+            steps[name]()
+            latencies[name].append(clock() - t0)
+        rounds += 1
+        if clock() >= end and rounds >= timing.min_samples:
+            break
+    wall = (clock() - start) / 1e9
+    return {n: Samples(np.array(v, dtype=np.int64), wall) for n, v in latencies.items()}
+
+
 def summarize(samples: Sequence[Samples]) -> dict[str, float]:
     """p50 / p99 / mean latency in µs over every process's calls, the number of
     calls, and the closed-loop rate (the sum of each process's calls/s)."""

@@ -10,6 +10,7 @@ import os
 import pytest
 from shm_helpers import shm_entries
 
+from bench.fleet import Timing, timed_rotation
 from sidecar.cli import main
 
 pytest.importorskip("torch")
@@ -68,6 +69,32 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
         assert positive(target["value"]) and positive(target["limit"]), name
         assert isinstance(target["within"], bool), name
 
+    # The lookup target is judged on its three terms measured side by side.
+    paired = r["lookup_paired_us"]
+    assert sorted(paired) == ["floor", "hash", "lookup"]
+    assert len({s["samples"] for s in paired.values()}) == 1  # one call of each per round
+    target = r["targets"]["lookup_2048_p50_us"]
+    assert target["value"] == paired["lookup"]["p50"]
+    assert target["limit"] == pytest.approx(paired["floor"]["p50"] + paired["hash"]["p50"] + 100)
+    assert target["within"] == (target["value"] <= target["limit"])
+    separate = target["from_separate_cases"]
+    assert separate["value"] == r["lookup_rtt_us"]["2048"]["1"]["p50"]
+
     assert r["sidecar_exit_code"] == 0
     assert r["shm_leftovers"] == []
     assert shm_entries(f"kvsidecar.{os.getuid()}.{r['sidecar_instance']}") == []
+
+
+def test_timed_rotation_times_each_step_once_per_round_in_rotating_order():
+    order: list[str] = []
+    steps = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    synced: list[bool] = []
+    out = timed_rotation(
+        steps, Timing(seconds=0.0, warmup=1, min_samples=4), lambda: synced.append(True)
+    )
+
+    assert synced == [True]
+    assert order[:3] == ["a", "b", "c"]  # the warm-up round
+    assert order[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert {name: s.latency_ns.size for name, s in out.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all((s.latency_ns > 0).all() and s.wall_s > 0 for s in out.values())
