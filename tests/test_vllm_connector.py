@@ -107,11 +107,19 @@ def test_a_local_hit_is_skipped_and_the_last_token_never_claimed(pair):
     assert np.array_equal(blocks_of(kv, [21])[0], blocks_of(kv, [1])[0])
 
 
-def test_ask_again_while_the_lookup_is_in_flight(make_pair):
-    sched, worker, _ = make_pair(seed=2, lookup_async=True)
+def test_ask_again_while_the_lookup_is_in_flight(sidecar, make_pair):
+    sched, worker, _ = make_pair(seed=2, lookup_async=True, timeout=10.0)
     tokens = prompt(2 * BLOCK + 1)
     req = cached(sched, worker, tokens, [0, 1])
-    assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    # A stopped sidecar keeps the lookup in flight for sure (a running one
+    # may answer before the first poll returns).
+    sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert sched.num_new_matched_tokens(req, 0) == (None, False)
+        time.sleep(0.05)
+        assert sched.num_new_matched_tokens(req, 0) == (None, False)
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 10
     while (answer := sched.num_new_matched_tokens(req, 0))[0] is None:
         assert time.monotonic() < deadline
