@@ -157,7 +157,7 @@ class Config:
         1,
         "int",
         "Connections one remote write (an H2REMOTE op) is spread over (at most "
-        "remote_io_threads); reads use every thread. One pipelined stream per "
+        "remote_io_threads, else a config error); reads use every thread. One pipelined stream per "
         "server wrote fastest to one Redis on a 2-core host (docs/sidecar.md); "
         "raise it where round trips, not bytes, bound the writes (a far store).",
         low=1,
@@ -301,6 +301,11 @@ class Config:
         if self.events_resync_endpoint is not None and self.events_endpoint is None:
             raise ConfigError(
                 "events_resync_endpoint is set but events_endpoint is not: set both, or neither"
+            )
+        if self.remote_write_streams > self.remote_io_threads:
+            raise ConfigError(
+                f"remote_write_streams ({self.remote_write_streams}) must not exceed "
+                f"remote_io_threads ({self.remote_io_threads}): each stream is one thread"
             )
         bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
         if len(set(bound)) != len(bound):

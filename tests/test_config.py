@@ -401,3 +401,9 @@ def test_main_prints_table() -> None:
         cwd=REPO,
     )
     assert result.stdout == config_table_markdown()
+
+
+def test_remote_write_streams_may_not_exceed_the_remote_threads() -> None:
+    assert load_config(overrides={"remote_io_threads": 3, "remote_write_streams": 3})
+    with pytest.raises(ConfigError, match=r"remote_write_streams \(5\) must not exceed"):
+        load_config(overrides={"remote_io_threads": 4, "remote_write_streams": 5})
