@@ -1,6 +1,10 @@
 """`LocalSidecar`: a private `kvsidecar serve` subprocess, for the demo and
 the benchmarks that need one sidecar of their own.
 
+It never outlives the process that starts it: it runs with `--parent-pid`,
+so if that process dies without stopping it (SIGKILL, a crash), the sidecar
+drains and cleans up by itself within about a second.
+
 It gets its own instance name and runtime directory inside the caller's work
 directory, so it never touches a sidecar someone else runs. Its log goes to
 `sidecar.log` there. `stop()` stops it with SIGTERM (the sidecar then
@@ -49,6 +53,7 @@ class LocalSidecar:
         self.log_path = Path(workdir) / "sidecar.log"
         self.endpoint = f"ipc://{self.runtime_dir}/{self.instance}.sock"
         self.args = ["--instance", self.instance, "--cpu-capacity", cpu_capacity]
+        self.args += ["--parent-pid", str(os.getpid())]  # it never outlives this process
         for key, value in {"runtime_dir": self.runtime_dir, **(settings or {})}.items():
             self.args += ["--set", f"{key}={value}"]
         self.proc: subprocess.Popen[str] | None = None

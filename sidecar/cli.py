@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +63,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _config_args(p)
     p.add_argument("--cpu-capacity", metavar="SIZE", help="CPU tier size, e.g. 8GiB")
     p.add_argument("--metrics-port", metavar="PORT", help="Prometheus endpoint port")
+    p.add_argument(
+        "--parent-pid",
+        metavar="PID",
+        type=int,
+        help="stop (as on SIGTERM) once process PID, this sidecar's parent, has exited: "
+        "for a sidecar owned by the program that starts it",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log every engine event")
     p.set_defaults(func=_serve)
 
@@ -83,7 +91,14 @@ def _serve(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s kvsidecar %(levelname)s %(message)s",
     )
-    server = Server(_load(args))
+    if args.parent_pid is not None and args.parent_pid != os.getppid():
+        print(
+            f"kvsidecar: --parent-pid {args.parent_pid} is not this process's parent "
+            f"(pid {os.getppid()}); has it exited already?",
+            file=sys.stderr,
+        )
+        return 2
+    server = Server(_load(args), parent_pid=args.parent_pid)
     server.handle_signals()
     try:
         server.start()

@@ -7,7 +7,8 @@ before any state changes; the loop never dies on a message.
 
 Start-up: take the instance lock (proving no live sidecar owns the name),
 remove a dead predecessor's socket and shm segments, create and pre-fault
-the CPU tier, bind. Shutdown (SIGTERM/SIGINT): refuse new loads and saves,
+the CPU tier, bind. Shutdown (SIGTERM/SIGINT, or under `--parent-pid` the
+parent's exit, noticed within a second): refuse new loads and saves,
 let in-flight plans finish for up to `drain_seconds`, cancel the rest,
 then unlink the shm segments, the socket and the lock.
 """
@@ -15,6 +16,7 @@ then unlink the shm segments, the socket and the lock.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 import uuid
@@ -58,8 +60,11 @@ def default_cpu_capacity() -> int:
 
 
 class Server(Handlers):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, parent_pid: int | None = None) -> None:
+        """`parent_pid`: stop, as on SIGTERM, once this process's parent is no
+        longer that process (it exited and the sidecar was re-parented)."""
         self.config = config
+        self.parent_pid = parent_pid
         self.paths = instance_paths(config)
         self.endpoint = endpoint_of(config)
         self.boot_id = uuid.uuid4().hex
@@ -194,6 +199,13 @@ class Server(Handlers):
             self.publisher.serve_resync(index)
         now = time.monotonic()
         if now >= self._next_lease_check:
+            if (
+                self.parent_pid is not None
+                and os.getppid() != self.parent_pid
+                and not self.stopping
+            ):
+                log.warning("parent process %d exited: draining", self.parent_pid)
+                self.stopping = True
             self.engines.expire(self.config.lease_seconds)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)

@@ -51,6 +51,8 @@ class Sidecar:
             f"lease_seconds={lease}",
             "--set",
             "drain_seconds=1",
+            "--parent-pid",
+            str(os.getpid()),
             *args,
         ]
         self.endpoint = f"ipc://{self.runtime_dir}/{self.instance}.sock"
@@ -209,3 +211,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def local_sidecar_owner(workdir: str, conn) -> None:
+    """Start a LocalSidecar, send (its pid, shm segments, socket path), then
+    sleep until killed: an owner that dies without stopping its sidecar."""
+    from engine_shim.local_sidecar import LocalSidecar
+
+    local = LocalSidecar(Path(workdir), cpu_capacity="4MiB").start()
+    assert local.proc is not None
+    socket_path = local.endpoint.removeprefix("ipc://")
+    conn.send((local.proc.pid, local.shm_segments(), socket_path))
+    time.sleep(600)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 import urllib.request
 
 import numpy as np
+import psutil
 import pytest
 import sidecar_proc as sp
 from sidecar_proc import Sidecar, connect, expected_blocks, make_kv, tokens
@@ -78,6 +82,52 @@ def test_a_second_sidecar_with_the_same_name_refuses_to_start(sidecar):
     with pytest.raises(RuntimeError, match="already running"):
         twin.start()
     assert sidecar.proc.poll() is None and stats_of(sidecar)["pid"] == sidecar.proc.pid
+
+
+def test_a_sidecar_started_with_parent_pid_stops_when_its_owner_is_killed(tmp_path):
+    ours, theirs = SPAWN.Pipe(duplex=False)
+    owner = SPAWN.Process(target=sp.local_sidecar_owner, args=(str(tmp_path), theirs))
+    owner.start()
+    try:
+        assert ours.poll(60), "the owner did not start its sidecar"
+        pid, segments, socket_path = ours.recv()
+        assert segments and os.path.exists(socket_path)
+    finally:
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.join(10)
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    try:
+        wait_for(gone)  # it drains and cleans up as on SIGTERM
+    finally:
+        if not gone():  # do not leave it running when the test fails
+            os.kill(pid, signal.SIGKILL)
+            for name in segments:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"/dev/shm/{name}")
+    assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments)
+    assert not os.path.exists(socket_path)
+
+
+def test_parent_pid_that_is_not_the_parent_is_refused():
+    stranger = subprocess.Popen(["sleep", "60"])  # alive, but not the sidecar's parent
+    try:
+        args = ["--parent-pid", str(stranger.pid), "--cpu-capacity", "4MiB"]
+        out = subprocess.run(
+            [sys.executable, "-m", "sidecar", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert out.returncode == 2 and "is not this process's parent" in out.stderr
 
 
 # ---- data path -----------------------------------------------------------------------------
