@@ -1,7 +1,9 @@
 /* Chained block keys with keyed BLAKE2b-128, written from RFC 7693.
  *
  * One call hashes a whole chain: key_i = BLAKE2b(key, digest 16)(key_{i-1} || block_i),
- * starting from a given parent digest. The pure-Python fallback in sidecar/blocks.py
+ * starting from a given parent digest. chain_tokens does the same straight from an
+ * engine's int64 or int32 token ids, range-checking and narrowing them as it goes.
+ * The pure-Python fallback in sidecar/blocks.py
  * computes the same bytes with hashlib; tests/test_blocks.py checks they agree.
  */
 #define PY_SSIZE_T_CLEAN
@@ -180,11 +182,85 @@ done:
     return result;
 }
 
+/* The id at tokens[i] of `itemsize` (4 or 8) bytes, read as unsigned: a negative id of a
+ * signed type reads as a huge one, so one comparison checks both ends of the range. */
+static inline uint64_t token_at(const uint8_t *tokens, Py_ssize_t itemsize, Py_ssize_t i) {
+    if (itemsize == 8) {
+        uint64_t v;
+        memcpy(&v, tokens + i * 8, 8);
+        return v;
+    }
+    uint32_t v;
+    memcpy(&v, tokens + i * 4, 4);
+    return v;
+}
+
+static PyObject *chain_tokens(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data, key, parent;
+    Py_ssize_t itemsize, per_block;
+    if (!PyArg_ParseTuple(args, "y*nny*y*", &data, &itemsize, &per_block, &key, &parent))
+        return NULL;
+    PyObject *result = NULL;
+    uint8_t *msg = NULL;
+    if ((itemsize != 4 && itemsize != 8) || data.len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "tokens must be whole ids of 4 or 8 bytes");
+        goto done;
+    }
+    if (per_block <= 0 || key.len > MAXKEYBYTES || parent.len != OUTBYTES) {
+        PyErr_SetString(PyExc_ValueError, "bad tokens_per_block, key or parent");
+        goto done;
+    }
+    const uint8_t *tokens = data.buf;
+    Py_ssize_t count = data.len / itemsize, n = count / per_block;
+    int in_range = 1;
+    for (Py_ssize_t i = 0; i < count; i++) in_range &= token_at(tokens, itemsize, i) <= 0x7fffffffu;
+    if (!in_range) {
+        PyErr_SetString(PyExc_OverflowError, "a token id is outside [0, 2**31 - 1]");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, n * OUTBYTES);
+    msg = PyMem_Malloc((size_t)(OUTBYTES + 4 * per_block));
+    if (result == NULL || msg == NULL) {
+        Py_CLEAR(result);
+        if (msg == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t h0[8];
+    uint64_t t0 = keyed_state(h0, key.buf, (size_t)key.len);
+    memcpy(msg, parent.buf, OUTBYTES);
+    for (Py_ssize_t b = 0; b < n; b++) {
+        uint8_t *dst = msg + OUTBYTES;
+        for (Py_ssize_t i = b * per_block; i < (b + 1) * per_block; i++, dst += 4) {
+            uint32_t v = (uint32_t)token_at(tokens, itemsize, i);
+            dst[0] = (uint8_t)v, dst[1] = (uint8_t)(v >> 8);
+            dst[2] = (uint8_t)(v >> 16), dst[3] = (uint8_t)(v >> 24);
+        }
+        finish(h0, t0, msg, (size_t)(OUTBYTES + 4 * per_block), out + b * OUTBYTES);
+        memcpy(msg, out + b * OUTBYTES, OUTBYTES);
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyMem_Free(msg);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&parent);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS,
      "chain(data, block_bytes, key, parent) -> bytes\n\n"
      "Keys of the len(data) // block_bytes full blocks of data: key_i is keyed\n"
      "BLAKE2b with a 16-byte digest of key_{i-1} || block_i, key_{-1} = parent."},
+    {"chain_tokens", chain_tokens, METH_VARARGS,
+     "chain_tokens(tokens, itemsize, tokens_per_block, key, parent) -> bytes\n\n"
+     "chain() over tokens_per_block token ids a block, hashed as little-endian int32,\n"
+     "read from a buffer of native integers of itemsize (4 or 8) bytes, so no int32\n"
+     "copy is made first. OverflowError if any id (tail included) is outside\n"
+     "[0, 2**31 - 1]; negative ids of signed types count as outside."},
     {NULL, NULL, 0, NULL},
 };
 

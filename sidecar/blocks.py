@@ -145,12 +145,19 @@ def xxh3_128_chain(data: bytes | memoryview, block_bytes: int, key: bytes, paren
 
 
 BLAKE2B_CHAINS: dict[str, ChainFn] = {"python": blake2b_chain_python}
+TokenChainFn = Callable[[np.ndarray, int, int, bytes, bytes], bytes]
+"""(token ids, bytes per id, tokens per block, chain key, parent key) -> key bytes."""
+_token_chain: TokenChainFn | None = None
 try:
     from sidecar import _blake2chain
 
     BLAKE2B_CHAINS["c"] = _blake2chain.chain
+    _token_chain = _blake2chain.chain_tokens
 except ImportError:  # built without a C compiler: hashlib is ~2-3x slower
     pass
+_DIRECT_DTYPES = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.uint64, np.uint32))
+"""Token id dtypes the C chain reads as they are (range-checked and narrowed in one
+pass), so the usual int64 ids of an engine cost no int32 copy or numpy reductions."""
 BLAKE2B_IMPL = "c" if "c" in BLAKE2B_CHAINS else "python"
 """The blake2b implementation a KeyHasher uses by default."""
 
@@ -187,10 +194,11 @@ class KeyHasher:
             if impl not in BLAKE2B_CHAINS:
                 raise ValueError(f"blake2b impl must be one of {sorted(BLAKE2B_CHAINS)}")
             self._chain = BLAKE2B_CHAINS[impl]
+            self._token_chain = _token_chain if impl == "c" else None
         else:
             if impl not in (None, "xxhash"):
                 raise ValueError("xxh3_128 has a single impl, 'xxhash'")
-            impl, self._chain = "xxhash", xxh3_128_chain
+            impl, self._chain, self._token_chain = "xxhash", xxh3_128_chain, None
         self.namespace = namespace
         self.algorithm = algorithm
         self.impl = impl
@@ -226,8 +234,21 @@ class KeyHasher:
         the same keys as hashing the whole sequence. Raises ValueError for bad
         tokens (see `canonical_tokens`) or a parent that is not 16 bytes.
         """
-        tokens = canonical_tokens(token_ids)
         start = self.root if parent is None else _parent_bytes(parent)
+        direct = self._token_chain
+        if (
+            direct is not None
+            and type(token_ids) is np.ndarray
+            and token_ids.ndim == 1
+            and token_ids.dtype in _DIRECT_DTYPES
+            and token_ids.flags.c_contiguous
+        ):
+            try:
+                tpb, itemsize = self.tokens_per_block, token_ids.itemsize
+                return as_keys(direct(token_ids, itemsize, tpb, self._chain_key, start))
+            except OverflowError:
+                pass  # an id out of range: canonical_tokens names it
+        tokens = canonical_tokens(token_ids)
         n = tokens.size // self.tokens_per_block
         data = memoryview(tokens[: n * self.tokens_per_block]).cast("B")  # no copy
         return as_keys(self._chain(data, self._block_bytes, self._chain_key, start))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sidecar import blocks
 from sidecar.blocks import MAX_TOKEN_ID, KeyHasher, Namespace
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, key_at
+from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, as_keys, key_at
 
 TPB = 4
 NS = Namespace(
@@ -75,6 +75,24 @@ def test_c_equals_python_on_random_inputs() -> None:
         key = os.urandom(int.from_bytes(os.urandom(1), "little") % 65)
         parent = os.urandom(KEY_BYTES)
         assert c(data, block_bytes, key, parent) == py(data, block_bytes, key, parent)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint64, np.uint32])
+@pytest.mark.parametrize("tpb", [1, 4, 16, 33])
+def test_ids_hashed_as_they_are_give_the_int32_copys_keys(dtype: type, tpb: int) -> None:
+    """The C chain reads int32/int64 ids in place; the Python impl hashes an
+    int32 copy. Same keys for every length (tails included) and parent."""
+    ns = dataclasses.replace(NS, tokens_per_block=tpb)
+    direct, copied = KeyHasher(ns, impl="c"), KeyHasher(ns, impl="python")
+    assert direct._token_chain is not None  # the path under test is taken
+    rng = np.random.default_rng(tpb)
+    for n in (0, 1, tpb - 1, tpb, 7 * tpb + 3):
+        ids = rng.integers(0, MAX_TOKEN_ID, n, endpoint=True).astype(dtype)
+        ids[: min(n, 2)] = (0, MAX_TOKEN_ID)[: min(n, 2)]  # both ends of the range
+        for parent in (None, direct.root, b"\x07" * KEY_BYTES):
+            assert key_list(direct.hash_tokens(ids, parent)) == key_list(
+                copied.hash_tokens(ids, parent)
+            )
 
 
 def test_only_full_blocks_are_keyed(hasher: KeyHasher) -> None:
@@ -325,3 +343,16 @@ def test_digest_keys_never_meet_token_keys_or_other_namespaces(hasher: KeyHasher
 def test_bad_digests_are_rejected(bad: list, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         KeyHasher(NS).hash_digests(bad)
+
+
+@pytest.mark.parametrize(
+    "make", [bytes, bytearray, memoryview, lambda b: np.frombuffer(b, np.uint8)]
+)
+def test_as_keys_views_every_kind_of_key_bytes_and_refuses_a_ragged_length(make) -> None:
+    raw = os.urandom(3 * KEY_BYTES)
+    keys = as_keys(make(raw))
+    assert keys.dtype == KEY_DTYPE and key_list(keys) == [
+        raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)
+    ]
+    with pytest.raises(ValueError, match=f"multiple of {KEY_BYTES}"):
+        as_keys(make(raw[:-1]))

@@ -33,7 +33,10 @@ GpuBlockIds = NewType("GpuBlockIds", np.ndarray)
 
 def as_keys(data: bytes | bytearray | memoryview | np.ndarray) -> BlockKeys:
     """View raw key bytes (a multiple of 16) or a KEY_DTYPE array as BlockKeys."""
-    if isinstance(data, np.ndarray):
+    if isinstance(data, bytes):  # the common case, in one numpy call
+        if len(data) % KEY_BYTES == 0:
+            return BlockKeys(np.frombuffer(data, dtype=KEY_DTYPE))
+    elif isinstance(data, np.ndarray):
         if data.dtype == KEY_DTYPE and data.ndim == 1:
             return BlockKeys(data)
         data = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
