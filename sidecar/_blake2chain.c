@@ -135,53 +135,6 @@ static uint64_t keyed_state(uint64_t h[8], const uint8_t *key, size_t keylen) {
     return BLOCKBYTES;
 }
 
-static PyObject *chain(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer data, key, parent;
-    Py_ssize_t block_bytes;
-    if (!PyArg_ParseTuple(args, "y*ny*y*", &data, &block_bytes, &key, &parent)) return NULL;
-    PyObject *result = NULL;
-    uint8_t *msg = NULL;
-    if (block_bytes <= 0) {
-        PyErr_SetString(PyExc_ValueError, "block_bytes must be positive");
-        goto done;
-    }
-    if (key.len > MAXKEYBYTES) {
-        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes", MAXKEYBYTES);
-        goto done;
-    }
-    if (parent.len != OUTBYTES) {
-        PyErr_Format(PyExc_ValueError, "parent must be %d bytes", OUTBYTES);
-        goto done;
-    }
-    Py_ssize_t n = data.len / block_bytes;
-    result = PyBytes_FromStringAndSize(NULL, n * OUTBYTES);
-    msg = PyMem_Malloc((size_t)(OUTBYTES + block_bytes));
-    if (result == NULL || msg == NULL) {
-        Py_CLEAR(result);
-        if (msg == NULL) PyErr_NoMemory();
-        goto done;
-    }
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-    const uint8_t *src = data.buf;
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t h0[8];
-    uint64_t t0 = keyed_state(h0, key.buf, (size_t)key.len);
-    memcpy(msg, parent.buf, OUTBYTES);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(msg + OUTBYTES, src + i * block_bytes, (size_t)block_bytes);
-        finish(h0, t0, msg, (size_t)(OUTBYTES + block_bytes), out + i * OUTBYTES);
-        memcpy(msg, out + i * OUTBYTES, OUTBYTES);
-    }
-    Py_END_ALLOW_THREADS
-done:
-    PyMem_Free(msg);
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&key);
-    PyBuffer_Release(&parent);
-    return result;
-}
-
 /* The id at tokens[i] of `itemsize` (4 or 8) bytes, read as unsigned: a negative id of a
  * signed type reads as a huge one, so one comparison checks both ends of the range. */
 static inline uint64_t token_at(const uint8_t *tokens, Py_ssize_t itemsize, Py_ssize_t i) {
@@ -195,6 +148,68 @@ static inline uint64_t token_at(const uint8_t *tokens, Py_ssize_t itemsize, Py_s
     return v;
 }
 
+/* The keys of n blocks of src, each hashed as block_bytes bytes after its parent key.
+ * itemsize 0: a block is block_bytes bytes of src as they are; 4 or 8: a block is
+ * block_bytes / 4 native integers of that size, hashed as little-endian int32. */
+static PyObject *hash_chain(const uint8_t *src, Py_ssize_t n, Py_ssize_t itemsize,
+                            Py_ssize_t block_bytes, const Py_buffer *key,
+                            const Py_buffer *parent) {
+    if (key->len > MAXKEYBYTES) {
+        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes", MAXKEYBYTES);
+        return NULL;
+    }
+    if (parent->len != OUTBYTES) {
+        PyErr_Format(PyExc_ValueError, "parent must be %d bytes", OUTBYTES);
+        return NULL;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, n * OUTBYTES);
+    uint8_t *msg = PyMem_Malloc((size_t)(OUTBYTES + block_bytes));
+    if (result == NULL || msg == NULL) {
+        Py_CLEAR(result);
+        PyMem_Free(msg);
+        return msg == NULL ? PyErr_NoMemory() : NULL;
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_ssize_t per_block = block_bytes / 4;
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t h0[8];
+    uint64_t t0 = keyed_state(h0, key->buf, (size_t)key->len);
+    memcpy(msg, parent->buf, OUTBYTES);
+    for (Py_ssize_t b = 0; b < n; b++) {
+        uint8_t *dst = msg + OUTBYTES;
+        if (itemsize == 0) {
+            memcpy(dst, src + b * block_bytes, (size_t)block_bytes);
+        } else {
+            for (Py_ssize_t i = b * per_block; i < (b + 1) * per_block; i++, dst += 4) {
+                uint32_t v = (uint32_t)token_at(src, itemsize, i);
+                dst[0] = (uint8_t)v, dst[1] = (uint8_t)(v >> 8);
+                dst[2] = (uint8_t)(v >> 16), dst[3] = (uint8_t)(v >> 24);
+            }
+        }
+        finish(h0, t0, msg, (size_t)(OUTBYTES + block_bytes), out + b * OUTBYTES);
+        memcpy(msg, out + b * OUTBYTES, OUTBYTES);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(msg);
+    return result;
+}
+
+static PyObject *chain(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data, key, parent;
+    Py_ssize_t block_bytes;
+    if (!PyArg_ParseTuple(args, "y*ny*y*", &data, &block_bytes, &key, &parent)) return NULL;
+    PyObject *result = NULL;
+    if (block_bytes <= 0)
+        PyErr_SetString(PyExc_ValueError, "block_bytes must be positive");
+    else
+        result = hash_chain(data.buf, data.len / block_bytes, 0, block_bytes, &key, &parent);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&parent);
+    return result;
+}
+
 static PyObject *chain_tokens(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer data, key, parent;
@@ -202,48 +217,19 @@ static PyObject *chain_tokens(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nny*y*", &data, &itemsize, &per_block, &key, &parent))
         return NULL;
     PyObject *result = NULL;
-    uint8_t *msg = NULL;
-    if ((itemsize != 4 && itemsize != 8) || data.len % itemsize) {
-        PyErr_SetString(PyExc_ValueError, "tokens must be whole ids of 4 or 8 bytes");
-        goto done;
-    }
-    if (per_block <= 0 || key.len > MAXKEYBYTES || parent.len != OUTBYTES) {
-        PyErr_SetString(PyExc_ValueError, "bad tokens_per_block, key or parent");
-        goto done;
-    }
     const uint8_t *tokens = data.buf;
-    Py_ssize_t count = data.len / itemsize, n = count / per_block;
+    int whole = (itemsize == 4 || itemsize == 8) && data.len % itemsize == 0;
+    Py_ssize_t count = whole ? data.len / itemsize : 0;
     int in_range = 1;
     for (Py_ssize_t i = 0; i < count; i++) in_range &= token_at(tokens, itemsize, i) <= 0x7fffffffu;
-    if (!in_range) {
+    if (!whole)
+        PyErr_SetString(PyExc_ValueError, "tokens must be whole ids of 4 or 8 bytes");
+    else if (per_block <= 0)
+        PyErr_SetString(PyExc_ValueError, "tokens_per_block must be positive");
+    else if (!in_range)
         PyErr_SetString(PyExc_OverflowError, "a token id is outside [0, 2**31 - 1]");
-        goto done;
-    }
-    result = PyBytes_FromStringAndSize(NULL, n * OUTBYTES);
-    msg = PyMem_Malloc((size_t)(OUTBYTES + 4 * per_block));
-    if (result == NULL || msg == NULL) {
-        Py_CLEAR(result);
-        if (msg == NULL) PyErr_NoMemory();
-        goto done;
-    }
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t h0[8];
-    uint64_t t0 = keyed_state(h0, key.buf, (size_t)key.len);
-    memcpy(msg, parent.buf, OUTBYTES);
-    for (Py_ssize_t b = 0; b < n; b++) {
-        uint8_t *dst = msg + OUTBYTES;
-        for (Py_ssize_t i = b * per_block; i < (b + 1) * per_block; i++, dst += 4) {
-            uint32_t v = (uint32_t)token_at(tokens, itemsize, i);
-            dst[0] = (uint8_t)v, dst[1] = (uint8_t)(v >> 8);
-            dst[2] = (uint8_t)(v >> 16), dst[3] = (uint8_t)(v >> 24);
-        }
-        finish(h0, t0, msg, (size_t)(OUTBYTES + 4 * per_block), out + b * OUTBYTES);
-        memcpy(msg, out + b * OUTBYTES, OUTBYTES);
-    }
-    Py_END_ALLOW_THREADS
-done:
-    PyMem_Free(msg);
+    else
+        result = hash_chain(tokens, count / per_block, itemsize, 4 * per_block, &key, &parent);
     PyBuffer_Release(&data);
     PyBuffer_Release(&key);
     PyBuffer_Release(&parent);

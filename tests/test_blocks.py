@@ -356,3 +356,20 @@ def test_as_keys_views_every_kind_of_key_bytes_and_refuses_a_ragged_length(make)
     ]
     with pytest.raises(ValueError, match=f"multiple of {KEY_BYTES}"):
         as_keys(make(raw[:-1]))
+
+
+def test_chain_tokens_refuses_bad_arguments() -> None:
+    chain_tokens = blocks._token_chain
+    assert chain_tokens is not None
+    ids, key, parent = np.arange(8), b"", bytes(KEY_BYTES)
+    for args, error, match in [
+        ((ids, 3, 4, key, parent), ValueError, "whole ids"),
+        ((b"abc", 4, 1, key, parent), ValueError, "whole ids"),
+        ((ids, 8, 0, key, parent), ValueError, "tokens_per_block"),
+        ((ids, 8, 4, bytes(65), parent), ValueError, "key"),
+        ((ids, 8, 4, key, bytes(15)), ValueError, "parent"),
+        ((np.array([1, -1]), 8, 1, key, parent), OverflowError, "outside"),
+        ((np.array([2**31], np.uint32), 4, 1, key, parent), OverflowError, "outside"),
+    ]:
+        with pytest.raises(error, match=match):
+            chain_tokens(*args)
