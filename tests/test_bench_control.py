@@ -80,6 +80,15 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
     separate = target["from_separate_cases"]
     assert separate["value"] == r["lookup_rtt_us"]["2048"]["1"]["p50"]
 
+    # So is the rate target: its terms run in rotating slices, side by side.
+    rates = r["rates_paired_rps"]
+    assert all(positive(rates[name]) for name in ("raw", "lookup", "lookup_keys"))
+    rate_target = r["targets"]["lookup_rate_4_clients_vs_raw"]
+    assert rate_target["value"] == rates["lookup_vs_raw"] == rates["lookup"] / rates["raw"]
+    assert rates["lookup_keys_vs_raw"] == rates["lookup_keys"] / rates["raw"]
+    assert rate_target["within"] == (rate_target["value"] >= rate_target["limit"])
+    assert rate_target["from_separate_cases"]["value"] == r["lookup_rate_vs_raw"]["4"]
+
     assert r["sidecar_exit_code"] == 0
     assert r["shm_leftovers"] == []
     assert shm_entries(f"kvsidecar.{os.getuid()}.{r['sidecar_instance']}") == []
