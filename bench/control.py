@@ -35,11 +35,11 @@ clients) pair the floors run first, then the sidecar cases, back to back.
 - The rate target's terms side by side: `rates_paired_rps`, 4 clients
   running the raw 64-block ping-pong, KVClient.lookup and pre-hashed
   Lookups, each for 3 x --seconds in all, in 20 slices in rotating order.
-  Measured in the 3 slices of the table's cases,
-  a burst of slowness that hits the floor's slice and not the sidecar's
-  moves the ratio by 0.1 or more on these VMs; 20 slices spread it. The
-  target is judged on these; `targets.lookup_rate_4_clients_vs_raw.
-  from_separate_cases` shows it on the table's rates.
+  Measured in the 3 slices of the table's cases, a burst of slowness that
+  hits the floor's slice and not the sidecar's moves the ratio by 0.1 or
+  more on these VMs; 20 slices spread it. The target is judged on these;
+  `targets.lookup_rate_4_clients_vs_raw.from_separate_cases` shows it on
+  the table's rates.
 - Header encoding: see `bench.codecs`.
 
 Latencies are µs, p50 and p99 over every call of every client of a case;
@@ -301,7 +301,7 @@ def derive(r: dict[str, Any]) -> None:
     separate = r["lookup_rtt_us"][n]["1"]["p50"]
     paired_rates = r["rates_paired_rps"]
     for name in ("lookup", "lookup_keys"):
-        r["rates_paired_rps"][f"{name}_vs_raw"] = paired_rates[name] / paired_rates["raw"]
+        paired_rates[f"{name}_vs_raw"] = paired_rates[name] / paired_rates["raw"]
     ratio, separate_ratio = paired_rates["lookup_vs_raw"], r["lookup_rate_vs_raw"][most]
     r["targets"] = {
         "lookup_2048_p50_us": {
