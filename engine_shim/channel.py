@@ -3,13 +3,15 @@ fail-fast sends.
 
 `IMMEDIATE` makes a send to a sidecar that is not connected fail at once
 instead of queueing, so a down sidecar costs the engine nothing. A reply that
-arrives after its request timed out is dropped by id.
+arrives after its request timed out is dropped by id; if it carries a plan
+(a load or save the caller gave up on), `on_stray_plan` is told its id so
+that the plan can be given back instead of holding slots nobody will use.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -49,6 +51,7 @@ class Channel:
         self._connected = False
         self._awaited: set[int] = set()
         self._early: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
+        self.on_stray_plan: Callable[[int], None] | None = None
 
     def send(self, request: Any, arrays: Sequence[bytes] = (), *, reply: bool = True) -> int:
         """Send without waiting; returns the request id to `wait_reply` on.
@@ -115,6 +118,8 @@ class Channel:
         rid = header["id"]
         if rid in self._awaited:
             self._early[rid] = (header, arrays)
+        elif header.get("ops") and self.on_stray_plan is not None:
+            self.on_stray_plan(int(header["plan_id"]))
 
     def close(self) -> None:
         self._sock.close(0)

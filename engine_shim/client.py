@@ -123,6 +123,7 @@ class KVClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self._channel = Channel(endpoint, timeout)
+        self._channel.on_stray_plan = self._give_back
         self.session = uuid.uuid4().hex
         self._register_args: dict[str, Any] | None = None
         self._planes: KVPlanes | None = None
@@ -453,8 +454,15 @@ class KVClient:
 
     def _fail(self, plan: PlanOps, err: Exception) -> None:
         self._channel.send(
-            self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err))
+            self._req(p.Fail, plan_id=plan.plan_id, op_id=plan.ops[0][0], reason=repr(err)),
+            reply=False,
         )
+
+    def _give_back(self, plan_id: int) -> None:
+        """A load or save was answered after this client stopped waiting: no
+        copy ran for that plan, so cancel it (its locks and slots go back)."""
+        with contextlib.suppress(SidecarUnavailable):  # gone, and its plans with it
+            self._channel.send(self._req(p.Cancel, plan_id=plan_id), reply=False)
 
 
 def _checked_keys(keys: Any) -> BlockKeys:

@@ -144,6 +144,8 @@ class Engines:
         self.sessions: dict[str, Session] = {}
         self.plans: dict[int, PlanState] = {}
         self.num_expired = 0
+        self.num_ended = 0
+        """Plans ended so far (completed, failed, cancelled or dropped)."""
 
     def session(self, session_id: str) -> Session:
         """The live session (its lease renewed), or ProtocolError NOT_REGISTERED."""
@@ -169,7 +171,12 @@ class Engines:
         self, engine_id: str, session_id: str, kv: KVLayoutMsg, ns: Namespace, pid: int
     ) -> Session:
         """Add a rank's session (call `check_join` first). A new session for a
-        rank that has one replaces it: that rank's process restarted."""
+        rank that has one replaces it: that rank's process restarted. A
+        session registering again as another engine or rank leaves its old
+        place first, as if it had unregistered."""
+        prior = self.sessions.get(session_id)
+        if prior is not None and (prior.group.engine_id, prior.rank) != (engine_id, kv.tp_rank):
+            self.drop(prior, "registered again as another engine or rank")
         group = self.groups.get(engine_id)
         if group is None:
             group = self.groups[engine_id] = EngineGroup(engine_id, ns, kv)
@@ -201,6 +208,7 @@ class Engines:
         state = self.plans.pop(plan_id, None)
         if state is None:
             return
+        self.num_ended += 1
         state.group.plans.pop(plan_id, None)
         if cancel:
             self._cancel(plan_id)
@@ -255,3 +263,5 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+    except (psutil.Error, ValueError):  # not ours to inspect: the lease decides
+        return True

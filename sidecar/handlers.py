@@ -68,6 +68,9 @@ class Handlers:
     _deferred: dict[int, tuple[bytes, p.Load, list[bytes], int]]
     """Staging plan id -> the load waiting for it (identity, request, arrays, attempt)."""
     _waiting_for_io: list[tuple[bytes, p.Load, list[bytes], int]]
+    """Loads parked until a CPU slot may have come free (see `retry_parked`)."""
+    _parked_at: int
+    """`engines.num_ended` when the parked loads were last tried."""
     _poller: zmq.Poller
 
     def _send(self, identity: bytes, reply: p.Reply) -> None:
@@ -107,6 +110,10 @@ class Handlers:
                 ErrorCode.LAYOUT_MISMATCH,
                 f"this sidecar serves blocks of {self.layout}, not {layout}; "
                 "run one sidecar instance per KV layout",
+            )
+        if req.pid < 0:
+            raise ProtocolError(
+                ErrorCode.BAD_VALUE, f"pid must be >= 0 (0: unknown), got {req.pid}"
             )
         self.engines.check_join(req.engine_id, req.session, kv, namespace)
         # Checks done: from here on the request changes state.
@@ -194,8 +201,9 @@ class Handlers:
             counts = self.cache.lookup(keys)
             if max(counts.ssd, counts.remote) > counts.cpu and self.dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
-                # flight. Try again when one of those lands.
+                # flight or by engines' open plans. Try again when a plan ends.
                 self._waiting_for_io.append(waiting)
+                self._parked_at = self.engines.num_ended
                 return None
         plan = self.cache.get(keys, gpu, req.skip, stage=False)
         h = plan.hit_blocks
@@ -244,6 +252,13 @@ class Handlers:
         self._adopt_background()
 
     def _keys_and_blocks(self, session: Session, arrays: list[bytes]) -> tuple[Any, GpuBlockIds]:
+        group = session.group
+        if len(group.sessions) < group.tp_size:
+            raise ProtocolError(
+                ErrorCode.RANKS_MISSING,
+                f"engine {group.engine_id!r} has {len(group.sessions)} of its "
+                f"{group.tp_size} TP ranks registered; a plan needs every rank",
+            )
         keys = p.parse_keys(arrays[0])
         gpu = p.parse_ids(arrays[1], "block_ids", len(keys), session.group.num_gpu_blocks)
         return keys, GpuBlockIds(gpu)
@@ -251,10 +266,20 @@ class Handlers:
     def _plan_ended(self, plan_id: int, ok: bool) -> None:
         """A plan run by the data plane ended: answer a load waiting for it."""
         self.engines.end(plan_id, cancel=False)
-        retry, self._waiting_for_io = self._waiting_for_io, []
         waiting = self._deferred.pop(plan_id, None)
-        if waiting is not None:
-            retry.append(waiting)
+        self._retry_loads([] if waiting is None else [waiting])
+
+    def retry_parked(self) -> None:
+        """Try the parked loads again if a plan has ended since they were
+        parked: an engine's save completed or was given up, a load released
+        its locks, so a CPU slot may be free. (Plans run by the data plane
+        retry them as they end, in `_plan_ended`.)"""
+        if self._waiting_for_io and self.engines.num_ended != self._parked_at:
+            self._retry_loads([])
+
+    def _retry_loads(self, ready: list[tuple[bytes, p.Load, list[bytes], int]]) -> None:
+        retry, self._waiting_for_io = [*self._waiting_for_io, *ready], []
+        self._parked_at = self.engines.num_ended
         for identity, req, arrays, attempt in retry:
             self._resume(identity, req.id, functools.partial(self._load, req, arrays, attempt))
         self._adopt_background()

@@ -49,6 +49,9 @@ class ErrorCode(str, enum.Enum):
     """The plan or op belongs to another engine."""
     BUSY = "busy"
     """The blocks are locked or in flight; try again later."""
+    RANKS_MISSING = "ranks_missing"
+    """A load or save from an engine some of whose TP ranks are not registered
+    (yet, or no longer): its plan could never complete."""
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 

@@ -84,6 +84,7 @@ class Server(Handlers):
         """Staging plan id -> the load waiting for it (identity, request, arrays, attempt)."""
         self._identity = b""
         self._waiting_for_io: list[tuple[bytes, p.Load, list[bytes], int]] = []
+        self._parked_at = 0
         self.engines = Engines(self._cancel_plan)
         self.hits = HitStats(config.hit_window)
         self.requests: Counter[str] = Counter()
@@ -183,6 +184,7 @@ class Server(Handlers):
             self._receive(timeout_ms)
         else:
             self._poll(timeout_ms)
+        self.retry_parked()
         if self.publisher is not None:
             index = self.cache.cpu.index if self.cache is not None else None
             if index is not None:

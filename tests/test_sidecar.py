@@ -254,6 +254,27 @@ def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(si
     # the next one and must not be taken for it.
     assert client.lookup(tokens(3)) == 2 * sp.TOKENS_PER_BLOCK
     assert client.lookup(tokens(1)) == sp.TOKENS_PER_BLOCK
+    # The late load's plan, which no copy will ever run, was given back: its
+    # locks are gone, so the blocks can be deleted.
+    wait_for(lambda: stats_of(sidecar)["plans_in_flight"] == 0)
+    assert client.delete(tokens(1)) == 2  # block 0 and the one below it
+    client.close()
+
+
+def test_a_save_answered_after_its_timeout_is_given_back(sidecar):
+    client = connect(sidecar.endpoint, make_kv(12), timeout=0.3)
+    sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(SidecarUnavailable):
+            client.save(tokens(3), np.arange(3))
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
+    assert client.lookup(tokens(3)) == 0  # reads the late save reply and cancels its plan
+    wait_for(lambda: stats_of(sidecar)["plans_in_flight"] == 0)
+    assert stats_of(sidecar)["tiers"]["cpu"]["used_blocks"] == 0
+    # The prefix is not stuck "in flight": saving it again stores it.
+    assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+    assert client.lookup(tokens(3)) == 3 * sp.TOKENS_PER_BLOCK
     client.close()
 
 
@@ -372,6 +393,74 @@ def test_refusals_are_structured_and_change_nothing(sidecar):
     for c in (a, b):
         c.close()
     channel.close()
+
+
+def test_a_negative_pid_is_refused_and_the_sidecar_lives_on(sidecar):
+    channel = Channel(sidecar.endpoint, 2.0)
+    try:
+        kv = make_kv(None)
+        probe = connect(sidecar.endpoint, kv, engine_id="probe")
+        request = p.Register(
+            v=1,
+            id=0,
+            session="neg",
+            engine_id="neg",
+            kv=probe._register_args["kv"],
+            pid=-1,
+            pid_ns=probe._register_args["pid_ns"],
+        )
+        with pytest.raises(SidecarError) as info:
+            channel.call(request)
+        assert info.value.code == "bad_value"
+        time.sleep(1.2)  # past a lease check
+        assert sidecar.proc.poll() is None
+        assert [e["engine_id"] for e in stats_of(sidecar)["engines"]] == ["probe"]
+        probe.close()
+    finally:
+        channel.close()
+
+
+def test_registering_again_as_another_engine_or_rank_leaves_nothing_behind(sidecar):
+    channel = Channel(sidecar.endpoint, 2.0)
+    client = connect(sidecar.endpoint, make_kv(13))
+    try:
+        keys = client.block_keys(tokens(2))
+        save = p.Save(v=1, id=0, session=client.session)
+        channel.call(save, [p.keys_frame(keys), p.ids_frame(np.arange(2))])  # never completed
+        assert stats_of(sidecar)["plans_in_flight"] == 1
+        client.register(make_kv(13), **sp.MODEL)  # a fresh engine id: its old place goes
+        s = stats_of(sidecar)
+        assert s["plans_in_flight"] == 0 and s["tiers"]["cpu"]["used_blocks"] == 0
+        assert len(s["engines"]) == 1
+    finally:
+        client.close()
+        channel.close()
+    wait_for(lambda: stats_of(sidecar)["engines"] == [])
+
+
+def test_a_tp_engine_missing_a_rank_gets_no_plans(sidecar):
+    leader = connect(sidecar.endpoint, make_kv(14), engine_id="tp", tp_size=2, tp_rank=0)
+    try:
+        with pytest.raises(SidecarError) as info:
+            leader.save(tokens(2), np.arange(2))
+        assert info.value.code == "ranks_missing"
+        follower = connect(sidecar.endpoint, make_kv(15), engine_id="tp", tp_size=2, tp_rank=1)
+        handle = leader.save(tokens(2), np.arange(2))
+        handle.wait()
+        follower.execute(handle.plan).wait()
+        assert leader.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+        follower.close()  # rank 1 leaves: nothing more can complete
+        for call in (leader.save, leader.load):
+            with pytest.raises(SidecarError) as info:
+                call(tokens(3), np.arange(3))
+            assert info.value.code == "ranks_missing"
+        s = stats_of(sidecar)
+        assert s["plans_in_flight"] == 0 and s["tiers"]["cpu"]["used_blocks"] == 2
+        # The same session registering as another rank of its engine leaves its old rank.
+        leader.register(make_kv(14), **sp.MODEL, engine_id="tp", tp_size=2, tp_rank=1)
+        assert [(e["engine_id"], e["ranks"]) for e in stats_of(sidecar)["engines"]] == [("tp", [1])]
+    finally:
+        leader.close()
 
 
 def test_tcp_endpoint():

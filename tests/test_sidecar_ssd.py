@@ -17,6 +17,8 @@ import torch
 from sidecar_proc import MODEL, Sidecar, tokens
 
 from engine_shim import KVClient
+from engine_shim.channel import Channel
+from sidecar import protocol as p
 
 # 128 KiB blocks: a 1 MiB CPU tier holds 8 of them.
 SHAPE = (64, 2, 16, 8, 64)
@@ -119,6 +121,42 @@ def test_a_cpu_miss_loads_byte_exact_from_ssd(instance):
             assert loaded == 5 * BLOCK_TOKENS
             assert blocks_of(dst, np.arange(10, 15)) == blocks_of(src, np.arange(5))
             assert other.stats()["hits"]["hit_blocks"]["ssd"] >= 1
+    assert s.stop() == 0
+
+
+def test_a_load_short_of_cpu_slots_is_answered_once_a_cancel_frees_them(instance):
+    """A load that must stage SSD blocks while every CPU slot is held by another
+    engine's open save waits; that engine cancelling its save frees the slots,
+    and the load is answered then (not when some unrelated plan next ends)."""
+    s = instance.start()
+    src = kv(10)
+    with client(s.endpoint, src) as c, client(s.endpoint, kv(11)) as w:
+        assert c.save(tokens(4), np.arange(4)).wait() == 4 * BLOCK_TOKENS
+        fill_cpu(c)
+        wait_for(lambda: c.stats()["plans_in_flight"] == 0 and c.lookup_tiers(tokens(4)).cpu == 0)
+        channel = Channel(s.endpoint, 5.0)
+        try:
+            held = tokens(8, start=10_000)
+            request = p.Save(v=1, id=0, session=w.session)
+            arrays = [p.keys_frame(w.block_keys(held)), p.ids_frame(np.arange(8))]
+            plan = channel.call(request, arrays)[0]
+            assert plan["stored_blocks"] == 8  # every CPU slot, not ready, not evictable
+            request = p.Load(v=1, id=0, session=c.session)
+            rid = channel.send(
+                request, [p.keys_frame(c.block_keys(tokens(4))), p.ids_frame(np.arange(20, 24))]
+            )
+            time.sleep(0.3)
+            channel.call(p.Cancel(v=1, id=0, session=w.session, plan_id=plan["plan_id"]))
+            reply, _ = channel.wait_reply(rid, 3.0)
+            assert reply["hit_blocks"] == 4
+            channel.call(p.Cancel(v=1, id=0, session=c.session, plan_id=reply["plan_id"]))
+        finally:
+            channel.close()
+        dst = kv(None)
+        with client(s.endpoint, dst) as other:
+            assert other.load(tokens(4), np.arange(30, 34)).wait() == 4 * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(30, 34)) == blocks_of(src, np.arange(4))
+        wait_for(lambda: c.stats()["plans_in_flight"] == 0)
     assert s.stop() == 0
 
 
