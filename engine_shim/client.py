@@ -65,6 +65,8 @@ class PlanOps:
     """"load" or "save"."""
     ops: tuple[tuple[int, str, np.ndarray, np.ndarray], ...]
     """(op id, "H2D" | "D2H", source ids, destination ids)."""
+    boot_id: str
+    """The sidecar boot that made the plan: its slots mean nothing to another."""
 
 
 class TransferHandle:
@@ -132,6 +134,9 @@ class KVClient:
         self._pool: ShmPool | None = None
         self._layout: BlockLayout | None = None
         self._boot_id: str | None = None
+        """The boot of the sidecar whose shm this client has mapped."""
+        self._live_boot: str | None = None
+        """The boot the heartbeat last heard from (set by its thread)."""
         self.tp_rank = 0
         self._heartbeat: _Heartbeat | None = None
 
@@ -335,7 +340,9 @@ class KVClient:
         return self._run(plan, stored * self._tokens_per_block)
 
     def execute(self, plan: PlanOps) -> TransferHandle:
-        """Run this rank's part of a plan another rank of the engine asked for."""
+        """Run this rank's part of a plan another rank of the engine asked for.
+        SidecarUnavailable if the sidecar that made it has restarted since:
+        nothing is copied, and the plan died with that sidecar."""
         return self._run(plan, 0)
 
     def exists(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
@@ -424,6 +431,11 @@ class KVClient:
         copies have landed (at once for CPU tensors; GPU: `handle.wait()`)."""
         if plan is None:
             return TransferHandle(self, None, num_tokens, None)
+        if plan.boot_id != self._boot_id or self._live_boot not in (None, self._boot_id):
+            # The sidecar restarted since this client mapped its shm (the
+            # heartbeat registered the session with the new one): map it now.
+            self._register()
+            self._check_boot(plan)
         copier, layout, rank = self._copier, self._layout, self.tp_rank
         assert copier is not None and layout is not None
         try:
@@ -449,8 +461,15 @@ class KVClient:
         except Exception as err:
             self._fail(plan, err)
             raise
+        self._check_boot(plan)  # a restart since the copies started: nothing to report to
         op_ids = [op[0] for op in plan.ops]
         return self._channel.send(self._req(p.Complete, plan_id=plan.plan_id, op_ids=op_ids))
+
+    def _check_boot(self, plan: PlanOps) -> None:
+        if plan.boot_id != self._boot_id:
+            raise SidecarUnavailable(
+                f"plan {plan.plan_id} was made by a sidecar that has restarted since"
+            )
 
     def _fail(self, plan: PlanOps, err: Exception) -> None:
         self._channel.send(
@@ -484,7 +503,7 @@ def _plan_ops(reply: dict[str, Any], arrays: list[bytes], kind: str) -> PlanOps 
         src = np.frombuffer(arrays[2 * i], dtype=p.ID_DTYPE)
         dst = np.frombuffer(arrays[2 * i + 1], dtype=p.ID_DTYPE)
         out.append((int(op["op_id"]), str(op["kind"]), src, dst))
-    return PlanOps(int(reply["plan_id"]), kind, tuple(out))
+    return PlanOps(int(reply["plan_id"]), kind, tuple(out), str(reply["boot_id"]))
 
 
 def _pid_namespace() -> str:
@@ -505,15 +524,29 @@ class _Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        client = self._client
-        channel = Channel(client.endpoint, client.timeout)
+        channel = Channel(self._client.endpoint, self._client.timeout)
         try:
-            while not self._stop.wait(max(0.05, client.lease_seconds / 3)):
-                # A missed beat is harmless: the main socket re-registers on its next call.
+            while not self._stop.wait(max(0.05, self._client.lease_seconds / 3)):
                 with contextlib.suppress(SidecarUnavailable, SidecarError):
-                    channel.call(client._req(p.Heartbeat))
+                    self._beat(channel)  # a missed beat is harmless
         finally:
             channel.close()
+
+    def _beat(self, channel: Channel) -> None:
+        """Renew the lease. A sidecar that forgot the session (it restarted)
+        learns it again here, so that a TP rank making no calls of its own
+        completes its engine's group; the new sidecar's shm is mapped by the
+        main thread, when a call or a plan first needs it (`_live_boot`)."""
+        client = self._client
+        try:
+            reply, _ = channel.call(client._req(p.Heartbeat))
+        except SidecarError as err:
+            args = client._register_args
+            if err.code != p.ErrorCode.NOT_REGISTERED.value or args is None:
+                raise
+            request = p.Register(v=p.PROTOCOL_VERSION, id=0, session=client.session, **args)
+            reply, _ = channel.call(request)
+        client._live_boot = str(reply["boot_id"])
 
     def stop(self) -> None:
         self._stop.set()

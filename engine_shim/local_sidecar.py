@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from shm.names import SHM_DIR, remove_stale_segments
+from sidecar.runtime import InstancePaths
 
 BENCH_SIDECAR_SETTINGS = {"lease_seconds": 60.0, "drain_seconds": 1}
 """For benchmarks: a client busy measuring is never dropped; a stop is quick."""
@@ -61,7 +62,7 @@ class LocalSidecar:
 
     @property
     def shm_prefix(self) -> str:
-        return f"kvsidecar.{os.getuid()}.{self.instance}"
+        return InstancePaths(self.runtime_dir, self.instance).shm_prefix
 
     def shm_segments(self) -> list[str]:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(self.shm_prefix + "."))

@@ -294,7 +294,7 @@ class Handlers:
                 if op.op_id in state.reported:
                     ops.append({"op_id": op.op_id, "kind": op.kind.value})
                     arrays += [p.ids_frame(op.src), p.ids_frame(op.dst)]
-        return p.ok(rid, arrays, plan_id=plan.plan_id, ops=ops, **fields)
+        return p.ok(rid, arrays, plan_id=plan.plan_id, boot_id=self.boot_id, ops=ops, **fields)
 
     def _complete(self, req: p.Complete, _: list[bytes]) -> p.Reply:
         session = self._session(req)
@@ -335,7 +335,7 @@ class Handlers:
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> p.Reply:
         self._session(req)
-        return p.ok(req.id, lease_seconds=self.config.lease_seconds)
+        return p.ok(req.id, lease_seconds=self.config.lease_seconds, boot_id=self.boot_id)
 
     def _unregister(self, req: p.Unregister, _: list[bytes]) -> p.Reply:
         self.engines.drop(self._session(req), "unregistered")

@@ -1,15 +1,21 @@
 """Where a sidecar instance lives on the host: runtime directory, socket,
-instance lock and shared-memory names, all derived from (user, instance).
+instance lock and shared-memory names, all derived from (user, runtime
+directory, instance).
 
 The instance lock is an `flock` on `<runtime_dir>/<instance>.lock`, held for
 the process's whole life. The kernel drops it when the process dies, even by
 SIGKILL, so a starting sidecar that gets the lock knows that any socket or
 shm segment with its names was left by a dead predecessor and removes them.
+That holds only because the shm names include a digest of the runtime
+directory: two sidecars of one instance name with different runtime
+directories (one started with XDG_RUNTIME_DIR set, one without) hold
+different locks, and must not take each other's segments for leftovers.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +46,10 @@ class InstancePaths:
 
     @property
     def shm_prefix(self) -> str:
-        """Prefix of this instance's shm segment names (unique per user)."""
-        return f"kvsidecar.{os.getuid()}.{self.instance}"
+        """Prefix of this instance's shm segment names: unique per user,
+        instance name and runtime directory (the scope of the lock)."""
+        where = hashlib.blake2b(os.path.realpath(self.runtime_dir).encode(), digest_size=4)
+        return f"kvsidecar.{os.getuid()}.{self.instance}.{where.hexdigest()}"
 
 
 def default_runtime_dir() -> Path:

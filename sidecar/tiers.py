@@ -4,6 +4,7 @@ SSD index from its journals after a restart."""
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import defaultdict
 from typing import NamedTuple
 
@@ -79,6 +80,9 @@ def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
         c.write_through_min_hits,
         DoubleGetRule(c.remote_double_get_min_blocks, c.remote_double_get_min_share),
         c.remote_put_quota_blocks,
+        # Plan ids start anywhere in 62 bits: an id held by an engine from
+        # before a restart names no plan of this boot.
+        first_plan_id=1 + secrets.randbits(62),
     )
     remote = open_remote_tier(c, cache, pool, layout) if remote_engine is not None else None
     if remote_engine is not None and remote is None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sidecar.runtime import InstancePaths
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # A small model: 2 layers of [num_blocks, K/V, tokens, heads, head_dim] fp32.
@@ -61,7 +63,7 @@ class Sidecar:
 
     @property
     def shm_prefix(self) -> str:
-        return f"kvsidecar.{os.getuid()}.{self.instance}"
+        return InstancePaths(Path(self.runtime_dir), self.instance).shm_prefix
 
     def shm_segments(self) -> list[str]:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(self.shm_prefix + "."))

@@ -84,6 +84,25 @@ def test_a_second_sidecar_with_the_same_name_refuses_to_start(sidecar):
     assert sidecar.proc.poll() is None and stats_of(sidecar)["pid"] == sidecar.proc.pid
 
 
+def test_same_name_in_another_runtime_dir_leaves_the_first_sidecar_alone(sidecar):
+    kv = make_kv(18)
+    with connect(sidecar.endpoint, kv) as client:
+        assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+    inodes = {name: os.stat(f"/dev/shm/{name}").st_ino for name in sidecar.shm_segments()}
+    other = Sidecar()  # same instance name, its own runtime directory (lock scope)
+    other.instance = other.args[1] = sidecar.instance
+    other.endpoint = f"ipc://{other.runtime_dir}/{sidecar.instance}.sock"
+    try:
+        other.start()
+        assert other.shm_segments() and not set(other.shm_segments()) & set(inodes)
+        assert {n: os.stat(f"/dev/shm/{n}").st_ino for n in sidecar.shm_segments()} == inodes
+        loaded, blocks = run(sp.load_worker, sidecar.endpoint, 3)
+        assert loaded == 3 * sp.TOKENS_PER_BLOCK and blocks == expected_blocks(18, 3)
+        assert other.stop() == 0
+    finally:
+        other.cleanup()
+
+
 def test_a_sidecar_started_with_parent_pid_stops_when_its_owner_is_killed(tmp_path):
     ours, theirs = SPAWN.Pipe(duplex=False)
     owner = SPAWN.Process(target=sp.local_sidecar_owner, args=(str(tmp_path), theirs))
@@ -306,6 +325,33 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
     wait_for(saved_again)
     assert client.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
     client.close()
+
+
+def test_a_plan_from_before_a_sidecar_restart_is_refused(sidecar):
+    kv0, kv1 = make_kv(16), make_kv(17)
+    leader = connect(sidecar.endpoint, kv0, engine_id="tp", tp_size=2, tp_rank=0, timeout=0.5)
+    follower = connect(sidecar.endpoint, kv1, engine_id="tp", tp_size=2, tp_rank=1, timeout=0.5)
+    try:
+        stale = leader.save(tokens(4), np.arange(4))
+        stale.wait()
+        sidecar.proc.kill()
+        sidecar.proc.wait()
+        sidecar.start()
+        wait_for(lambda: [e["ranks"] for e in stats_of(sidecar)["engines"]] == [[0, 1]])
+        fresh = leader.save(tokens(4, start=500), np.arange(4, 8))
+        fresh.wait()
+        # Plan ids start anywhere on each boot, so the stale id names no plan here either.
+        assert fresh.plan.plan_id != stale.plan.plan_id
+        with pytest.raises(SidecarUnavailable, match="restarted since"):
+            follower.execute(stale.plan)  # its slots belong to the dead sidecar
+        follower.execute(fresh.plan).wait()
+        assert leader.lookup(tokens(4, start=500)) == 4 * sp.TOKENS_PER_BLOCK
+        assert leader.lookup(tokens(4)) == 0
+        s = stats_of(sidecar)
+        assert s["plans_in_flight"] == 0 and s["tiers"]["cpu"]["used_blocks"] == 4
+    finally:
+        follower.close()
+        leader.close()
 
 
 def test_shm_gone_between_a_register_reply_and_its_mapping_is_unavailable(sidecar):

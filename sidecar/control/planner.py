@@ -68,6 +68,7 @@ class GlobalCacheEngine(PlanTable):
         write_through_min_hits: int = 2,
         remote_rule: DoubleGetRule | None = None,
         remote_quota: int | None = None,
+        first_plan_id: int = 1,
     ) -> None:
         self.cpu = cpu
         self.lower: dict[str, CacheEngine] = {}
@@ -79,7 +80,9 @@ class GlobalCacheEngine(PlanTable):
         if write_through_min_hits < 1:
             raise ValueError(f"write_through_min_hits must be >= 1, got {write_through_min_hits}")
         self.write_through_min_hits = write_through_min_hits
-        super().__init__(PutQuota(remote_quota) if remote_quota is not None else None)
+        super().__init__(
+            PutQuota(remote_quota) if remote_quota is not None else None, first_plan_id
+        )
         self.remote_rule = remote_rule or DoubleGetRule()
         self.offline: set[str] = set()
         self._background: list[Plan] = []

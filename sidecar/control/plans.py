@@ -22,11 +22,11 @@ if TYPE_CHECKING:
 
 
 class PlanTable:
-    def __init__(self, quota: PutQuota | None = None) -> None:
+    def __init__(self, quota: PutQuota | None = None, first_id: int = 1) -> None:
         self.quota = quota
         """In-flight quota of remote writes, in blocks (None: unbounded)."""
         self._runs: dict[int, RunningPlan] = {}
-        self._next_id = 1
+        self._next_id = first_id
 
     @property
     def num_active_plans(self) -> int:
