@@ -15,14 +15,15 @@ as valid with wrong bytes.
 
 Recovery: a sidecar started again on the same directories reads the
 journals back (`records`) and rebuilds the SSD index from the chains of
-(key, parent key) they describe. A directory written with another slot size
-or by another instance name is wiped, with a warning.
+(key, parent key) they describe. Files written with another slot size are
+started empty, with a warning; each instance name has files of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -41,7 +42,6 @@ MAGIC = b"KVS1"
 VALID, FIRST = 1, 2
 """Record flags: the slot holds a block; the block starts a sequence (its
 parent is the namespace root, not a stored block)."""
-META = "kvsidecar-ssd.json"
 ALIGN = 4096
 
 
@@ -66,22 +66,18 @@ class Record:
 
 
 class _Dir:
+    """One directory's data file, journal and metadata (`<tag>.data`,
+    `.journal`, `.json`): several instance names may share a directory, each
+    with its own files. The data file is flocked for the store's life, so a
+    second sidecar of the same instance name on that directory is refused."""
+
     def __init__(self, path: Path, nslots: int, slot_bytes: int, tag: str) -> None:
         self.path = path
         self.nslots = nslots
         path.mkdir(parents=True, exist_ok=True)
         meta = {"version": 1, "slot_bytes": slot_bytes, "slots": nslots, "tag": tag}
         data_path, journal_path = path / f"{tag}.data", path / f"{tag}.journal"
-        meta_path = path / META
-        if meta_path.exists():
-            try:
-                old = json.loads(meta_path.read_text())
-            except (OSError, ValueError):
-                old = None
-            if old != meta:
-                log.warning("SSD dir %s was written with %s; starting it empty", path, old)
-                data_path.unlink(missing_ok=True)
-                journal_path.unlink(missing_ok=True)
+        meta_path = path / f"{tag}.json"
         self.direct = True
         try:
             self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
@@ -91,16 +87,29 @@ class _Dir:
             log.warning("%s does not support O_DIRECT; using buffered I/O", path)
             self.direct = False
             self.fd = os.open(data_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise OSError(
+                errno.EBUSY, "in use by another sidecar of this instance name", str(data_path)
+            ) from None
         self.journal = os.open(journal_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            old = _read_meta(meta_path)
+            if old != meta:  # new, or written with another geometry: start empty
+                if old is not None:
+                    log.warning("SSD dir %s was written with %s; starting it empty", path, old)
+                os.ftruncate(self.fd, 0)
+                os.ftruncate(self.journal, 0)
             os.posix_fallocate(self.fd, 0, nslots * slot_bytes)
             os.posix_fallocate(self.journal, 0, nslots * RECORD_BYTES)
+            tmp = path / f"{tag}.json.tmp"
+            tmp.write_text(json.dumps(meta))
+            os.replace(tmp, meta_path)
         except OSError:
             self.close()
             raise
-        tmp = path / f"{META}.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, meta_path)
 
     def close(self) -> None:
         for fd in (self.fd, self.journal):
@@ -126,7 +135,7 @@ class SsdStore:
         self._dirs: list[_Dir] = []
         try:
             for d in map(Path, dirs):
-                self._dirs.append(_Dir(d, _fit(d, per_dir, slot_bytes), slot_bytes, tag))
+                self._dirs.append(_Dir(d, _fit(d, per_dir, slot_bytes, tag), slot_bytes, tag))
         except OSError as err:
             self.close()
             raise SsdError(err.errno, f"SSD tier: {err.strerror}", err.filename) from None
@@ -172,6 +181,10 @@ class SsdStore:
         self.checksums[slot] = 0
         self.keys[slot] = 0
 
+    def drop_slots(self, slots: np.ndarray) -> None:
+        for slot in slots.tolist():
+            self.drop(slot)
+
     def _write_record(self, d: _Dir, slot: int, record: bytes) -> None:
         os.pwrite(d.journal, record, (slot // len(self._dirs)) * RECORD_BYTES)
 
@@ -199,11 +212,11 @@ class SsdStore:
         self._dirs = []
 
 
-def _fit(path: Path, want: int, slot_bytes: int) -> int:
+def _fit(path: Path, want: int, slot_bytes: int, tag: str) -> int:
     """Slots to preallocate in `path`: `want`, or what the filesystem has room for."""
     path.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(path)
-    have = _existing_bytes(path) + st.f_bavail * st.f_frsize
+    have = _existing_bytes(path / f"{tag}.data") + st.f_bavail * st.f_frsize
     room = int(have * 0.95) // (slot_bytes + RECORD_BYTES)
     if room < want:
         log.warning("SSD dir %s has room for %d of the %d slots asked for", path, room, want)
@@ -213,11 +226,20 @@ def _fit(path: Path, want: int, slot_bytes: int) -> int:
 
 
 def _existing_bytes(path: Path) -> int:
-    """Space our own files already hold there (reused on a restart)."""
-    total = 0
-    for f in path.glob("*.data"):
-        total += f.stat().st_blocks * 512
-    return total
+    """Space our own data file already holds there (reused on a restart)."""
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def _read_meta(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return "unreadable"
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -65,6 +65,7 @@ def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
     ssd_engine, store, io = None, None, None
     if ssd is not None:
         ssd_engine, store = ssd
+        ssd_engine.remove_hook = store.drop_slots
         io = IoPool("ssd", c.ssd_io_threads)
     remote_engine = None
     if c.remote_url is not None:

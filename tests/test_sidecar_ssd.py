@@ -204,6 +204,21 @@ def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
     assert s.stop() == 0
 
 
+def test_deleted_blocks_stay_deleted_after_a_restart(instance):
+    s = instance.start()
+    with client(s.endpoint, kv(12)) as c:
+        c.save(tokens(6), np.arange(6)).wait()
+        wait_for(lambda: on_ssd(c, 6))
+        assert c.delete(tokens(4)) == 2 * 3  # blocks 3..5, from CPU and SSD
+        assert c.lookup(tokens(6)) == 3 * BLOCK_TOKENS
+    assert s.stop() == 0
+    s = instance.start()
+    with client(s.endpoint, kv(None)) as c:
+        assert ssd_stats(c)["cached_blocks"] == 3
+        assert c.lookup(tokens(6)) == 3 * BLOCK_TOKENS
+    assert s.stop() == 0
+
+
 def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
     s = instance.start()
     src = kv(4)

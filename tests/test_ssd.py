@@ -10,7 +10,7 @@ import pytest
 import xxhash
 from helpers import chain, make_engine
 
-from sidecar.ssd import Record, SsdStore, checksum
+from sidecar.ssd import Record, SsdError, SsdStore, checksum
 from sidecar.tiers import recover
 
 SLOT = 8192
@@ -84,6 +84,26 @@ def test_a_directory_written_with_another_slot_size_starts_empty(tmp_path):
     other = SsdStore([str(tmp_path / "d0"), str(tmp_path / "d1")], 8 * SLOT, 2 * SLOT, SLOT, "t")
     assert other.records() == []
     other.close()
+
+
+def test_instance_names_share_a_directory_without_touching_each_other(tmp_path):
+    a = store(tmp_path, tag="a")
+    a.write(0, block(0), key(1), key(0), True)
+    with pytest.raises(SsdError, match="in use by another sidecar"):
+        store(tmp_path, tag="a")  # the same name twice: its files are locked
+    b = store(tmp_path, tag="b")
+    b.write(0, block(5), key(9), key(0), True)
+    a.close()
+    b.close()
+    for tag, k, seed in (("a", 1, 0), ("b", 9, 5)):
+        again = store(tmp_path, tag=tag)
+        out = aligned()
+        assert [r.key for r in again.records()] == [key(k)]
+        assert again.read(0, out, key(k)) and bytes(out) == bytes(block(seed))
+        again.close()
+    assert {f.name for f in (tmp_path / "d0").iterdir()} == {
+        f"{t}.{ext}" for t in "ab" for ext in ("data", "journal", "json")
+    }
 
 
 def test_bad_arguments_are_refused(tmp_path):

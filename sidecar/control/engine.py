@@ -52,6 +52,9 @@ class CacheEngine:
         self.evict_start_threshold = evict_start_threshold
         self.evict_ratio = evict_ratio
         self.evict_hook: EvictHook | None = None
+        self.remove_hook: Callable[[np.ndarray], None] | None = None
+        """Called with the slots `remove` frees (the SSD tier clears their
+        journal records, so that a restart does not bring the blocks back)."""
         self.num_evicted_blocks = 0
 
     @property
@@ -111,6 +114,8 @@ class CacheEngine:
         """Drop block keys[-1] and everything below it (see RadixIndex.remove);
         returns the number of blocks dropped."""
         slots = self.index.remove(keys)
+        if self.remove_hook is not None:
+            self.remove_hook(slots)
         self.mempool.free(slots)
         return int(slots.size)
 
