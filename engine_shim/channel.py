@@ -48,7 +48,7 @@ class Channel:
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._sock.connect(endpoint)
         self._next_id = 1
-        self._connected = False
+        self._first_send = True
         self._awaited: set[int] = set()
         self._early: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
         self.on_stray_plan: Callable[[int], None] | None = None
@@ -63,12 +63,14 @@ class Channel:
         try:
             p.send_frames(self._sock, frames, _NOBLOCK)
         except zmq.Again:
-            # A fresh socket may still be connecting: wait for that once, up to
-            # the timeout. Later, a lost connection fails at once.
-            if self._connected or not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
+            # A fresh socket may still be connecting: its first send waits for
+            # that, up to the timeout. Any later send with no sidecar connected
+            # (never up, or gone) fails at once.
+            first, self._first_send = self._first_send, False
+            if not first or not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
                 raise SidecarUnavailable(f"no sidecar connected at {self.endpoint}") from None
             p.send_frames(self._sock, frames, _NOBLOCK)
-        self._connected = True
+        self._first_send = False
         if reply:
             self._awaited.add(rid)
         return rid

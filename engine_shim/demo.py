@@ -9,12 +9,13 @@ token (its code point), so prompts are readable; the random model's replies
 are shown as characters too, but mean nothing. Per turn it prints the prompt
 length, the tokens loaded from each tier, the time to first token with the
 cache and recomputed by the same model without it (same prefill schedule),
-and whether the outputs matched. At the end the sidecar is stopped with SIGTERM and the temporary
-directory removed; the demo checks that no shared memory was left behind.
-
-Only argparse is imported at module level: building the `kvsidecar` parser
-must not import torch or transformers.
+and whether the outputs matched. At the end the sidecar is stopped with
+SIGTERM and the temporary directory removed; the demo checks that no shared
+memory was left behind.
 """
+
+# Only argparse is imported at module level: building the `kvsidecar` parser
+# must not import torch or transformers.
 
 from __future__ import annotations
 

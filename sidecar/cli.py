@@ -75,15 +75,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    pairs = list(args.set)
+    overrides = parse_overrides(args.set)
     for key in ("instance", "endpoint", "cpu_capacity", "metrics_port"):
         value = getattr(args, key, None)
         if value is not None:
-            pairs.append(f"{key}={value}")
-    return load_config(args.config, overrides=parse_overrides(pairs))
+            flag = "--" + key.replace("_", "-")
+            overrides.update(parse_overrides([f"{key}={value}"], source=flag))
+    return load_config(args.config, overrides=overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import zmq
+
+    from shm.segments import ShmPoolError
     from sidecar.runtime import InstanceRunning
     from sidecar.server import Server
 
@@ -101,9 +105,12 @@ def _serve(args: argparse.Namespace) -> int:
     server = Server(_load(args), parent_pid=args.parent_pid)
     server.handle_signals()
     try:
-        server.start()
+        server.start()  # undoes what it did before raising
     except InstanceRunning as err:
         print(f"kvsidecar: {err}", file=sys.stderr)
+        return 1
+    except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...
+        print(f"kvsidecar: cannot start: {err}", file=sys.stderr)
         return 1
     assert server.pool is not None
     metrics = (
@@ -120,7 +127,10 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     server.serve_forever()
-    print("kvsidecar: stopped", flush=True)
+    try:
+        print("kvsidecar: stopped", flush=True)
+    except BrokenPipeError:  # whoever read our stdout is gone (--parent-pid)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -4,10 +4,13 @@ Load order, later layers winning key by key:
 
     defaults < YAML/JSON file < environment (KVSIDECAR_<KEY>) < explicit overrides
 
-This is the only module that reads `os.environ`; everything else receives a
-`Config` (or values taken from it). Keys are flat, so FlexKV's eviction section
-(`eviction_policy`, `evict_start_threshold`, `evict_ratio`, `hit_reward_seconds`)
-loads unchanged from a FlexKV yml/json file.
+This is the only module that reads `KVSIDECAR_` variables (sidecar/runtime.py
+reads XDG_RUNTIME_DIR for the default runtime directory); everything else
+receives a `Config` (or values taken from it). Keys are flat, so FlexKV's
+eviction section (`eviction_policy`, `evict_start_threshold`, `evict_ratio`,
+`hit_reward_seconds`) loads unchanged from a FlexKV yml/json file. Tokens per
+block and the block-key hash are not sidecar settings: each engine gives them
+to `KVClient.register`, along with the rest of its block-key namespace.
 
 Every key is one dataclass field whose metadata holds a `FieldSpec`: its doc
 line, type and allowed values. Validation, environment parsing and the table in
@@ -68,9 +71,6 @@ class Config:
     `dataclasses.replace`) raises ConfigError. Build it with `load_config`.
     """
 
-    tokens_per_block: int = config_key(
-        16, "int", "Tokens per cached block; only full blocks are cached.", low=1, high=4096
-    )
     eviction_policy: str = config_key(
         "lru",
         "str",
@@ -265,9 +265,6 @@ class Config:
     prefault: bool = config_key(
         True, "bool", "Touch every page of the CPU tier at start (first touch is ~16x slower)."
     )
-    key_hash: str = config_key(
-        "blake2b", "str", "Block-key hash function.", choices=("blake2b", "xxh3_128")
-    )
     events_endpoint: str | None = config_key(
         None,
         "str",
@@ -358,15 +355,16 @@ def load_config(
     return Config(**values)
 
 
-def parse_overrides(pairs: Sequence[str]) -> dict[str, object]:
-    """`KEY=VALUE` strings (as on a command line), parsed like environment values."""
+def parse_overrides(pairs: Sequence[str], source: str = "--set") -> dict[str, object]:
+    """`KEY=VALUE` strings (as on a command line), parsed like environment
+    values; errors name `source` (the flag the pairs came from)."""
     values: dict[str, object] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep:
             raise ConfigError(f"override {pair!r} is not KEY=VALUE")
         key = key.strip().replace("-", "_")
-        with _blame("--set"):
+        with _blame(source):
             values[key] = _spec_of(key).convert_env(key, text)
     return values
 

@@ -1,4 +1,4 @@
-"""Prometheus text endpoint: the figures of `kvsidecar stats`, as gauges.
+"""Prometheus text endpoint: the main figures of `kvsidecar stats`, as gauges.
 
 The HTTP server runs in prometheus-client's own thread. It never touches
 live cache state: the control loop publishes a fresh stats snapshot (a new
@@ -36,8 +36,10 @@ class StatsCollector(Collector):
                 if name in figures or tier == "cpu":
                     g.add_metric([tier], float(figures.get(name, 0)))
             yield g
+        if "ssd" in tiers:
+            yield from _tier_gauges("ssd", _SSD, tiers["ssd"])
         if "remote" in tiers:
-            yield from _remote(tiers["remote"])
+            yield from _tier_gauges("remote", _REMOTE, tiers["remote"])
         hits = s["hits"]
         yield _gauge("kvsidecar_requests", "lookups counted in hit ratios", hits["requests"])
         yield _gauge(
@@ -48,7 +50,7 @@ class StatsCollector(Collector):
             (
                 "kvsidecar_window_hit_ratio",
                 hits["window_hit_ratio_by_tier"],
-                f"block hit ratio over the last {hits['window_requests']} lookups",
+                "block hit ratio over the last hit_window lookups",
             ),
         ):
             g = GaugeMetricFamily(prefix, doc, labels=["tier"])
@@ -66,6 +68,12 @@ class StatsCollector(Collector):
         yield errors
 
 
+_SSD = (
+    ("direct_io", "1 while the SSD tier uses O_DIRECT, 0 on buffered I/O"),
+    ("checksum_failures", "SSD blocks that failed their checksum (misses)"),
+    ("io_errors", "failed SSD reads or writes"),
+    ("ops_in_flight", "SSD I/O jobs queued or running"),
+)
 _REMOTE = (
     ("online", "1 while the remote store answers, 0 while it is marked unavailable"),
     ("puts_in_flight_blocks", "remote writes in flight, in blocks"),
@@ -79,9 +87,11 @@ _REMOTE = (
 )
 
 
-def _remote(figures: dict[str, Any]) -> Iterator[Metric]:
-    for key, doc in _REMOTE:
-        yield _gauge(f"kvsidecar_remote_{key}", doc, float(figures.get(key) or 0))
+def _tier_gauges(
+    tier: str, keys: tuple[tuple[str, str], ...], figures: dict[str, Any]
+) -> Iterator[Metric]:
+    for key, doc in keys:
+        yield _gauge(f"kvsidecar_{tier}_{key}", doc, float(figures.get(key) or 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

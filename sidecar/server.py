@@ -15,9 +15,11 @@ then unlink the shm segments, the socket and the lock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from collections import Counter
@@ -39,7 +41,7 @@ from sidecar.handlers import Handlers
 from sidecar.protocol import ErrorCode, ProtocolError
 from sidecar.publisher import EventPublisher
 from sidecar.remote_tier import RemoteTier
-from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
+from sidecar.runtime import InstanceLock, InstanceRunning, endpoint_of, instance_paths
 from sidecar.ssd import SsdStore
 from sidecar.stats import HitStats
 from sidecar.workers import IoPool
@@ -71,6 +73,8 @@ class Server(Handlers):
         self.started = time.time()
         self.capacity = config.cpu_capacity or default_cpu_capacity()
         self.lock: InstanceLock | None = None
+        self._socket_file: str | None = None
+        """The ipc socket file this process bound (removed at close)."""
         self.pool: ShmPool | None = None
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
@@ -124,8 +128,16 @@ class Server(Handlers):
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
             if stale:
                 log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
-            if self.endpoint.startswith("ipc://"):
-                self.paths.socket_path.unlink(missing_ok=True)
+            socket_file = self.endpoint.removeprefix("ipc://")
+            if self.endpoint.startswith("ipc://") and not socket_file.startswith("@"):
+                if _answers(socket_file):  # the lock covers the default path only
+                    raise InstanceRunning(
+                        f"{self.endpoint} is served by another live process; "
+                        "stop it or pick another --endpoint"
+                    )
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(socket_file)  # left by a dead process
+                self._socket_file = socket_file
             self.pool = ShmPool.create(
                 self.paths.shm_prefix,
                 self.capacity,
@@ -285,8 +297,10 @@ class Server(Handlers):
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
-        if self.endpoint.startswith("ipc://") and self.lock is not None:
-            self.paths.socket_path.unlink(missing_ok=True)
+        if self._socket_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._socket_file)
+            self._socket_file = None
         if self.io is not None:  # threads may still read or write shm slots
             self.io.close()
             self.io = None
@@ -334,3 +348,14 @@ class Server(Handlers):
 
     def stats(self) -> dict[str, Any]:
         return server_stats(self)
+
+
+def _answers(path: str) -> bool:
+    """Whether a live process accepts connections on the Unix socket `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True

@@ -36,7 +36,7 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 def test_defaults() -> None:
     config = load_config(env={})
     assert config == Config()
-    assert config.tokens_per_block == 16
+    assert config.ssd_io_threads == 4
     assert config.eviction_policy == "lru"
     assert config.evict_start_threshold == 0.95
     assert config.evict_ratio == 0.01
@@ -49,41 +49,41 @@ def test_defaults() -> None:
     assert config.write_policy == "write_through"
     assert config.write_through_min_hits == 2
     assert config.hit_window == 1000
-    assert config.key_hash == "blake2b"
+    assert config.remote_namespace == "kvsidecar"
 
 
 YAML_TEXT = """\
-tokens_per_block: 32
+ssd_io_threads: 32
 eviction_policy: s3fifo
 ssd_dirs: [/mnt/a, /mnt/b]
 ssd_capacity_per_dir: 500GiB
 cpu_capacity: 1073741824
 remote_url: rediss://cache:6380/1
 write_policy: write_through_selective
-key_hash: xxh3_128
+remote_namespace: prod-a
 """
 
 FILE_VALUES = {
-    "tokens_per_block": 32,
+    "ssd_io_threads": 32,
     "eviction_policy": "s3fifo",
     "ssd_dirs": ["/mnt/a", "/mnt/b"],
     "ssd_capacity_per_dir": "500GiB",
     "cpu_capacity": GiB,
     "remote_url": "rediss://cache:6380/1",
     "write_policy": "write_through_selective",
-    "key_hash": "xxh3_128",
+    "remote_namespace": "prod-a",
 }
 
 
 def assert_file_values(config: Config) -> None:
-    assert config.tokens_per_block == 32
+    assert config.ssd_io_threads == 32
     assert config.eviction_policy == "s3fifo"
     assert config.ssd_dirs == ("/mnt/a", "/mnt/b")
     assert config.ssd_capacity_per_dir == 500 * GiB
     assert config.cpu_capacity == GiB
     assert config.remote_url == "rediss://cache:6380/1"
     assert config.write_policy == "write_through_selective"
-    assert config.key_hash == "xxh3_128"
+    assert config.remote_namespace == "prod-a"
     assert config.hit_window == 1000  # untouched keys keep their defaults
 
 
@@ -119,13 +119,13 @@ hit_reward_seconds: 10
 
 def test_precedence_file_env_overrides(tmp_path: Path) -> None:
     path = write(
-        tmp_path, "sidecar.yml", "tokens_per_block: 32\nevict_ratio: 0.1\nkey_hash: xxh3_128\n"
+        tmp_path, "sidecar.yml", "ssd_io_threads: 8\nevict_ratio: 0.1\nwrite_policy: write_back\n"
     )
-    env = {"KVSIDECAR_TOKENS_PER_BLOCK": "64", "KVSIDECAR_EVICT_RATIO": "0.2", "HOME": "/x"}
-    config = load_config(path, env=env, overrides={"tokens_per_block": 128})
-    assert config.tokens_per_block == 128  # override > env > file
+    env = {"KVSIDECAR_SSD_IO_THREADS": "16", "KVSIDECAR_EVICT_RATIO": "0.2", "HOME": "/x"}
+    config = load_config(path, env=env, overrides={"ssd_io_threads": 32})
+    assert config.ssd_io_threads == 32  # override > env > file
     assert config.evict_ratio == 0.2  # env > file
-    assert config.key_hash == "xxh3_128"  # file > default
+    assert config.write_policy == "write_back"  # file > default
     assert config.hit_window == 1000  # default
 
 
@@ -136,7 +136,7 @@ def test_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_env_strings_are_parsed_to_field_types() -> None:
     env = {
-        "KVSIDECAR_TOKENS_PER_BLOCK": " 8 ",
+        "KVSIDECAR_SSD_IO_THREADS": " 8 ",
         "KVSIDECAR_HIT_REWARD_SECONDS": "2.5",
         "KVSIDECAR_CPU_CAPACITY": "1.5GB",
         "KVSIDECAR_SSD_DIRS": "/mnt/a, /mnt/b,",
@@ -144,7 +144,7 @@ def test_env_strings_are_parsed_to_field_types() -> None:
         "KVSIDECAR_REMOTE_CAPACITY": "4096MiB",
     }
     config = load_config(env=env)
-    assert config.tokens_per_block == 8
+    assert config.ssd_io_threads == 8
     assert config.hit_reward_seconds == 2.5
     assert config.cpu_capacity == 1_500_000_000
     assert config.ssd_dirs == ("/mnt/a", "/mnt/b")
@@ -185,7 +185,7 @@ def test_direct_construction_validates_and_normalises() -> None:
 
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
-        Config().tokens_per_block = 8  # type: ignore[misc]
+        Config().ssd_io_threads = 8  # type: ignore[misc]
 
 
 def test_to_dict_round_trips_through_a_json_file(tmp_path: Path) -> None:
@@ -206,17 +206,17 @@ ERROR_CASES = {
     ),
     "unknown key without suggestion": (
         {"zzz": 1},
-        ["unknown key 'zzz'", "allowed: tokens_per_block, eviction_policy"],
+        ["unknown key 'zzz'", "allowed: eviction_policy, evict_start_threshold, evict_ratio"],
     ),
     "string for int": (
-        {"tokens_per_block": "16"},
-        ["tokens_per_block: '16' is not an integer", "allowed: 1 <= tokens_per_block <= 4096"],
+        {"ssd_io_threads": "16"},
+        ["ssd_io_threads: '16' is not an integer", "allowed: 1 <= ssd_io_threads <= 64"],
     ),
     "bool for int": ({"hit_window": True}, ["hit_window: True is not an integer"]),
     "float for int": ({"hit_window": 10.0}, ["hit_window: 10.0 is not an integer"]),
     "bool for float": ({"evict_ratio": False}, ["evict_ratio: False is not a number"]),
     "string for list": ({"ssd_dirs": "/mnt/a"}, ["ssd_dirs: '/mnt/a' is not a list of strings"]),
-    "None for required": ({"tokens_per_block": None}, ["tokens_per_block: None is not an integer"]),
+    "None for required": ({"ssd_io_threads": None}, ["ssd_io_threads: None is not an integer"]),
     "above range": (
         {"evict_ratio": 1.5},
         ["evict_ratio: 1.5 is out of range; allowed: 0.0 <= evict_ratio <= 1.0"],
@@ -225,7 +225,11 @@ ERROR_CASES = {
         {"evict_start_threshold": 0.0},
         ["evict_start_threshold: 0.0 is out of range", "0.0 < evict_start_threshold <= 1.0"],
     ),
-    "below range": ({"tokens_per_block": 0}, ["tokens_per_block: 0 is out of range"]),
+    "below range": ({"ssd_io_threads": 0}, ["ssd_io_threads: 0 is out of range"]),
+    "above int range": (
+        {"ssd_io_threads": 65},
+        ["ssd_io_threads: 65 is out of range; allowed: 1 <= ssd_io_threads <= 64"],
+    ),
     "nan": ({"hit_reward_seconds": float("nan")}, ["hit_reward_seconds: nan is out of range"]),
     "negative reward": (
         {"hit_reward_seconds": -1},
@@ -243,8 +247,11 @@ ERROR_CASES = {
         ],
     ),
     "bad enum, no suggestion": (
-        {"key_hash": "md5"},
-        ["key_hash: 'md5' is not a valid choice; allowed: one of blake2b, xxh3_128"],
+        {"write_policy": "sync"},
+        [
+            "write_policy: 'sync' is not a valid choice; "
+            "allowed: one of write_through, write_through_selective, write_back"
+        ],
     ),
     "bad size string": (
         {"cpu_capacity": "16 gigs"},
@@ -268,6 +275,21 @@ def test_override_errors_name_key_value_and_allowed(case: str) -> None:
         assert fragment in message
 
 
+@pytest.mark.parametrize(
+    ("key", "env_value", "value"),
+    [("tokens_per_block", "16", 16), ("key_hash", "xxh3_128", "xxh3_128")],
+)
+def test_engine_chosen_settings_are_not_sidecar_keys(
+    key: str, env_value: str, value: object
+) -> None:
+    # Each engine gives tokens per block and the key hash at register (its block-key namespace).
+    assert key not in SPECS
+    with pytest.raises(ConfigError, match=f"unknown key '{key}'"):
+        load_config(env={}, overrides={key: value})
+    with pytest.raises(ConfigError, match=rf"\$KVSIDECAR_{key.upper()}: unknown key '{key}'"):
+        load_config(env={env_var(key): env_value})
+
+
 def test_file_errors_name_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, "sidecar.yml", "evict_rato: 0.5\n")
     with pytest.raises(ConfigError, match=r"sidecar\.yml': unknown key 'evict_rato' \(did you"):
@@ -278,14 +300,14 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
     ("env", "fragments"),
     [
         (
-            {"KVSIDECAR_TOKENS_PER_BLOCK": "abc"},
-            ["$KVSIDECAR_TOKENS_PER_BLOCK: tokens_per_block: 'abc' is not an integer"],
+            {"KVSIDECAR_SSD_IO_THREADS": "abc"},
+            ["$KVSIDECAR_SSD_IO_THREADS: ssd_io_threads: 'abc' is not an integer"],
         ),
         ({"KVSIDECAR_EVICT_RATIO": "lots"}, ["evict_ratio: 'lots' is not a number"]),
         ({"KVSIDECAR_EVICT_RATIO": "2"}, ["evict_ratio: 2.0 is out of range"]),
         ({"KVSIDECAR_SSD_CAPACITY_PER_DIR": "12XB"}, ["'12XB' is not a size"]),
         ({"KVSIDECAR_HIT_WINDOW": ""}, ["hit_window: '' is not an integer"]),
-        ({"KVSIDECAR_KEY_HASH": "none"}, ["key_hash: 'none' is not a valid choice"]),
+        ({"KVSIDECAR_WRITE_POLICY": "none"}, ["write_policy: 'none' is not a valid choice"]),
         (
             {"KVSIDECAR_EVICT_RATO": "0.1"},
             ["$KVSIDECAR_EVICT_RATO: unknown key 'evict_rato' (did you mean 'evict_ratio'?)"],

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -131,6 +132,8 @@ def test_a_sidecar_started_with_parent_pid_stops_when_its_owner_is_killed(tmp_pa
                     os.unlink(f"/dev/shm/{name}")
     assert not any(os.path.exists(f"/dev/shm/{name}") for name in segments)
     assert not os.path.exists(socket_path)
+    # Its stdout went to the dead owner: the last line it prints must not fail.
+    assert "Traceback" not in (tmp_path / "sidecar.log").read_text()
 
 
 def test_parent_pid_that_is_not_the_parent_is_refused():
@@ -522,6 +525,60 @@ def test_tcp_endpoint():
         assert s.stop() == 0
     finally:
         s.cleanup()
+
+
+def test_an_ipc_endpoint_is_never_taken_from_a_live_sidecar_and_is_removed_at_stop(tmp_path):
+    endpoint = f"ipc://{tmp_path}/shared.sock"
+    first = Sidecar("--endpoint", endpoint)
+    first.endpoint = endpoint
+    second = Sidecar("--endpoint", endpoint)  # another instance name, same socket path
+    try:
+        first.start()
+        with pytest.raises(RuntimeError, match="served by another live process"):
+            second.start()
+        assert stats_of(first)["pid"] == first.proc.pid
+        assert first.stop() == 0
+        assert not (tmp_path / "shared.sock").exists()
+        second.start()  # the path is free again
+        assert second.stop() == 0
+    finally:
+        first.cleanup()
+        second.cleanup()
+
+
+def test_a_start_up_failure_is_one_line_not_a_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--cpu-capacity", "4MiB", "--instance", f"t{os.getpid()}-port"]
+        out = subprocess.run(
+            [sys.executable, "-m", "sidecar", "serve", *args, "--metrics-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 1
+    assert "kvsidecar: cannot start:" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_bad_flag_value_is_blamed_on_that_flag(capsys):
+    assert cli_main(["serve", "--cpu-capacity", "abc"]) == 2
+    assert "configuration error: --cpu-capacity: cpu_capacity: 'abc' is not a size" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_client_of_a_sidecar_that_never_came_waits_once():
+    channel = Channel(f"ipc:///tmp/kvs-nobody-{os.getpid()}.sock", 0.5)
+    try:
+        for wait in (0.5, 0.0, 0.0):
+            start = time.monotonic()
+            with pytest.raises(SidecarUnavailable):
+                channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+            assert wait <= time.monotonic() - start < wait + 0.45
+    finally:
+        channel.close()
 
 
 def test_busy_polling_loop_serves_and_stops():

@@ -19,6 +19,7 @@ from sidecar_proc import MODEL, Sidecar, tokens
 from engine_shim import KVClient
 from engine_shim.channel import Channel
 from sidecar import protocol as p
+from sidecar.metrics import StatsCollector
 
 # 128 KiB blocks: a 1 MiB CPU tier holds 8 of them.
 SHAPE = (64, 2, 16, 8, 64)
@@ -132,8 +133,10 @@ def test_a_load_short_of_cpu_slots_is_answered_once_a_cancel_frees_them(instance
     src = kv(10)
     with client(s.endpoint, src) as c, client(s.endpoint, kv(11)) as w:
         assert c.save(tokens(4), np.arange(4)).wait() == 4 * BLOCK_TOKENS
+        wait_for(lambda: on_ssd(c, 4))  # written: its CPU slots can be evicted
         fill_cpu(c)
-        wait_for(lambda: c.stats()["plans_in_flight"] == 0 and c.lookup_tiers(tokens(4)).cpu == 0)
+        wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+        assert c.lookup_tiers(tokens(4)).cpu == 0
         channel = Channel(s.endpoint, 5.0)
         try:
             held = tokens(8, start=10_000)
@@ -242,6 +245,9 @@ def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
         assert blocks_of(dst, np.arange(40, 42)) == blocks_of(src, np.arange(2))
         assert ssd_stats(c)["checksum_failures"] == 1
         assert c.lookup(tokens(5)) == 2 * BLOCK_TOKENS
+        gauges = {x.name: x.value for m in StatsCollector(c.stats).collect() for x in m.samples}
+        assert gauges["kvsidecar_ssd_checksum_failures"] == 1
+        assert gauges["kvsidecar_ssd_io_errors"] == 0
     assert s.stop() == 0
 
 
