@@ -211,10 +211,7 @@ class KVClient:
     def _register(self) -> None:
         """Register (again); the heartbeat starts with the first success,
         which may be a later call's re-registration."""
-        assert self._register_args is not None
-        reply, _ = self._channel.call(
-            p.Register(v=p.PROTOCOL_VERSION, id=0, session=self.session, **self._register_args)
-        )
+        reply, _ = self._channel.call(self._register_request())
         if reply["boot_id"] != self._boot_id or self._pool is None:
             self._attach(reply)
         if self._copier is None:
@@ -222,6 +219,10 @@ class KVClient:
         self.lease_seconds = float(reply["lease_seconds"])
         if self._heartbeat is None:
             self._heartbeat = _Heartbeat(self)
+
+    def _register_request(self) -> p.Register:
+        assert self._register_args is not None
+        return p.Register(v=p.PROTOCOL_VERSION, id=0, session=self.session, **self._register_args)
 
     def _attach(self, reply: dict[str, Any]) -> None:
         """Map the (new) sidecar's segments."""
@@ -541,11 +542,9 @@ class _Heartbeat:
         try:
             reply, _ = channel.call(client._req(p.Heartbeat))
         except SidecarError as err:
-            args = client._register_args
-            if err.code != p.ErrorCode.NOT_REGISTERED.value or args is None:
+            if err.code != p.ErrorCode.NOT_REGISTERED.value:
                 raise
-            request = p.Register(v=p.PROTOCOL_VERSION, id=0, session=client.session, **args)
-            reply, _ = channel.call(request)
+            reply, _ = channel.call(client._register_request())
         client._live_boot = str(reply["boot_id"])
 
     def stop(self) -> None:

@@ -260,7 +260,7 @@ class Handlers:
                 f"{group.tp_size} TP ranks registered; a plan needs every rank",
             )
         keys = p.parse_keys(arrays[0])
-        gpu = p.parse_ids(arrays[1], "block_ids", len(keys), session.group.num_gpu_blocks)
+        gpu = p.parse_ids(arrays[1], "block_ids", len(keys), group.num_gpu_blocks)
         return keys, GpuBlockIds(gpu)
 
     def _plan_ended(self, plan_id: int, ok: bool) -> None:

@@ -16,10 +16,12 @@ then unlink the shm segments, the socket and the lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
 import socket
+import stat
 import time
 import uuid
 from collections import Counter
@@ -130,13 +132,7 @@ class Server(Handlers):
                 log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
             socket_file = self.endpoint.removeprefix("ipc://")
             if self.endpoint.startswith("ipc://") and not socket_file.startswith("@"):
-                if _answers(socket_file):  # the lock covers the default path only
-                    raise InstanceRunning(
-                        f"{self.endpoint} is served by another live process; "
-                        "stop it or pick another --endpoint"
-                    )
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(socket_file)  # left by a dead process
+                _claim_socket_file(socket_file)  # the lock covers the default path only
                 self._socket_file = socket_file
             self.pool = ShmPool.create(
                 self.paths.shm_prefix,
@@ -350,12 +346,26 @@ class Server(Handlers):
         return server_stats(self)
 
 
-def _answers(path: str) -> bool:
-    """Whether a live process accepts connections on the Unix socket `path`."""
+def _claim_socket_file(path: str) -> None:
+    """Make `path` free for our ipc socket: a socket left by a dead process
+    is removed; one a live process accepts connections on raises
+    InstanceRunning; anything else that is not a socket is never touched
+    (FileExistsError)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(
+            errno.EEXIST, "exists and is not a socket; pick another --endpoint", path
+        )
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(1.0)
         try:
             probe.connect(path)
         except OSError:
-            return False
-    return True
+            os.unlink(path)  # left by a dead process
+            return
+    raise InstanceRunning(
+        f"ipc://{path} is served by another live process; stop it or pick another --endpoint"
+    )

@@ -58,6 +58,8 @@ class Sidecar:
             *args,
         ]
         self.endpoint = f"ipc://{self.runtime_dir}/{self.instance}.sock"
+        if "--endpoint" in args:
+            self.endpoint = args[args.index("--endpoint") + 1]
         self.proc: subprocess.Popen[str] | None = None
         self.banner = ""
 

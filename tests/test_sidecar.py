@@ -515,7 +515,6 @@ def test_a_tp_engine_missing_a_rank_gets_no_plans(sidecar):
 def test_tcp_endpoint():
     port = sp.free_port()
     s = Sidecar("--endpoint", f"tcp://127.0.0.1:{port}").start()
-    s.endpoint = f"tcp://127.0.0.1:{port}"
     try:
         assert s.endpoint in s.banner
         with connect(s.endpoint, make_kv(6)) as client:
@@ -530,7 +529,6 @@ def test_tcp_endpoint():
 def test_an_ipc_endpoint_is_never_taken_from_a_live_sidecar_and_is_removed_at_stop(tmp_path):
     endpoint = f"ipc://{tmp_path}/shared.sock"
     first = Sidecar("--endpoint", endpoint)
-    first.endpoint = endpoint
     second = Sidecar("--endpoint", endpoint)  # another instance name, same socket path
     try:
         first.start()
@@ -541,6 +539,10 @@ def test_an_ipc_endpoint_is_never_taken_from_a_live_sidecar_and_is_removed_at_st
         assert not (tmp_path / "shared.sock").exists()
         second.start()  # the path is free again
         assert second.stop() == 0
+        (tmp_path / "shared.sock").write_text("not a socket")
+        with pytest.raises(RuntimeError, match="exists and is not a socket"):
+            second.start()
+        assert (tmp_path / "shared.sock").read_text() == "not a socket"
     finally:
         first.cleanup()
         second.cleanup()
