@@ -156,15 +156,22 @@ class ControlClient:
     ) -> dict[str, Samples]:
         """The three terms of the lookup target side by side (`timed_rotation`):
         the raw ping-pong of lookup sizes, hashing the tokens, and
-        KVClient.lookup of the same tokens."""
+        KVClient.lookup of the same tokens; and a fourth, the same raw
+        ping-pong timed right after an untimed hashing of the tokens, as
+        KVClient.lookup sends right after hashing (on these VMs a round trip
+        after ~0.5 ms of one-sided work costs more than one back to back:
+        the other processes' threads have gone to sleep)."""
         tokens = token_ids(blocks, LOOKUP_SET)
         _expect("lookup", self.kv.lookup(tokens), blocks * TOKENS_PER_BLOCK)
+        floor = self._ping_step(echo, header_bytes, blocks, with_ids=False)
         steps = {
-            "floor": self._ping_step(echo, header_bytes, blocks, with_ids=False),
+            "floor": floor,
             "hash": lambda: self.hasher.hash_tokens(tokens),
             "lookup": lambda: self.kv.lookup(tokens),
+            "floor_after_hash": floor,
         }
-        return timed_rotation(steps, timing, sync)
+        before = {"floor_after_hash": lambda: self.hasher.hash_tokens(tokens)}
+        return timed_rotation(steps, timing, sync, before)
 
     def lookup_keys(self, sync, blocks: int, timing: Timing) -> Samples:
         """A Lookup of pre-hashed keys over the raw protocol."""

@@ -52,6 +52,8 @@ def paired_rows(r: dict[str, Any]) -> list[tuple]:
         "floor": "raw ping-pong, lookup sizes",
         "hash": "KeyHasher.hash_tokens",
         "lookup": f"{'within' if t['within'] else 'over'} target <= {t['limit']:.1f}",
+        "floor_after_hash": "the same ping-pong right after an untimed hashing; with it the "
+        f"target would be <= {t['with_floor_after_hash']['limit']:.1f}",
     }
     return [(name, s["p50"], s["p99"], notes[name]) for name, s in r["lookup_paired_us"].items()]
 

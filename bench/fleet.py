@@ -79,15 +79,22 @@ def timed_loop(
 
 
 def timed_rotation(
-    steps: dict[str, Callable[[], Any]], timing: Timing, sync: Callable[[], None]
+    steps: dict[str, Callable[[], Any]],
+    timing: Timing,
+    sync: Callable[[], None],
+    untimed_before: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, Samples]:
     """`timed_loop` for several steps measured side by side: every round
     times each step once, starting one step later each round, so a drift in
     the shared machine's speed (often +-20% over seconds on these VMs) hits
-    all of them alike and no step always runs right after the same other."""
+    all of them alike and no step always runs right after the same other.
+    `untimed_before[name]`, if given, runs right before step `name`, untimed."""
     names = list(steps)
+    before = untimed_before or {}
     for _ in range(timing.warmup):
         for name in names:
+            if name in before:
+                before[name]()
             steps[name]()
     sync()
     clock = time.perf_counter_ns
@@ -98,6 +105,8 @@ def timed_rotation(
     while True:
         for k in range(len(names)):
             name = names[(rounds + k) % len(names)]
+            if name in before:
+                before[name]()
             t0 = clock()
             steps[name]()
             latencies[name].append(clock() - t0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 from shm_helpers import shm_entries
@@ -71,7 +72,7 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
 
     # The lookup target is judged on its three terms measured side by side.
     paired = r["lookup_paired_us"]
-    assert sorted(paired) == ["floor", "hash", "lookup"]
+    assert sorted(paired) == ["floor", "floor_after_hash", "hash", "lookup"]
     assert len({s["samples"] for s in paired.values()}) == 1  # one call of each per round
     target = r["targets"]["lookup_2048_p50_us"]
     assert target["value"] == paired["lookup"]["p50"]
@@ -79,6 +80,11 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
     assert target["within"] == (target["value"] <= target["limit"])
     separate = target["from_separate_cases"]
     assert separate["value"] == r["lookup_rtt_us"]["2048"]["1"]["p50"]
+    after = target["with_floor_after_hash"]
+    assert after["limit"] == pytest.approx(
+        paired["floor_after_hash"]["p50"] + paired["hash"]["p50"] + 100
+    )
+    assert after["within"] == (target["value"] <= after["limit"])
 
     # So is the rate target: its terms run in rotating slices, side by side.
     rates = r["rates_paired_rps"]
@@ -107,3 +113,14 @@ def test_timed_rotation_times_each_step_once_per_round_in_rotating_order():
     assert order[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
     assert {name: s.latency_ns.size for name, s in out.items()} == {"a": 4, "b": 4, "c": 4}
     assert all((s.latency_ns > 0).all() and s.wall_s > 0 for s in out.values())
+
+
+def test_timed_rotation_runs_the_untimed_prelude_right_before_its_step_only():
+    order: list[str] = []
+    steps = {"a": lambda: order.append("a"), "b": lambda: time.sleep(0.002)}
+    before = {"b": lambda: (order.append("before b"), time.sleep(0.05))}
+    out = timed_rotation(steps, Timing(seconds=0.0, warmup=0, min_samples=3), lambda: None, before)
+
+    assert order == ["a", "before b", "before b", "a", "a", "before b"]
+    # b's 2 ms are timed, its prelude's 50 ms are not
+    assert (out["b"].latency_ns >= 2_000_000).all() and (out["b"].latency_ns < 40_000_000).all()
