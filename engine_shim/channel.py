@@ -56,6 +56,8 @@ class Channel:
     def send(self, request: Any, arrays: Sequence[bytes] = (), *, reply: bool = True) -> int:
         """Send without waiting; returns the request id to `wait_reply` on.
         With reply=False the answer is dropped when it comes."""
+        if self._sock.closed:
+            raise RuntimeError("this client is closed")
         rid = self._next_id
         self._next_id += 1
         request.id = rid

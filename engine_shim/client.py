@@ -139,6 +139,9 @@ class KVClient:
         """The boot the heartbeat last heard from (set by its thread)."""
         self.tp_rank = 0
         self._heartbeat: _Heartbeat | None = None
+        self.registration = 0
+        """How many times `register` has taken new tensors (a refused one does
+        not count): a user of this client can tell that another re-registered it."""
 
     @classmethod
     def connect(cls, endpoint: str | None = None, *, timeout: float = 1.0) -> KVClient:
@@ -174,9 +177,12 @@ class KVClient:
         `layout_detail` tells apart engine layouts that give one cuda_ext
         layout different byte orders (it joins the namespace). With TP,
         every rank registers with the same `engine_id` and its own `tp_rank`.
-        Raises SidecarUnavailable if the sidecar does not answer, SidecarError
-        if it refuses (e.g. a layout another engine disagrees with)."""
+        Raises SidecarUnavailable if the sidecar does not answer (these
+        tensors are registered when it does), SidecarError if it refuses
+        (e.g. a layout another engine disagrees with): a client registered
+        before then keeps its registration, as the sidecar does."""
         planes = kv_planes(kv_layers, layout)  # TypeError / ValueError for bad tensors
+        _check_geometry(kv_layers, planes.layout, tokens_per_block, num_kv_heads, head_dim)
         namespace = Namespace(
             model_name=model_name,
             model_revision=model_revision,
@@ -189,13 +195,8 @@ class KVClient:
             tokens_per_block=tokens_per_block,
             tenant=tenant,
         )
-        self._hasher = KeyHasher(namespace, secret, key_hash)
-        if self._copier is not None:  # registering again, maybe with other tensors
-            self._copier.close()
-            self._copier = None
-        self._planes = planes
-        self.tp_rank = tp_rank
-        self._register_args = {
+        hasher = KeyHasher(namespace, secret, key_hash)
+        args = {
             "engine_id": engine_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}",
             "kv": p.KVLayoutMsg(
                 **dataclasses.asdict(namespace),
@@ -206,12 +207,31 @@ class KVClient:
             "pid": os.getpid(),
             "pid_ns": _pid_namespace(),
         }
-        self._register()
+        before = (self._hasher, self._planes, self.tp_rank, self._register_args, self._copier)
+        self._hasher, self._planes, self._register_args = hasher, planes, args
+        self.tp_rank, self._copier = tp_rank, None
+        try:
+            reply, _ = self._channel.call(self._register_request())
+        except SidecarError:
+            # Refused: the sidecar keeps the registration it had, and so does this client.
+            self._hasher, self._planes, self.tp_rank, self._register_args, self._copier = before
+            raise
+        finally:
+            if self._register_args is args:  # taken now, or once a sidecar answers
+                self.registration += 1
+                if before[4] is not None:
+                    before[4].close()
+        self._registered(reply)
 
     def _register(self) -> None:
-        """Register (again); the heartbeat starts with the first success,
-        which may be a later call's re-registration."""
+        """Register (again) what `register` was last given."""
         reply, _ = self._channel.call(self._register_request())
+        self._registered(reply)
+
+    def _registered(self, reply: dict[str, Any]) -> None:
+        """Map the sidecar's shm and open the copier as a Register reply says;
+        the heartbeat starts with the first success, which may be a later
+        call's re-registration."""
         if reply["boot_id"] != self._boot_id or self._pool is None:
             self._attach(reply)
         if self._copier is None:
@@ -483,6 +503,33 @@ class KVClient:
         copy ran for that plan, so cancel it (its locks and slots go back)."""
         with contextlib.suppress(SidecarUnavailable):  # gone, and its plans with it
             self._channel.send(self._req(p.Cancel, plan_id=plan_id), reply=False)
+
+
+def _check_geometry(
+    kv: Any, layout: str, tokens_per_block: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """ValueError when tensors whose shape spells out tokens, heads and head
+    dim (vllm_flash, flashinfer, mla, and block_major `[N, 2, tokens, heads,
+    dim]`) say other numbers than the register arguments, which name the
+    blocks' bytes in the namespace and set how many tokens a block keys.
+    Free-form planes (`[N, elements]`, a padded engine page) are not checked."""
+    first = kv if isinstance(kv, torch.Tensor) else kv[0]
+    shape = tuple(first.shape)
+    if layout == "mla":
+        told, given = (tokens_per_block, head_dim), shape[1:]
+        names = "(tokens_per_block, head_dim = latent dim)"
+    elif layout in ("vllm_flash", "flashinfer") or (
+        layout == "block_major" and len(shape) == 5 and shape[1] == 2
+    ):
+        told, given = (tokens_per_block, num_kv_heads, head_dim), shape[2:]
+        names = "(tokens_per_block, num_kv_heads, head_dim)"
+    else:
+        return
+    if given != told:
+        raise ValueError(
+            f"{layout} KV tensors shaped {shape} hold {given} {names}, but register() "
+            f"was told {told}"
+        )
 
 
 def _checked_keys(keys: Any) -> BlockKeys:

@@ -187,6 +187,46 @@ def test_lookup_tiers_and_registering_again_with_other_tensors(sidecar):
         assert [layer[:3].numpy().tobytes() for layer in fresh] == expected_blocks(3, 3)
 
 
+def test_a_refused_register_again_leaves_the_working_registration(sidecar):
+    kv = make_kv(3)
+    with connect(sidecar.endpoint, kv) as client:
+        assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        assert client.registration == 1
+        other = [layer.double() for layer in make_kv(None)]  # a layout this sidecar does not serve
+        with pytest.raises(SidecarError) as info:
+            client.register(other, **sp.MODEL)
+        assert info.value.code == "layout_mismatch"
+        assert client.registration == 1
+        # still the first registration: same keys, same tensors, same copier
+        assert client.lookup(tokens(3, tail=1)) == 3 * sp.TOKENS_PER_BLOCK
+        for layer in kv:
+            layer.zero_()
+        assert client.load(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        assert [layer[:3].numpy().tobytes() for layer in kv] == expected_blocks(3, 3)
+        client.register(make_kv(None), **sp.MODEL)  # an accepted one counts
+        assert client.registration == 2
+
+
+def test_register_refuses_tensors_that_contradict_its_geometry_before_asking(sidecar):
+    from engine_shim import KVClient
+
+    kv = make_kv(None)  # [blocks, 2, tokens_per_block, 2 heads, head dim 8]
+    client = KVClient.connect(sidecar.endpoint, timeout=2.0)
+    try:
+        for wrong in ({"tokens_per_block": 32}, {"num_kv_heads": 4}, {"head_dim": 4}):
+            with pytest.raises(ValueError, match="register\\(\\) was told"):
+                client.register(kv, **{**sp.MODEL, **wrong})
+        assert client.registration == 0
+        assert stats_of(sidecar)["engines"] == []
+        flat = [layer.reshape(layer.shape[0], -1) for layer in kv]  # free-form planes pass
+        client.register(flat, **sp.MODEL)
+        assert client.registration == 1
+    finally:
+        client.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.stats()
+
+
 def test_concurrent_saves_of_one_prefix_store_it_once(sidecar):
     barrier = SPAWN.Manager().Barrier(2)
     with SPAWN.Pool(2) as pool:
@@ -430,6 +470,13 @@ def test_refusals_are_structured_and_change_nothing(sidecar):
             "bad_value",
         ),
         (p.Save(v=1, id=0, session=a.session), [keys_frame, b"short"], "bad_message"),
+        # one engine block under two keys (a save), or copied into twice (a load)
+        (
+            p.Save(v=1, id=0, session=b.session),
+            [p.keys_frame(b._keys(tokens(3, start=7))), p.ids_frame(np.array([5, 2, 5]))],
+            "bad_value",
+        ),
+        (p.Load(v=1, id=0, session=a.session), [keys_frame, p.ids_frame([1, 1])], "bad_value"),
     ]
     for request, arrays, code in bad:
         with pytest.raises(SidecarError) as info:
