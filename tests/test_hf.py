@@ -225,6 +225,54 @@ def test_models_with_sliding_window_layers_are_refused():
         CachedLM(MistralForCausalLM(config), None)
 
 
+def test_models_whose_k_and_v_heads_differ_are_refused():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(  # MLA: K head dim 24 (16 + rope 8), V head dim 16
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+    )
+    with pytest.raises(ValueError, match="no MLA"):
+        CachedLM(DeepseekV3ForCausalLM(config), None)
+
+
+def test_a_client_registered_again_by_another_cached_lm_is_refused(sidecar, model, make_lm):
+    first = make_lm(sidecar, model, chunk_tokens=TPB)
+    ids = tokens(7, 40)
+    first.prefill(ids)
+    other = CachedLM(tiny_llama(1), first.client, model_revision="other", max_tokens=2048)
+    with pytest.raises(RuntimeError, match="registered again"):
+        first.prefill(ids)  # its copies would now go to `other`'s pool
+    assert other.prefill(ids).info.prompt_tokens == 40
+    assert first.prefill(ids, use_sidecar=False).info.loaded_tokens == 0
+
+
+def test_token_ids_must_be_integers(model):
+    lm = CachedLM(model, None)
+    for bad in ([1.9, 2.7], torch.tensor([True, False]), torch.ones(3)):
+        with pytest.raises(TypeError, match="integer token ids"):
+            lm.prefill(bad)
+    with pytest.raises(ValueError, match="non-empty"):
+        lm.prefill([])
+
+
 def test_weights_fingerprint_names_the_weights_and_dtype(model):
     assert weights_fingerprint(model) == weights_fingerprint(tiny_llama(0))
     assert weights_fingerprint(model) != weights_fingerprint(tiny_llama(1))

@@ -97,8 +97,10 @@ class CachedLM:
     `model_revision` names the weights in the cache namespace; by default a
     fingerprint of the config and weights (`weights_fingerprint`). The pool
     is registered with `client` here (and by `connect`): use one client per
-    CachedLM. A sidecar that refuses the layout raises SidecarError; one
-    that is down only costs the cache until it answers.
+    CachedLM (a client registered again by someone else since is refused
+    with RuntimeError, as its copies would no longer reach this pool). A
+    sidecar that refuses the layout raises SidecarError; one that is down
+    only costs the cache until it answers.
 
     Only prompt KV computed by prefill is saved: decode computes a token's
     KV alone, which rounds differently from a prefill, so a next turn
@@ -132,6 +134,7 @@ class CachedLM:
                 f"{type(model).__name__}: CachedLM needs full-attention KV in every layer "
                 "(no sliding-window or linear-attention layers)"
             )
+        _check_kv_shapes(model, probe, num_kv_heads, head_dim)
         self.model = model
         self.tokens_per_block = tokens_per_block
         self.chunk_tokens = chunk_tokens
@@ -147,6 +150,7 @@ class CachedLM:
         self.model_name = model_name or Path(config.name_or_path).name or config.model_type
         self._revision = model_revision
         self.client: KVClient | None = None
+        self._registration = 0
         self.connect(client)
 
     def connect(self, client: KVClient | None) -> None:
@@ -169,6 +173,7 @@ class CachedLM:
             )
         except SidecarUnavailable as err:  # it registers by itself once one answers
             log.warning("no kvsidecar answers yet, computing every prompt: %s", err)
+        self._registration = client.registration
 
     @property
     def device(self) -> torch.device:
@@ -235,6 +240,11 @@ class CachedLM:
         self, ids: torch.Tensor, use_sidecar: bool, save: bool
     ) -> tuple[torch.Tensor, PrefillInfo, DynamicCache]:
         client = self.client if use_sidecar else None
+        if client is not None and client.registration != self._registration:
+            raise RuntimeError(
+                "this CachedLM's KVClient was registered again (by another CachedLM or "
+                "engine) since it registered this pool: give each CachedLM its own client"
+            )
         tpb = self.tokens_per_block
         n = ids.numel()
         ids_np = ids.numpy()
@@ -325,9 +335,36 @@ class CachedLM:
             return 0
 
 
+def _check_kv_shapes(
+    model: PreTrainedModel, cache: DynamicCache, num_kv_heads: int, head_dim: int
+) -> None:
+    """ValueError unless a one-token forward leaves K and V of
+    [1, num_kv_heads, 1, head_dim] in every layer of `cache`, the shape the
+    pool holds (MLA models, whose K and V head dims differ, do not)."""
+    with torch.no_grad():
+        model(
+            input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+    want = (1, num_kv_heads, 1, head_dim)
+    for i, layer in enumerate(cache.layers):
+        got = {tuple(layer.keys.shape), tuple(layer.values.shape)}
+        if got != {want}:
+            raise ValueError(
+                f"{type(model).__name__}: layer {i} keeps K/V of {sorted(got)} per token, "
+                f"not {want} (num_kv_heads x head_dim from its config); CachedLM supports "
+                "models whose K and V share one head shape (no MLA)"
+            )
+
+
 def _as_ids(input_ids: Any) -> torch.Tensor:
     """1-D int64 CPU token ids from a list, numpy array or tensor ([1, n] accepted)."""
     ids = torch.as_tensor(np.asarray(input_ids) if not torch.is_tensor(input_ids) else input_ids)
+    if ids.numel() and (
+        ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool
+    ):
+        raise TypeError(f"input_ids must be integer token ids, not {ids.dtype}")
     ids = ids.detach().to("cpu", torch.long)
     if ids.ndim == 2 and ids.shape[0] == 1:
         ids = ids[0]
