@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 
 TARGET_VLLM = "0.33"
 SHAREABLE_HASH_ALGOS = ("sha256", "sha256_cbor")
-"""vLLM hash algorithms whose block hashes are the same in every process
-(a fixed seed unless PYTHONHASHSEED is set); xxhash is seeded at random."""
+"""vLLM hash algorithms collision-resistant enough to key a shared cache
+(xxhash is not). Their hashes are the same in every process only with
+PYTHONHASHSEED set: else vLLM starts every chain from random bytes drawn
+per process (`init_none_hash`)."""
 
 __all__ = ["KVSidecarConnector", "geometry_of", "settings_of", "uses_block_hashes"]  # noqa: F822
 
@@ -91,8 +93,10 @@ def geometry_of(kv_cache_config: Any, vllm_config: Any) -> KVGeometry:
 
 def uses_block_hashes(settings: ConnectorSettings, vllm_config: Any, block_size: int) -> bool:
     """Whether blocks are keyed from vLLM's block hashes (`block_keys`):
-    "auto" takes them when they are one per block and the same in every
-    process, so two engines (or a restarted one) share the cache."""
+    "auto" takes them when they are one per block, collision-resistant and
+    the same in every process (sha256 or sha256_cbor with PYTHONHASHSEED
+    set), so two engines (or a restarted one) share the cache; otherwise
+    the tokens are hashed."""
     cache = vllm_config.cache_config
     hash_block_size = getattr(cache, "hash_block_size", None) or block_size
     if settings.block_keys == "tokens":
@@ -105,9 +109,14 @@ def uses_block_hashes(settings: ConnectorSettings, vllm_config: Any, block_size:
             )
         return False
     if settings.block_keys == "engine":
+        if os.environ.get("PYTHONHASHSEED") is None:
+            log.warning(
+                "kvsidecar: block_keys 'engine' without PYTHONHASHSEED: vLLM's block hashes "
+                "differ in every process, so no other or restarted engine will hit this cache"
+            )
         return True
-    shareable = cache.prefix_caching_hash_algo in SHAREABLE_HASH_ALGOS
-    return shareable or os.environ.get("PYTHONHASHSEED") is not None
+    strong = cache.prefix_caching_hash_algo in SHAREABLE_HASH_ALGOS
+    return strong and os.environ.get("PYTHONHASHSEED") is not None
 
 
 def _connector_class() -> type:

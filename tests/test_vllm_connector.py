@@ -306,7 +306,7 @@ def test_kvclient_key_methods_validate(pair):
         client.digest_keys(["text" * 8])  # type: ignore[list-item]
 
 
-def test_the_glue_imports_without_vllm_and_reads_vllm_config():
+def test_the_glue_imports_without_vllm_and_reads_vllm_config(monkeypatch):
     from types import SimpleNamespace as NS
 
     config = NS(
@@ -322,11 +322,13 @@ def test_the_glue_imports_without_vllm_and_reads_vllm_config():
         "vllm-e1",
         "t",
     )
+    # "auto": vLLM's hashes only when the same in every process and collision-resistant
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert not glue.uses_block_hashes(s, config, 16)  # a random chain root per process
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
     assert glue.uses_block_hashes(s, config, 16)
     config.cache_config.prefix_caching_hash_algo = "xxhash"
-    assert glue.uses_block_hashes(s, config, 16) is bool(
-        __import__("os").environ.get("PYTHONHASHSEED")
-    )
+    assert not glue.uses_block_hashes(s, config, 16)
     config.parallel_config.tensor_parallel_size = 2
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         glue.settings_of(config)

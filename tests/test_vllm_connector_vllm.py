@@ -57,6 +57,12 @@ BLOCK, HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 16, 2, 8, 2, 64
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
+@pytest.fixture(autouse=True)
+def fixed_hash_seed(monkeypatch):
+    """As a deployment that shares vLLM's block hashes sets it (docs/engines.md)."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+
+
 @pytest.fixture
 def sidecar():
     s = Sidecar(capacity="4MiB").start()
@@ -250,7 +256,16 @@ def test_the_connector_is_made_by_vllm(engine):
 
     assert type(engine.scheduler.connector) is vllm_connector.KVSidecarConnector
     assert type(engine.worker) is vllm_connector.KVSidecarConnector
-    assert engine.scheduler.connector._scheduler.use_block_hashes  # sha256: shareable
+    assert engine.scheduler.connector._scheduler.use_block_hashes  # sha256, fixed seed
+
+
+def test_auto_keys_by_tokens_without_a_fixed_hash_seed(tmp_path, sidecar, monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED")  # vLLM's chains start from random bytes per process
+    engine = Engine(tmp_path, sidecar.endpoint)
+    try:
+        assert not engine.scheduler.connector._scheduler.use_block_hashes
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize(
