@@ -75,7 +75,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cpu-capacity",
         help=f"the sidecar's CPU tier (default: {CPU_TIER_BLOCKS} KV blocks of the model, "
-        "so that the chats overflow it onto SSD)",
+        "at least 1 MiB, so that the chats overflow it onto SSD)",
     )
     p.add_argument("--no-ssd", action="store_true", help="no SSD tier")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
@@ -99,6 +99,16 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.turns <= 3 or args.new_tokens < 1:
         print("kvsidecar demo: --turns must be 1-3 and --new-tokens >= 1", file=sys.stderr)
         return 2
+    if (
+        args.chunk_tokens < 0
+        or args.chunk_tokens % 16
+        or (args.threads is not None and args.threads < 1)
+    ):
+        print(
+            "kvsidecar demo: --chunk-tokens must be 0 or a multiple of 16, --threads >= 1",
+            file=sys.stderr,
+        )
+        return 2
     try:
         from engine_shim.hf import kv_block_bytes, load_model, tiny_llama
     except ImportError:
@@ -108,11 +118,12 @@ def run(args: argparse.Namespace) -> int:
 
     from engine_shim.local_sidecar import LocalSidecar
 
-    if args.threads:
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = load_model(args.model) if args.model else tiny_llama(seed=0)
     block_bytes = kv_block_bytes(model)
-    capacity = args.cpu_capacity or f"{CPU_TIER_BLOCKS * block_bytes}B"
+    # The sidecar takes no CPU tier under 1 MiB (a model of small blocks).
+    capacity = args.cpu_capacity or f"{max(CPU_TIER_BLOCKS * block_bytes, 1 << 20)}B"
     workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
     settings: dict[str, object] = {"drain_seconds": 1}
     if not args.no_ssd:

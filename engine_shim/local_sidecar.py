@@ -6,8 +6,10 @@ so if that process dies without stopping it (SIGKILL, a crash), the sidecar
 drains and cleans up by itself within about a second.
 
 It gets its own instance name and runtime directory inside the caller's work
-directory, so it never touches a sidecar someone else runs. Its log goes to
-`sidecar.log` there. `stop()` stops it with SIGTERM (the sidecar then
+directory (or, when a socket path there would pass the 107 bytes an ipc
+path may have, a private directory under /tmp, removed by `close`), so it
+never touches a sidecar someone else runs. Its log goes to `sidecar.log` in
+the work directory. `stop()` stops it with SIGTERM (the sidecar then
 removes its shm segments, socket and lock) and reports what, if anything,
 it left in /dev/shm.
 """
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping
@@ -27,6 +31,9 @@ from typing import NamedTuple
 
 from shm.names import SHM_DIR, remove_stale_segments
 from sidecar.runtime import InstancePaths
+
+IPC_PATH_MAX = 107
+"""Bytes of an ipc:// socket path Linux takes (sockaddr_un.sun_path, NUL ended)."""
 
 BENCH_SIDECAR_SETTINGS = {"lease_seconds": 60.0, "drain_seconds": 1}
 """For benchmarks: a client busy measuring is never dropped; a stop is quick."""
@@ -51,6 +58,9 @@ class LocalSidecar:
         """`settings`: configuration keys passed as `--set key=value`."""
         self.instance = f"{tag}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runtime_dir = Path(workdir) / "run"
+        self._own_dir: Path | None = None
+        if len(os.fsencode(f"{self.runtime_dir}/{self.instance}.sock")) > IPC_PATH_MAX:
+            self._own_dir = self.runtime_dir = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
         self.log_path = Path(workdir) / "sidecar.log"
         self.endpoint = f"ipc://{self.runtime_dir}/{self.instance}.sock"
         self.args = ["--instance", self.instance, "--cpu-capacity", cpu_capacity]
@@ -116,8 +126,12 @@ class LocalSidecar:
         return remove_stale_segments(self.shm_prefix)
 
     def close(self, timeout: float = 15.0) -> Shutdown:
-        """`stop`, then remove whatever it left in /dev/shm."""
-        return Shutdown(self.stop(timeout), self.remove_leftovers())
+        """`stop`, then remove whatever it left in /dev/shm (and its runtime
+        directory, if it is one of its own under /tmp)."""
+        shutdown = Shutdown(self.stop(timeout), self.remove_leftovers())
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+        return shutdown
 
     def log_tail(self) -> str:
         try:

@@ -42,3 +42,13 @@ def test_add_parser_registers_the_demo_subcommand():
     demo.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["demo", "--turns", "1", "--no-ssd", "--chunk-tokens", "32"])
     assert args.func is demo.run and args.turns == 1 and args.no_ssd and args.chunk_tokens == 32
+
+
+@pytest.mark.parametrize(
+    "flags", [["--chunk-tokens", "8"], ["--chunk-tokens", "-16"], ["--threads", "0"]]
+)
+def test_bad_flags_are_refused_before_any_model_or_sidecar_starts(capsys, flags):
+    assert demo.main(flags) == 2
+    captured = capsys.readouterr()
+    assert "--chunk-tokens must be 0 or a multiple of 16" in captured.err
+    assert captured.out == ""

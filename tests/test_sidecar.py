@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -185,6 +186,26 @@ def test_lookup_tiers_and_registering_again_with_other_tensors(sidecar):
         client.register(fresh, **sp.MODEL)  # the copies now go to and from `fresh`
         assert client.load(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
         assert [layer[:3].numpy().tobytes() for layer in fresh] == expected_blocks(3, 3)
+
+
+def test_a_local_sidecar_in_a_deep_work_directory_puts_its_socket_in_a_short_one(tmp_path):
+    from engine_shim.local_sidecar import IPC_PATH_MAX, LocalSidecar
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    local = LocalSidecar(deep, cpu_capacity="4MiB")
+    socket_path = local.endpoint.removeprefix("ipc://")
+    assert len(os.fsencode(socket_path)) <= IPC_PATH_MAX
+    assert local.runtime_dir.parent == Path("/tmp")
+    try:
+        local.start()
+        with connect(local.endpoint, make_kv(2)) as client:
+            assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    finally:
+        shutdown = local.close()
+    assert shutdown == (0, [])
+    assert not local.runtime_dir.exists()
+    assert (deep / "sidecar.log").exists()
 
 
 def test_a_refused_register_again_leaves_the_working_registration(sidecar):
