@@ -4,7 +4,8 @@ Loading the library needs no GPU, driver or torch: it is linked with a static
 CUDA runtime. `probe()` is what tells whether this machine can run it; every
 failure becomes one of two exceptions:
 - `GpuUnavailable`: the library is not built, or there is no usable NVIDIA
-  driver or GPU. Callers fall back to the CPU path (shm.copy).
+  driver or GPU. `open_copier` then copies CUDA planes with torch
+  (`copier.StagedBlockCopier`).
 - `CudaError`: a CUDA call failed on a working GPU (a bug or bad input).
 """
 
@@ -85,11 +86,17 @@ def load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(LIB_PATH))
     except OSError as exc:
         raise GpuUnavailable(f"{LIB_PATH} does not load: {exc}") from exc
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    if lib.kv_abi_version() != ABI_VERSION:
-        raise GpuUnavailable(f"{LIB_PATH.name} is stale (ABI {lib.kv_abi_version()}): rebuild it")
+    stale = f"{LIB_PATH.name} is stale (built from older sources): rerun `pip install -e .`"
+    try:
+        abi = lib.kv_abi_version  # checked first: an older build may lack newer symbols
+        abi.restype, abi.argtypes = ctypes.c_int, []
+        if abi() != ABI_VERSION:
+            raise GpuUnavailable(f"{stale}; its ABI is {abi()}, not {ABI_VERSION}")
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except AttributeError as exc:  # a symbol this version needs is missing
+        raise GpuUnavailable(f"{stale}: {exc}") from None
     return lib
 
 
@@ -113,7 +120,7 @@ def check(code: int, what: str) -> None:
         raise GpuUnavailable(
             f"{what} failed with {name} ({message}): {found}; libkvcopy.so needs an NVIDIA "
             f"GPU and a driver for CUDA {runtime_version()} or newer. Without them, block "
-            "copies take the CPU path (shm.copy)"
+            "copies of CUDA tensors take torch's staged path (cuda_ext.copier)"
         )
     raise CudaError(code, name, message, what)
 

@@ -7,17 +7,21 @@
         handle = copier.load(block_ids, slots, layout, rank)
         handle.wait_layer(0)    # work queued next on the current stream sees layer 0
 
-Both copiers take the same arguments and reject bad ones the same way
-(`check_request`) before a byte moves. A CPU copy is done when it returns;
-its handle only keeps the interface the same.
+Every copier takes the same arguments and rejects bad ones the same way
+(`check_request`) before a byte moves. A CPU copy (and a staged one, the
+fallback for CUDA planes without libkvcopy.so) is done when it returns; its
+handle only keeps the interface the same.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from cuda_ext.layouts import KVPlanes
 from shm import copy as shm_copy
@@ -26,6 +30,8 @@ from shm.pool import ShmPool
 
 if TYPE_CHECKING:
     from cuda_ext.gpu import GpuBlockCopier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -140,13 +146,66 @@ class CpuBlockCopier:
         self.close()
 
 
+class StagedBlockCopier:
+    """Planes on any torch device <-> slots through CPU staging tensors, in
+    torch: a save gathers the blocks on the device and copies them to the
+    host, then into the slots with shm.copy; a load the reverse, the scatter
+    queued on the current stream (work queued after it sees the blocks).
+    The fallback for CUDA planes where libkvcopy.so cannot run (not built,
+    or a driver older than its CUDA runtime): the same bytes, synchronous,
+    slower (two copies, pageable host memory)."""
+
+    def __init__(self, planes: KVPlanes, pool: ShmPool, *, impl: str | None = None) -> None:
+        self.planes, self.pool, self.impl = planes, pool, impl
+
+    def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
+        """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
+        index = torch.from_numpy(request.blocks).to(self.planes.device)
+        staged = [plane.index_select(0, index).cpu() for plane in self.planes.planes]
+        rows = np.arange(len(request.blocks))
+        shm_copy.save_blocks(staged, rows, self.pool, slots, layout, rank, impl=self.impl)
+        return DoneHandle(self.planes.num_layers)
+
+    def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
+        """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
+        n, chunk = len(request.blocks), self.planes.chunk_bytes
+        staged = [torch.empty((n, chunk), dtype=torch.uint8) for _ in self.planes.planes]
+        shm_copy.load_blocks(staged, np.arange(n), self.pool, slots, layout, rank, impl=self.impl)
+        index = torch.from_numpy(request.blocks).to(self.planes.device)
+        for plane, rows in zip(self.planes.planes, staged, strict=True):
+            plane.index_copy_(0, index, rows.to(plane.device))
+        return DoneHandle(self.planes.num_layers)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def __enter__(self) -> StagedBlockCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def open_copier(
     planes: KVPlanes, pool: ShmPool, **gpu_options: Any
-) -> CpuBlockCopier | GpuBlockCopier:
-    """A GpuBlockCopier for CUDA planes (raises cuda_ext.GpuUnavailable if
-    libkvcopy.so cannot run here), a CpuBlockCopier for CPU ones."""
+) -> CpuBlockCopier | GpuBlockCopier | StagedBlockCopier:
+    """A CpuBlockCopier for CPU planes; for CUDA planes a GpuBlockCopier, or
+    where libkvcopy.so cannot run here (cuda_ext.GpuUnavailable, logged once)
+    a StagedBlockCopier."""
     if planes.device.type == "cuda":
+        from cuda_ext._lib import GpuUnavailable
         from cuda_ext.gpu import GpuBlockCopier
 
-        return GpuBlockCopier(planes, pool, **gpu_options)
+        try:
+            return GpuBlockCopier(planes, pool, **gpu_options)
+        except GpuUnavailable as err:
+            _warn_once(f"GPU block copies take torch's staged path (slower): {err}")
+            return StagedBlockCopier(planes, pool)
     return CpuBlockCopier(planes, pool)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning("kvsidecar: %s", message)

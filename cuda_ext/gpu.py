@@ -237,11 +237,19 @@ class GpuBlockCopier:
         if self.closed:
             return
         self.closed = True
-        self.stream.synchronize()
-        with torch.cuda.device(self.device):
-            for address, nbytes in self._registered:
-                _REGISTRATIONS.release(address, nbytes)
-        self._registered, self._pins = [], []
+        try:
+            self.stream.synchronize()
+        finally:  # unpinned even after a CUDA error, each in turn; the first error is raised
+            registered, self._registered, self._pins = self._registered, [], []
+            errors = []
+            with torch.cuda.device(self.device):
+                for address, nbytes in registered:
+                    try:
+                        _REGISTRATIONS.release(address, nbytes)
+                    except _lib.CudaError as err:
+                        errors.append(err)
+            if errors:
+                raise errors[0]
 
     def __enter__(self) -> GpuBlockCopier:
         return self

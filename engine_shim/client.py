@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from cuda_ext.copier import CpuBlockCopier, open_copier
+from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
 from cuda_ext.layouts import KVPlanes, kv_planes
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
@@ -129,7 +129,7 @@ class KVClient:
         self.session = uuid.uuid4().hex
         self._register_args: dict[str, Any] | None = None
         self._planes: KVPlanes | None = None
-        self._copier: CpuBlockCopier | GpuBlockCopier | None = None
+        self._copier: CpuBlockCopier | GpuBlockCopier | StagedBlockCopier | None = None
         self._hasher: KeyHasher | None = None
         self._pool: ShmPool | None = None
         self._layout: BlockLayout | None = None
@@ -173,7 +173,8 @@ class KVClient:
         """Describe this rank's paged KV cache, CPU or CUDA tensors in `layout`:
         "paged" (= "block_major": one tensor per layer, [num_blocks, ...]),
         "vllm_flash", "flashinfer", "cross_layer" or "mla" (cuda_ext.layouts).
-        CUDA tensors need libkvcopy.so (else cuda_ext.GpuUnavailable).
+        CUDA tensors copy with libkvcopy.so, or where it cannot run with torch's
+        slower staged path (cuda_ext.copier.StagedBlockCopier; a warning says so).
         `layout_detail` tells apart engine layouts that give one cuda_ext
         layout different byte orders (it joins the namespace). With TP,
         every rank registers with the same `engine_id` and its own `tp_rank`.
@@ -459,14 +460,17 @@ class KVClient:
             self._check_boot(plan)
         copier, layout, rank = self._copier, self._layout, self.tp_rank
         assert copier is not None and layout is not None
+        copies: list[Any] = []
         try:
-            copies = [
-                copier.load(dst, src, layout, rank)
-                if kind == "H2D"
-                else copier.save(src, dst, layout, rank)
-                for _, kind, src, dst in plan.ops
-            ]
+            for _, kind, src, dst in plan.ops:
+                if kind == "H2D":
+                    copies.append(copier.load(dst, src, layout, rank))
+                else:
+                    copies.append(copier.save(src, dst, layout, rank))
         except Exception as err:
+            for copy in copies:  # the sidecar reuses the slots once told: let queued copies end
+                with contextlib.suppress(Exception):
+                    copy.synchronize()
             self._fail(plan, err)
             raise
         if plan.kind == "load" and not all(copy.query() for copy in copies):

@@ -54,7 +54,7 @@ def test_loading_without_a_gpu_gives_a_clear_error_not_a_crash():
     assert first.startswith("runtime 13.") or first.startswith("runtime 12."), first
     assert first.endswith(f"abi {_lib.ABI_VERSION}")
     if second.startswith("unavailable"):
-        assert "driver" in second and "CPU path" in second, second
+        assert "driver" in second and "staged path" in second, second
     else:
         assert int(second.split()[1]) >= 1
 
@@ -88,6 +88,20 @@ def test_only_the_c_abi_is_exported():
 def test_a_missing_library_is_gpu_unavailable(monkeypatch, tmp_path):
     monkeypatch.setattr(_lib, "LIB_PATH", tmp_path / "libkvcopy.so")
     with pytest.raises(_lib.GpuUnavailable, match=r"not built.*nvcc"):
+        _lib.load.__wrapped__()
+
+
+@pytest.mark.parametrize(
+    ("abi", "message"), [(0, "its ABI is 0"), (_lib.ABI_VERSION, "undefined symbol")]
+)
+def test_a_stale_library_is_gpu_unavailable(monkeypatch, tmp_path, abi, message):
+    # An older build: another ABI, or this ABI number without the newer symbols.
+    source = tmp_path / "old.c"
+    source.write_text(f"int kv_abi_version(void) {{ return {abi}; }}\n")
+    lib = tmp_path / "libkvcopy.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", lib, source], check=True)
+    monkeypatch.setattr(_lib, "LIB_PATH", lib)
+    with pytest.raises(_lib.GpuUnavailable, match=f"is stale.*{message}"):
         _lib.load.__wrapped__()
 
 

@@ -170,3 +170,34 @@ def test_the_pool_is_registered_once_per_process(pool):
     assert (address, pool.nbytes) not in entries
     with pytest.raises(RuntimeError, match="closed"):
         second.save([0], [0], planes.block_layout(), 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_without_a_runnable_library_cuda_planes_take_the_staged_torch_path(
+    pool, monkeypatch, layout
+):
+    from cuda_ext import _lib
+    from cuda_ext.copier import StagedBlockCopier, open_copier
+
+    def unavailable() -> int:
+        raise _lib.GpuUnavailable("as with a driver older than the library's CUDA")
+
+    monkeypatch.setattr(_lib, "probe", unavailable)
+    kv = logical_kv(torch.bfloat16, seed=9)
+    planes = gpu_planes(layout, kv)
+    block_layout = planes.block_layout(1)
+    blocks, slots = np.array([5, 2, 9]), np.array([4, 0, 7])
+    with open_copier(planes, pool) as copier:
+        assert isinstance(copier, StagedBlockCopier)
+        copier.save(blocks, slots, block_layout, 0).synchronize()
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), block_layout.slot_stride)
+        assert np.array_equal(view[: block_layout.block_bytes], expected_shard(kv, int(block)))
+    back = gpu_planes(layout, torch.zeros_like(kv))
+    targets = np.array([1, 11, 3])
+    with open_copier(back, pool) as copier:
+        copier.load(targets, slots, block_layout, 0).wait_layer(LAYERS - 1)
+    torch.cuda.current_stream().synchronize()
+    for target, block in zip(targets, blocks, strict=True):
+        got = np.concatenate([raw(p[int(target)]) for p in back.planes])
+        assert np.array_equal(got, expected_shard(kv, int(block)))

@@ -28,7 +28,7 @@ from kv_helpers import (  # noqa: E402
     raw,
 )
 
-from cuda_ext.copier import CpuBlockCopier, open_copier  # noqa: E402
+from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier  # noqa: E402
 from cuda_ext.layouts import LAYOUTS, as_planes, kv_planes  # noqa: E402
 
 SENTINEL = 0xAB
@@ -41,10 +41,17 @@ def pool():
         yield created
 
 
+def make_copier(kind: str, planes, pool, impl: str):
+    """The CPU copier, or the staged one (the fallback for CUDA planes without
+    libkvcopy.so), whose gather / scatter logic runs the same on CPU planes."""
+    return (CpuBlockCopier if kind == "cpu" else StagedBlockCopier)(planes, pool, impl=impl)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "staged"])
 @pytest.mark.parametrize("impl", shm_copy.IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layout_round_trips_byte_exact_with_tp_shards(pool, layout, dtype, impl):
+def test_every_layout_round_trips_byte_exact_with_tp_shards(pool, layout, dtype, impl, kind):
     tp = 2
     kvs = [logical_kv(dtype, seed=10 * rank + 1) for rank in range(tp)]
     engines = [engine_kv(layout, kv) for kv in kvs]
@@ -55,7 +62,7 @@ def test_every_layout_round_trips_byte_exact_with_tp_shards(pool, layout, dtype,
     blocks = rng.permutation(BLOCKS)[:7]
     slots = rng.permutation(pool.num_slots(block_layout.slot_stride))[:7]
     for rank in range(tp):
-        copier = CpuBlockCopier(planes[rank], pool, impl=impl)
+        copier = make_copier(kind, planes[rank], pool, impl)
         copier.save(blocks, slots, block_layout, rank).synchronize()
     for block, slot in zip(blocks, slots, strict=True):
         view = pool.slot_view(int(slot), block_layout.slot_stride)
@@ -66,7 +73,7 @@ def test_every_layout_round_trips_byte_exact_with_tp_shards(pool, layout, dtype,
     for rank in range(tp):
         back = engine_kv(layout, torch.zeros_like(kvs[rank]))
         back_planes = kv_planes(back, layout)
-        with open_copier(back_planes, pool) as copier:
+        with make_copier(kind, back_planes, pool, impl) as copier:
             copier.load(targets, slots, block_layout, rank).wait_layer(LAYERS - 1)
         for target, block in zip(targets, blocks, strict=True):
             got = np.concatenate([raw(p[int(target)]) for p in back_planes.planes])
@@ -119,10 +126,13 @@ def test_bad_kv_is_rejected_with_a_clear_error(kv, layout, error, match):
         kv_planes(kv(), layout)
 
 
-def test_bad_requests_raise_and_copy_nothing(pool):
-    planes = kv_planes(engine_kv("flashinfer", logical_kv(torch.float16, seed=5)), "flashinfer")
+@pytest.mark.parametrize("kind", ["cpu", "staged"])
+def test_bad_requests_raise_and_copy_nothing(pool, kind):
+    kv = engine_kv("flashinfer", logical_kv(torch.float16, seed=5))
+    before = [layer.clone() for layer in kv]
+    planes = kv_planes(kv, "flashinfer")
     layout = planes.block_layout(2)
-    copier = CpuBlockCopier(planes, pool)
+    copier = make_copier(kind, planes, pool, None)
     cases = [
         (([0, BLOCKS], [0, 1], layout, 0), ValueError, "block id out of range"),
         (([-1], [0], layout, 0), ValueError, "block id out of range"),
@@ -140,4 +150,8 @@ def test_bad_requests_raise_and_copy_nothing(pool):
             copier.save(*args)
     with pytest.raises(ValueError, match="block_ids repeat"):
         copier.load([1, 1], [0, 1], layout, 0)
+    with pytest.raises(ValueError, match="block id out of range"):
+        copier.load([0, BLOCKS], [0, 1], layout, 0)
     assert (pool.segment_view(0) == SENTINEL).all()
+    for layer, old in zip(kv, before, strict=True):
+        assert torch.equal(layer.view(torch.uint8), old.view(torch.uint8))

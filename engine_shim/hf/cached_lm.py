@@ -89,8 +89,8 @@ class CachedLM:
     `client` is a connected KVClient (or None: no cache at all). The pool
     holds `max_tokens` tokens of KV on the model's device (GPU memory for a
     model on CUDA: blocks then move between it and the sidecar's shm through
-    cuda_ext's GPU copier, which needs libkvcopy.so, else
-    cuda_ext.GpuUnavailable); a longer prompt caches only its first
+    cuda_ext's GPU copier, or torch's slower staged copies where
+    libkvcopy.so cannot run); a longer prompt caches only its first
     `max_tokens`. Works for models whose every layer keeps the
     full-attention KV of all tokens in a DynamicCache (Llama, Mistral without
     sliding window, Qwen2, ...); others are refused at construction.
