@@ -8,8 +8,10 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   replies of the sizes of a lookup (header + 16-byte keys -> small header)
   and of a load/save plan (header + keys + int64 ids -> header + source and
   destination ids), for 1, 64 and 2,048 blocks, from 1 and from 4 client
-  processes. `raw_rate_rps` is the closed-loop rate of the 64-block
-  lookup-sized ping-pong.
+  processes; and for the full loads and saves, which take two round trips,
+  a plan-sized ping-pong followed by one of the sizes of a Complete and its
+  ack (`load_save_full`). `raw_rate_rps` is the closed-loop rate of the
+  64-block lookup-sized ping-pong.
 - The sidecar: a real `kvsidecar serve` subprocess; every client process
   registers a KVClient with a tiny KV layout (1 layer, 128 B per block), so
   the KV bytes a 2,048-block load or save copies through shm (256 KiB, ~20 µs
@@ -90,15 +92,16 @@ SIDECAR_FIGURES = {
     "lookup_keys_rtt_us": ("lookup_keys", "lookup"),
     "load_plan_rtt_us": ("load_plan", "load_save"),
     "save_plan_rtt_us": ("save_plan", "load_save"),
-    "load_full_us": ("load_full", "load_save"),
-    "save_full_us": ("save_full", "load_save"),
+    "load_full_us": ("load_full", "load_save_full"),
+    "save_full_us": ("save_full", "load_save_full"),
 }
 RATE_FIGURES = {"lookup_rtt_us": "lookup", "lookup_keys_rtt_us": "lookup_keys"}
 """Figures whose closed-loop rate at RATE_BLOCKS is reported (as <name>_rate_rps)."""
 ABOUT = {
-    "floor_rtt_us": "[lookup|load_save][blocks][clients]: raw pyzmq DEALER/ROUTER ping-pong "
-    "over ipc against an echo ROUTER, with the request and reply sizes of a lookup or of a "
-    "load/save plan (see message_header_bytes); µs",
+    "floor_rtt_us": "[lookup|load_save|load_save_full][blocks][clients]: raw pyzmq "
+    "DEALER/ROUTER ping-pong over ipc against an echo ROUTER, with the request and reply sizes "
+    "of a lookup or of a load/save plan (see message_header_bytes); load_save_full: a plan-sized "
+    "ping-pong then a Complete-sized one, the two round trips of a full load or save; µs",
     "lookup_rtt_us": "[blocks][clients]: KVClient.lookup(tokens): hashing + one round trip",
     "lookup_keys_rtt_us": "[blocks][clients]: a Lookup of pre-hashed keys on the raw protocol",
     "load_plan_rtt_us": "[blocks][clients]: raw Load request -> plan reply (all blocks hit); "
@@ -156,6 +159,9 @@ def message_sizes() -> dict[str, int]:
         "lookup_reply": len(p.encode(p.ok(rid, num_blocks=n, cpu=n, ssd=0, remote=0).header)),
         "plan_request": len(p.encode(p.Load(v=v, id=rid, session=session, skip=0))),
         "plan_reply": len(p.encode(p.ok(rid, **plan, cpu=n, ssd=0, remote=0).header)),
+        "complete_request": len(
+            p.encode(p.Complete(v=v, id=rid, session=session, plan_id=rid, op_ids=[0]))
+        ),
     }
 
 
@@ -202,17 +208,26 @@ def measure(
     for n in BLOCK_COUNTS:
         samples = fleet.call("hash", 1, [_args(n, hash_timing)], hash_timing.seconds + 60)
         out["hash_us"][str(n)] = _strip(summarize(samples))
-    floors = {
-        "lookup": {"endpoint": echo, "header_bytes": sizes["lookup_request"], "with_ids": False},
-        "load_save": {"endpoint": echo, "header_bytes": sizes["plan_request"], "with_ids": True},
-    }
+    plan_sizes = {"endpoint": echo, "header_bytes": sizes["plan_request"], "with_ids": True}
+    floors = {  # shape: (client task, its arguments)
+        "lookup": (
+            "ping",
+            {"endpoint": echo, "header_bytes": sizes["lookup_request"], "with_ids": False},
+        ),
+        "load_save": ("ping", plan_sizes),
+        "load_save_full": (
+            "ping_full",
+            {"endpoint": echo, "header_bytes": sizes["plan_request"],
+             "complete_bytes": sizes["complete_request"]},
+        ),
+    }  # fmt: skip
     out["floor_rtt_us"] = {shape: {str(n): {} for n in BLOCK_COUNTS} for shape in floors}
     for figure in SIDECAR_FIGURES:
         out[figure] = {str(n): {} for n in BLOCK_COUNTS}
     # (where the summaries go, task, its arguments, the rate figure it gives at RATE_BLOCKS)
     cases = [
-        (out["floor_rtt_us"][shape], "ping", kw, "raw" if shape == "lookup" else None)
-        for shape, kw in floors.items()
+        (out["floor_rtt_us"][shape], task, kw, "raw" if shape == "lookup" else None)
+        for shape, (task, kw) in floors.items()
     ]
     cases += [
         (out[figure], task, {}, RATE_FIGURES.get(figure))
@@ -238,7 +253,7 @@ def measure(
     rate_rounds = 2 if rounds == 1 else RATE_ROUNDS
     rate_timing = timing._replace(seconds=hash_timing.seconds / rate_rounds)
     rate_tasks = {
-        "raw": ("ping", {**_args(RATE_BLOCKS, rate_timing), **floors["lookup"]}),
+        "raw": ("ping", {**_args(RATE_BLOCKS, rate_timing), **floors["lookup"][1]}),
         "lookup": ("lookup", _args(RATE_BLOCKS, rate_timing)),
         "lookup_keys": ("lookup_keys", _args(RATE_BLOCKS, rate_timing)),
     }

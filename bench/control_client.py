@@ -67,8 +67,9 @@ def request_frames(header_bytes: int, num_blocks: int, with_ids: bool) -> list[b
 
 
 def echo_main(endpoint: str, lookup_reply: int, plan_reply: int, ready: Any) -> None:
-    """Answer [id, header, keys] with [id, lookup_reply bytes], and [id, header,
-    keys, ids] with [id, plan_reply bytes, src ids, dst ids], until terminated."""
+    """Answer [id, header, keys] and [id, header] (a Complete) with [id,
+    lookup_reply bytes], and [id, header, keys, ids] with [id, plan_reply
+    bytes, src ids, dst ids], until terminated."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
@@ -108,6 +109,28 @@ class ControlClient:
     ) -> Samples:
         """Raw DEALER -> echo ROUTER round trips of request-sized messages."""
         return timed_loop(self._ping_step(endpoint, header_bytes, blocks, with_ids), timing, sync)
+
+    def ping_full(
+        self,
+        sync,
+        endpoint: str,
+        header_bytes: int,
+        complete_bytes: int,
+        blocks: int,
+        timing: Timing,
+    ) -> Samples:
+        """The two round trips of a full load or save: a plan-sized ping-pong,
+        then one of a Complete (a header) and its ack (a small header)."""
+        plan = self._ping_step(endpoint, header_bytes, blocks, with_ids=True)
+        sock = self._dealers[endpoint]
+        complete = [bytes(complete_bytes)]
+
+        def step() -> None:
+            plan()
+            sock.send_multipart(complete, copy=False)
+            sock.recv_multipart()
+
+        return timed_loop(step, timing, sync)
 
     def _ping_step(
         self, endpoint: str, header_bytes: int, blocks: int, with_ids: bool

@@ -9,6 +9,7 @@ from bench.report import print_table
 LABELS = {
     "floor_rtt_us.lookup": "floor: raw ping-pong, lookup sizes",
     "floor_rtt_us.load_save": "floor: raw ping-pong, load/save sizes",
+    "floor_rtt_us.load_save_full": "floor: raw plan + Complete ping-pongs",
     "hash_us": "hash tokens into keys (KeyHasher)",
     "lookup_rtt_us": "lookup: KVClient.lookup (hashes)",
     "lookup_keys_rtt_us": "lookup: raw, pre-hashed keys",
@@ -100,6 +101,8 @@ def _note(r: dict[str, Any], figure: str, n: int, c: str, sizes: dict[str, int])
         return f"{sizes['lookup_request']}+{16 * n} B -> {sizes['lookup_reply']} B"
     if figure == "floor_rtt_us.load_save":
         return f"{sizes['plan_request']}+{24 * n} B -> {sizes['plan_reply']}+{16 * n} B"
+    if figure == "floor_rtt_us.load_save_full":
+        return f"the plan sizes, then {sizes['complete_request']} B -> {sizes['lookup_reply']} B"
     if figure == "hash_us":
         return f"{n * 16:,} tokens, 1 process"
     if figure.endswith("_full_us"):

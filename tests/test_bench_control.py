@@ -47,13 +47,15 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
     assert main(["bench", "control", "--quick", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
 
-    for shape in ("lookup", "load_save"):
+    for shape in ("lookup", "load_save", "load_save_full"):
         check_latencies(r["floor_rtt_us"][shape], f"floor_rtt_us.{shape}")
     for figure in LATENCY_FIGURES:
         check_latencies(r[figure], figure)
         for n in BLOCKS:
             for c in CLIENTS:
                 assert all(positive(v) for v in r["vs_floor"][figure][n][c].values()), figure
+    assert r["vs_floor_uses"]["load_full_us"] == "floor_rtt_us.load_save_full"  # 2 round trips
+    assert r["vs_floor_uses"]["load_plan_rtt_us"] == "floor_rtt_us.load_save"
     assert sorted(r["hash_us"]) == sorted(BLOCKS)
     assert all(positive(r["hash_us"][n]["p50"]) for n in BLOCKS)
     for rate in ("raw_rate_rps", "lookup_rate_rps", "lookup_keys_rate_rps", "lookup_rate_vs_raw"):
