@@ -6,13 +6,17 @@ blocks per layer and a fresh prefaulted shm pool of N slots, then copies all
 N blocks engine -> shm (save, the D2H side of a PUT) and shm -> engine (load,
 the H2D side of a GET), with block ids and slots two random permutations.
 
-The floor, measured in the same run and interleaved with the copies: a raw
-numpy.copyto of the same total bytes between a page-aligned anonymous buffer
-and the prefaulted shm segment (the pool is one segment here), in each
-direction. Figures are GB/s (1 GB = 1e9 B), medians over --repeats; ratio =
-achieved / floor. The pool's prefault time (fallocate + populate of every
-page) is reported too. The machine's memory bandwidth drifts: compare ratios,
-not absolute figures from different runs.
+The floor, measured in the same run and interleaved with the copies: the
+faster of two raw copies of the same total bytes between a page-aligned
+anonymous buffer and the prefaulted shm segment (the pool is one segment
+here), in each direction: numpy.copyto (one thread, libc memcpy), and the
+C extension's copy over the buffers as one contiguous run of 1 MiB pieces
+with the threads and streaming stores the block copy uses for that many
+bytes (`floor_raw_*`; without the extension only numpy's). Figures are GB/s
+(1 GB = 1e9 B), medians over --repeats; ratio = achieved / floor. The
+pool's prefault time (fallocate + populate of every page) is reported too.
+The machine's memory bandwidth drifts: compare ratios, not absolute figures
+from different runs.
 """
 
 from __future__ import annotations
@@ -120,14 +124,13 @@ def measure_case(
             opts = {"impl": impl, "threads": threads}
             copies[f"save_{impl}"] = partial(shm_copy.save_blocks, *args, **opts)
             copies[f"load_{impl}"] = partial(shm_copy.load_blocks, *args, **opts)
-        times = time_interleaved(
-            {
-                "floor_save": partial(np.copyto, shm, plain),
-                "floor_load": partial(np.copyto, plain, shm),
-                **copies,
-            },
-            repeats,
-        )
+        floors = {
+            "floor_numpy_save": partial(np.copyto, shm, plain),
+            "floor_numpy_load": partial(np.copyto, plain, shm),
+        }
+        if "c" in impls:
+            floors.update(_raw_floors(plain, shm, threads))
+        times = time_interleaved({**floors, **copies}, repeats)
         _check_bytes(pool, kv, blocks, slots, layout)
         result = {
             "block_kib": kib,
@@ -141,7 +144,34 @@ def measure_case(
             "pool_bytes": pool.nbytes,
         }
     result.update({f"{k}_gbps": nbytes / statistics.median(v) / 1e9 for k, v in times.items()})
+    for d in ("save", "load"):
+        kinds = [k for k in ("numpy", "raw") if f"floor_{k}_{d}_gbps" in result]
+        best = max(kinds, key=lambda k: result[f"floor_{k}_{d}_gbps"])
+        result[f"floor_{d}_gbps"], result[f"floor_{d}_kind"] = (
+            result[f"floor_{best}_{d}_gbps"],
+            best,
+        )
     return result
+
+
+RAW_PIECE_BYTES = 1 << 20
+
+
+def _raw_floors(plain: np.ndarray, shm: np.ndarray, threads: int | None) -> dict[str, Any]:
+    """The C copy of one contiguous run, in 1 MiB pieces, with the threads and
+    streaming stores `shm.copy` picks for a batch of this many bytes."""
+    nbytes = plain.nbytes
+    piece = min(RAW_PIECE_BYTES, nbytes)
+    count = nbytes // piece  # the bench's totals are whole MiB
+    starts = np.arange(count, dtype=np.uint64) * np.uint64(piece)
+    a, b = starts + np.uint64(plain.ctypes.data), starts + np.uint64(shm.ctypes.data)
+    used = (threads or shm_copy.MAX_THREADS) if nbytes >= shm_copy.THREAD_MIN_BYTES else 1
+    stream = nbytes >= shm_copy.STREAM_MIN_BYTES
+    copy = shm_copy._blockcopy.copy
+    return {
+        "floor_raw_save": partial(copy, a, b, piece, used, stream),
+        "floor_raw_load": partial(copy, b, a, piece, used, stream),
+    }
 
 
 def _segment_bytes(pool_bytes: int) -> int:
@@ -193,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(
         f"prefault: {result['prefault_gbps']:.2f} GB/s ({result['prefault_method']}); "
-        f"memcpy floor {result['memcpy_floor_gbps']:.2f} GB/s; "
+        f"memcpy floor {result['memcpy_floor_gbps']:.2f} GB/s (per case the faster of "
+        "numpy.copyto and the raw C copy with the block copy's threads); "
         f"target save/load >= {TARGET_VS_FLOOR} x floor for 2 MiB blocks"
     )
     if args.json:
@@ -222,6 +253,11 @@ def _summary(
     for d in ("save", "load"):
         result[f"{d}_gbps"] = {k: c[f"{d}_{main}_gbps"] for k, c in by_case.items()}
         result[f"floor_{d}_gbps"] = {k: c[f"floor_{d}_gbps"] for k, c in by_case.items()}
+        result[f"floor_{d}_kind"] = {k: c[f"floor_{d}_kind"] for k, c in by_case.items()}
+        for kind in ("numpy", "raw"):
+            figures = {k: c.get(f"floor_{kind}_{d}_gbps") for k, c in by_case.items()}
+            if all(v is not None for v in figures.values()):
+                result[f"floor_{kind}_{d}_gbps"] = figures
         result[f"{d}_vs_floor"] = {
             k: c[f"{d}_{main}_gbps"] / c[f"floor_{d}_gbps"] for k, c in by_case.items()
         }

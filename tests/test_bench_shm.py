@@ -29,6 +29,15 @@ def test_shm_cli_quick_writes_figures_and_cleans_up(tmp_path):
     if "torch" in shm_copy.IMPLS[1:]:
         assert sorted(data["save_gbps_torch"]) == sorted(cases)
     assert data["by_case"]["2048x32"]["range_bytes"] == 64 * 1024
+    # The floor is the faster of numpy's copy and the raw C copy of the same bytes.
+    kinds = ("numpy", "raw") if "c" in shm_copy.IMPLS else ("numpy",)
+    for d in ("save", "load"):
+        for case in cases:
+            floors = {k: data[f"floor_{k}_{d}_gbps"][case] for k in kinds}
+            assert data[f"floor_{d}_gbps"][case] == max(floors.values())
+            assert floors[data[f"floor_{d}_kind"][case]] == max(floors.values())
+            ratio = data[f"{d}_gbps"][case] / data[f"floor_{d}_gbps"][case]
+            assert data[f"{d}_vs_floor"][case] == ratio
     assert shm_entries(f"kvsbench.{os.getpid()}.") == []
 
 
