@@ -26,13 +26,15 @@ temporary directory under /tmp) with write-through: every saved block also
 goes to SSD. Then the sidecar is restarted on the same directory for each
 round: its CPU tier is empty and its SSD index is recovered from disk. In a
 round, each prompt's first hit loads from SSD (staged into the CPU tier by
-the sidecar), its second from the CPU tier, then it is recomputed. Every
+the sidecar), its second from the CPU tier, and it is recomputed first,
+between the hits or last, in turn from round to round. Every
 hit's per-tier load counts are checked (`all_from_ssd`, `all_from_cpu`).
 
 Timing. TTFT = lookup + load + forward until the last token's logits; the
 save after it is not on the first token's path (hits run with save=False).
 The floor is a one-shot recompute by the same model, alternated with the
-hits. Medians of --repeats rounds; speedup = recompute / hit.
+hits. Medians of --repeats rounds; speedup = recompute / hit, for a length
+row the median of its prompts' own speedups.
 
 Fidelity. Every hit's logits are compared with `split_recompute` (the
 forwards the hit's inputs came from, without the cache): bit-identical

@@ -129,16 +129,23 @@ class _Timings:
 def measure(
     lives: SidecarLives, lm: CachedLM, cases: list[Case], repeats: int
 ) -> list[dict[str, Any]]:
-    """`repeats` rounds, each in a new sidecar life: per case an SSD hit, a
-    CPU hit, a recompute. One row per case (see `_row`)."""
+    """`repeats` rounds, each in a new sidecar life: per case an SSD hit, then
+    a CPU hit, and a recompute first, between them or last in turn (round
+    r: position r % 3), so no figure always runs right after the same other.
+    One row per case (see `_row`)."""
     refs = warm(lives, lm, cases)
     timings = [_Timings([], [], [], tolerance(ref)) for ref in refs]
     for r in range(repeats):
         print(f"round {r + 1}/{repeats}: restarting the sidecar ...", file=sys.stderr, flush=True)
         lives.restart(lm)
         for case, ref, t in zip(cases, refs, timings, strict=True):
-            hits = [lm.prefill(case.ids, save=False) for _ in ("ssd", "cpu")]
-            recompute = lm.prefill(case.ids, use_sidecar=False)
+            hits, recompute = [], None
+            for step in range(3):
+                if step == r % 3:
+                    recompute = lm.prefill(case.ids, use_sidecar=False)
+                else:  # the first hit of a sidecar life loads from SSD, the next from CPU
+                    hits.append(lm.prefill(case.ids, save=False))
+            assert recompute is not None
             t.ssd.append(hits[0].info)
             t.cpu.append(hits[1].info)
             t.recompute.append(recompute.info)
@@ -214,7 +221,9 @@ def _ms_all(infos: list[PrefillInfo]) -> list[float]:
 
 
 def summarize(target: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The medians of the rows picked for one target length."""
+    """The medians of the rows picked for one target length; a speedup is
+    the median of each prompt's own (recompute / hit), never a ratio of
+    medians that may come from different prompts."""
     keys = ("prompt_tokens", "trace_tokens", "cached_tokens", "recompute_ms")
     keys += tuple(f"{t}_{k}" for t in ("ssd", "cpu") for k in ("hit_ms", "lookup_load_ms"))
     out: dict[str, Any] = {"target_tokens": target}
@@ -223,7 +232,7 @@ def summarize(target: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
         statistics.median(r["cached_tokens"] / r["prompt_tokens"] for r in rows)
     )
     for tier in ("ssd", "cpu"):
-        out[f"{tier}_speedup"] = out["recompute_ms"] / out[f"{tier}_hit_ms"]
+        out[f"{tier}_speedup"] = float(statistics.median(r[f"{tier}_speedup"] for r in rows))
     out["samples"] = rows
     return out
 

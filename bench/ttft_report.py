@@ -10,18 +10,22 @@ from bench.report import print_table
 def print_report(r: dict[str, Any]) -> None:
     print(
         f"{r['model']} ({r['dtype']}, {r['device_name']}); follow-ups of the Mooncake "
-        f"conversation trace, lengths / {r['scale']}:"
+        f"conversation trace, lengths / {r['scale']}, each prompt on its own row:"
     )
     print_table(
-        ("prompt", "trace tokens", "cached", "cached %", "recompute ms", "cpu hit ms",
+        ("length", "prompt", "trace tokens", "cached", "cached %", "recompute ms", "cpu hit ms",
          "cpu speedup", "ssd hit ms", "ssd speedup", "cpu / ssd lookup+load ms"),
         [
-            [int(x["prompt_tokens"]), int(x["trace_tokens"]), int(x["cached_tokens"]),
-             100 * x["cached_share"], x["recompute_ms"], x["cpu_hit_ms"], x["cpu_speedup"],
-             x["ssd_hit_ms"], x["ssd_speedup"], _pair(x)]
-            for x in r["lengths"]
+            [x["target_tokens"], s["prompt_tokens"], s["trace_tokens"], s["cached_tokens"],
+             100 * s["cached_tokens"] / s["prompt_tokens"], s["recompute_ms"], s["cpu_hit_ms"],
+             s["cpu_speedup"], s["ssd_hit_ms"], s["ssd_speedup"], _pair(s)]
+            for x in r["lengths"] for s in x["samples"]
         ],
     )  # fmt: skip
+    print("median speedup of each length's prompts (cpu / ssd): " + ", ".join(
+        f"{x['target_tokens']}: {x['cpu_speedup']:.3g} / {x['ssd_speedup']:.3g}"
+        for x in r["lengths"]
+    ))  # fmt: skip
     print("\nprompts cached up to their last token (the best case for a hit):")
     print_table(
         ("prompt", "cached", "recompute ms", "cpu hit ms", "cpu speedup", "ssd hit ms",

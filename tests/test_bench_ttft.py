@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -55,6 +56,10 @@ def test_ttft_quick_measures_ssd_and_cpu_hits_exactly_and_cleans_up(tmp_path):
         keys = ("recompute_ms", "cpu_hit_ms", "ssd_hit_ms", "cpu_speedup", "ssd_speedup")
         assert all(positive(row[k]) for k in keys)
     samples = [s for x in r["lengths"] for s in x["samples"]]
+    for x in r["lengths"]:  # a row's speedup: the median of its prompts' own, not of medians
+        for tier in ("cpu", "ssd"):
+            own = sorted(s["recompute_ms"] / s[f"{tier}_hit_ms"] for s in x["samples"])
+            assert x[f"{tier}_speedup"] == pytest.approx(statistics.median(own))
     for s in [*samples, *r["sweep"]]:
         n = s["cached_tokens"]
         assert n > 0 and s["all_from_ssd"] and s["all_from_cpu"] and s["exact"]
