@@ -192,6 +192,12 @@ class DataPlane:
                 ops.drop(self.cache.lower[ops.tier], bad.failed)
             self._end(plan_id, ok=False)
 
+    def ended(self, plan_id: int) -> None:
+        """An engine's report ended a plan this data plane ran (its own ops
+        had all landed first): stop tracking it, as when the last op is ours."""
+        if plan_id in self.plans:
+            self._end(plan_id, ok=True)
+
     def cancel(self, plan_id: int) -> None:
         """The plan's owner gave it up (an engine cancelled, failed or left).
         Rolled back now if none of its ops is on a thread, else as soon as

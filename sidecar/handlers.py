@@ -193,7 +193,7 @@ class Handlers:
         if attempt == 0 and not probed and self._probe(keys, req.id, resume):
             return None
         if self.dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
-            stage = self.cache.get(keys, gpu, len(keys))  # lower tiers -> CPU only
+            stage = self.cache.get(keys, gpu, len(keys), hit=False)  # lower tiers -> CPU only
             waiting = (self._identity, req, arrays, attempt + 1)
             if not stage.finished_on_return:
                 self._deferred[stage.plan_id] = waiting
@@ -319,8 +319,11 @@ class Handlers:
             # The engine's part is done; what is left (SSD writes) runs on the
             # I/O pool and no longer depends on the engine staying alive.
             self.engines.end(req.plan_id, cancel=False)
-        if not finished and self.dataplane is not None:
-            self.dataplane.pump(req.plan_id)
+        if self.dataplane is not None:
+            if finished:  # the sidecar's ops of this plan (if any) landed before
+                self.dataplane.ended(req.plan_id)
+            else:
+                self.dataplane.pump(req.plan_id)
         return p.ok(req.id, finished=finished)
 
     def _fail(self, req: p.Fail, _: list[bytes]) -> p.Reply:

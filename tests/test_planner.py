@@ -383,6 +383,25 @@ def test_write_through_selective_writes_down_after_n_hits():
     assert_clean(g)
 
 
+def test_a_staging_pass_is_not_a_hit():
+    # The sidecar stages lower-tier blocks with get(skip=len(keys), hit=False)
+    # before the GET itself: only the GET counts, so N loads are N hits.
+    g = make_global(("ssd",), "write_through_selective", write_through_min_hits=2)
+    populate(g, {})
+    finish(g, g.put(REQUEST[:4], GPU[:4]))
+    node = g.cpu.match(REQUEST[:4]).node
+    for _ in range(3):
+        stage = g.get(REQUEST[:4], GPU[:4], 4, hit=False)
+        assert stage.finished_on_return  # no write-down planned either
+    assert node.hit_count == 0
+    finish(g, g.get(REQUEST[:4], GPU[:4]))
+    assert node.hit_count == 1 and g.lookup(REQUEST).ssd == 0
+    plan = g.get(REQUEST[:4], GPU[:4])
+    assert [op.kind for op in plan.graph.ops] == [H2D, H2DISK]  # the second hit
+    finish(g, plan)
+    assert_clean(g)
+
+
 def test_write_through_selective_writes_only_the_hot_prefix():
     g = make_global(("ssd",), "write_through_selective", write_through_min_hits=2)
     populate(g, {})

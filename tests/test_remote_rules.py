@@ -125,6 +125,18 @@ def test_a_failed_write_is_skipped_and_the_rest_of_its_plan_lands():
     assert_clean(g)
 
 
+def test_a_skip_refused_before_its_deps_changes_nothing():
+    g = make_global()
+    plan = g.put(chain(4), gpu(4))
+    d2h, h2remote = (op.op_id for op in plan.graph.ops)
+    with pytest.raises(PlanError, match="before its deps"):
+        g.skip(plan.plan_id, h2remote)  # its D2H has not landed yet
+    assert not g.complete(plan.plan_id, d2h)
+    assert g.complete(plan.plan_id, h2remote)  # the write lands after all: its blocks count
+    assert g.lower["remote"].match(chain(4)).num_blocks == 4  # ready in the remote index
+    assert_clean(g)
+
+
 def test_backoff_doubles_up_to_its_maximum_and_resets():
     b = Backoff(1.0, 5.0)
     assert [b.failed(10.0) for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]

@@ -187,6 +187,24 @@ def test_write_back_writes_to_ssd_only_on_eviction(tmp_path):
         inst.cleanup()
 
 
+def test_write_through_selective_counts_one_hit_per_engine_load(tmp_path):
+    extra = ("--set", "write_policy=write_through_selective", "--set", "write_through_min_hits=2")
+    inst = Instance(str(tmp_path / "ssd"), *extra)
+    try:
+        s = inst.start()
+        with client(s.endpoint, kv(2)) as c:
+            c.save(tokens(3), np.arange(3)).wait()
+            assert c.load(tokens(3), np.arange(10, 13)).wait() == 3 * BLOCK_TOKENS
+            wait_for(lambda: on_ssd(c, 0))
+            time.sleep(0.3)  # a write-down the first load started would land by now
+            assert ssd_stats(c)["cached_blocks"] == 0  # one load is one hit, not two
+            assert c.load(tokens(3), np.arange(20, 23)).wait() == 3 * BLOCK_TOKENS
+            wait_for(lambda: on_ssd(c, 3))  # the second hit writes them down
+        assert s.stop() == 0
+    finally:
+        inst.cleanup()
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
     s = instance.start()

@@ -157,7 +157,13 @@ class GlobalCacheEngine(PlanTable):
     # ---- GET ---------------------------------------------------------------------
 
     def get(
-        self, keys: BlockKeys, gpu_blocks: GpuBlockIds, skip: int = 0, *, stage: bool = True
+        self,
+        keys: BlockKeys,
+        gpu_blocks: GpuBlockIds,
+        skip: int = 0,
+        *,
+        stage: bool = True,
+        hit: bool = True,
     ) -> Plan:
         """Plan loading keys[skip:matched] into gpu_blocks[skip:matched].
 
@@ -165,13 +171,15 @@ class GlobalCacheEngine(PlanTable):
         prefix is only usable whole) but not copied. With `stage=False` the
         plan serves the CPU tier's prefix only (no lower-tier fragments).
         `get(keys, gpu, skip=len(keys))` stages lower-tier blocks into the
-        CPU tier without copying anything to the GPU.
+        CPU tier without copying anything to the GPU. With `hit=False` (such
+        a staging pass ahead of the GET itself) the CPU prefix is not touched
+        and no selective write-down is planned: one engine load is one hit.
         """
         n = _check_request(keys, gpu_blocks)
         if not 0 <= skip <= n:
             raise ValueError(f"skip must be in [0, {n}], got {skip}")
         run, graph = self._start(PlanKind.GET)
-        cpu_m = self.cpu.match(keys, touch=True)
+        cpu_m = self.cpu.match(keys, touch=hit)
         c = cpu_m.num_blocks
         run.lock(self.cpu, cpu_m.node)
         if skip < c:
@@ -179,7 +187,8 @@ class GlobalCacheEngine(PlanTable):
         counts = {"cpu": max(0, c - skip)}
         if stage and cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
             counts.update(self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip))
-        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE and cpu_m.node is not None:
+        selective = self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
+        if hit and selective and cpu_m.node is not None:
             hot = self._hot_prefix(cpu_m.node, c)
             self._write_down(run, graph, keys[:hot], cpu_m.slots[:hot], None, 0)
         hits = TierCounts(counts["cpu"], counts.get("ssd", 0), counts.get("remote", 0))

@@ -57,9 +57,12 @@ class PlanTable:
         op no other op depends on can be skipped (PlanError otherwise).
         Returns True when the plan ended."""
         run = self._run(plan_id)
-        self._op(run, op_id)
-        if any(op_id in op.deps for op in run.plan.graph.ops):
+        op = self._op(run, op_id)
+        if any(op_id in other.deps for other in run.plan.graph.ops):
             raise PlanError(f"plan {plan_id}: other ops depend on op {op_id}")
+        missing = [d for d in op.deps if d not in run.done]
+        if missing:  # checked before anything changes, as `complete` would refuse it
+            raise PlanError(f"plan {plan_id}: op {op_id} skipped before its deps {missing}")
         run.waits = [w for w in run.waits if op_id not in w.ops]
         return self.complete(plan_id, op_id)
 
