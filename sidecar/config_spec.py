@@ -8,6 +8,7 @@ validation, environment parsing and the docs table all read these specs.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,8 +220,11 @@ class FieldSpec:
             stored <= self.low if self.low_open else stored < self.low
         )
         above = self.high is not None and stored > self.high
-        # NaN compares false with everything, so the bounds alone would let it in.
-        if below or above or stored != stored:
+        # NaN compares false with everything, so the bounds alone would let it
+        # in; infinity passes an open upper bound but breaks arithmetic (an
+        # infinite hit reward times zero hits is NaN).
+        not_finite = self.kind == "float" and not math.isfinite(stored)
+        if below or above or not_finite:
             raise self._error(key, raw, "is out of range")
 
     def _range_text(self, key: str) -> str:

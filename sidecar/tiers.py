@@ -184,7 +184,7 @@ def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]
             roots.append(r)
         elif r.parent in by_key:
             children[r.parent].append(r)
-    placed: list[int] = []
+    runs: list[tuple[bytes, np.ndarray]] = []  # parents before children
     stack: list[tuple[bytes, Record]] = [(b"", r) for r in roots]
     while stack:
         prefix, head = stack.pop()
@@ -192,11 +192,12 @@ def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]
         while len(children[run[-1].key]) == 1:
             run.append(children[run[-1].key][0])
         keys = prefix + b"".join(r.key for r in run)
-        slots = np.array([r.slot for r in run], dtype=np.int64)
-        engine.mempool.take(slots)
-        engine.insert(BlockKeys(np.frombuffer(keys, dtype=KEY_DTYPE)), SlotIds(slots), ready=True)
-        placed += slots.tolist()
+        runs.append((keys, np.array([r.slot for r in run], dtype=np.int64)))
         stack += [(keys, child) for child in children[run[-1].key]]
+    placed = [int(s) for _, slots in runs for s in slots]
+    engine.mempool.take(np.array(placed, dtype=np.int64))  # once: take is O(num_slots)
+    for keys, slots in runs:
+        engine.insert(BlockKeys(np.frombuffer(keys, dtype=KEY_DTYPE)), SlotIds(slots), ready=True)
     placed_set = set(placed)
     orphans = [r.slot for r in records if r.slot not in placed_set]
     return len(placed), orphans

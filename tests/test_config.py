@@ -231,6 +231,7 @@ ERROR_CASES = {
         ["ssd_io_threads: 65 is out of range; allowed: 1 <= ssd_io_threads <= 64"],
     ),
     "nan": ({"hit_reward_seconds": float("nan")}, ["hit_reward_seconds: nan is out of range"]),
+    "infinite": ({"hit_reward_seconds": float("inf")}, ["hit_reward_seconds: inf is out of range"]),
     "negative reward": (
         {"hit_reward_seconds": -1},
         ["hit_reward_seconds: -1 is out of range; allowed: hit_reward_seconds >= 0.0"],

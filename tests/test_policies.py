@@ -9,6 +9,7 @@ import pytest
 from helpers import FakeClock, chain, key_ids, keys, make_index
 
 from sidecar.control.policies import POLICY_NAMES, make_policy
+from sidecar.control.s3fifo import MAIN
 
 LEAVES = "ABCDE"
 
@@ -109,6 +110,15 @@ def test_s3fifo_ghost_hit_on_reinsert_enters_main():
     index.insert(keys(4), np.array([3]), ready=True)  # D -> S
     # Without the ghost A would sit in S behind B: order B A C D.
     assert eviction_order(index) == "BCDA"
+
+
+def test_s3fifo_ghost_remembers_the_tail_a_partial_eviction_took():
+    index = make_index("s3fifo", FakeClock())
+    index.insert(chain(4), np.arange(4), ready=True)  # one node, blocks 1..4, in S
+    assert key_ids(index.evict(2).runs[0].key_bytes) == [3, 4]  # the node keeps 1..2
+    node = index.insert(chain(4), np.array([4, 5]), ready=True).node  # 3..4 come back
+    assert key_ids(node.key_bytes) == [3, 4]
+    assert node.policy_state.queue == MAIN  # a ghost hit: 3 was remembered, not 1
 
 
 def test_s3fifo_main_node_is_reinserted_while_it_has_hits():

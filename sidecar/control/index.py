@@ -325,9 +325,9 @@ class RadixIndex:
                 keep = len(victim) - left
                 cut = keep * KEY_BYTES
                 runs.append(EvictedRun(victim.key_bytes[cut:], victim.slots[keep:], victim))
+                self.policy.on_truncate(victim, left)
                 victim.key_bytes, victim.slots = victim.key_bytes[:cut], victim.slots[:keep]
                 self.num_blocks -= left
-                self.policy.on_truncate(victim, left)
                 self.policy.add(victim)
                 left = 0
             else:

@@ -35,7 +35,8 @@ class EvictionPolicy(ABC):
     - `on_split(upper, lower)` when a node is cut in two (`upper` is the new
       parent; `lower` keeps its identity and candidacy);
     - `on_remove(node)` when a node leaves the index for good;
-    - `on_truncate(node, n)` when the last n blocks of a node were evicted;
+    - `on_truncate(node, n)` when the last n blocks of a node are evicted
+      (called while the node still holds them);
     - `add(node)` when a node becomes evictable, or is evictable and its
       stats changed; `discard(node)` when it stops being evictable.
     `pop()` removes and returns the next victim among the candidates, or

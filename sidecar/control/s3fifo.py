@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from sidecar.control.ids import KEY_BYTES
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import EvictionPolicy, NodeHeap
 
@@ -49,6 +50,9 @@ class S3FifoPolicy(EvictionPolicy):
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
         self._min_ghost = min_ghost_entries
         self._num_nodes = 0
+        self._leaving: RadixNode | None = None
+        """The victim `pop` just gave from S: the ghost remembers the first key
+        of what the index then evicts of it (all of it, or a tail)."""
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -79,9 +83,16 @@ class S3FifoPolicy(EvictionPolicy):
     def on_remove(self, node: RadixNode) -> None:
         self._blocks[self._state(node).queue] -= len(node)
         self._num_nodes -= 1
+        if node is self._leaving:
+            self._leaving = None
+            self._remember(node.first_key)
 
     def on_truncate(self, node: RadixNode, num_blocks: int) -> None:
         self._blocks[self._state(node).queue] -= num_blocks
+        if node is self._leaving:  # the tail goes; the node keeps its first key
+            self._leaving = None
+            start = (len(node) - num_blocks) * KEY_BYTES
+            self._remember(node.key_bytes[start : start + KEY_BYTES])
 
     def add(self, node: RadixNode) -> None:
         state = self._state(node)
@@ -106,8 +117,7 @@ class S3FifoPolicy(EvictionPolicy):
             assert node is not None
             state = self._state(node)
             if state.freq == 0:
-                if queue == SMALL:
-                    self._remember(node.first_key)
+                self._leaving = node if queue == SMALL else None
                 return node
             if queue == SMALL:
                 self._blocks[SMALL] -= len(node)
