@@ -27,9 +27,14 @@ def test_remote_cli_quick_writes_figures_and_cleans_up(tmp_path):
     assert case["block_bytes"] == 256 << 10 and case["blocks"] == 16
     for key in ("tier_write_gbps", "tier_read_gbps", "floor_write_gbps", "floor_read_gbps"):
         assert math.isfinite(case[key]) and case[key] > 0, key
-    assert case["floor_write_gbps"] == max(
-        case["floor_write_hiredis_packer_gbps"], case["floor_write_python_packer_gbps"]
-    )
+    # Each floor is the fastest raw client of the same work, the plain-socket one included.
+    writes = ("hiredis_packer", "python_packer", "raw")
+    assert case["floor_write_gbps"] == max(case[f"floor_write_{k}_gbps"] for k in writes)
+    assert case["floor_write_gbps"] == case[f"{case['floor_write_kind']}_gbps"]
+    assert case["floor_read_gbps"] == max(case[f"floor_read_{k}_gbps"] for k in ("redis_py", "raw"))
+    assert case["floor_read_gbps"] == case[f"{case['floor_read_kind']}_gbps"]
+    assert case["read_vs_floor"] == case["tier_read_gbps"] / case["floor_read_gbps"]
+    assert case["read_vs_redis_py"] == case["tier_read_gbps"] / case["floor_read_redis_py_gbps"]
     assert shm_entries(f"kvsbench.{os.getpid()}.") == []
 
 
