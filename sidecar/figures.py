@@ -58,8 +58,11 @@ def server_stats(server: Server) -> dict[str, Any]:
         "uptime_seconds": time.time() - server.started,
         "tiers": {"cpu": cpu, **_lower_tiers(server)},
         "hits": server.hits.snapshot(),
-        "plans_in_flight": len(server.engines.plans)
-        + (len(server.dataplane.plans) if server.dataplane else 0),
+        # A plan with engine and sidecar ops is tracked by both: count it once.
+        "plans_in_flight": len(
+            server.engines.plans.keys()
+            | (server.dataplane.plans.keys() if server.dataplane else set())
+        ),
         "engines": server.engines.describe(),
         "requests": dict(server.requests),
         "errors": dict(server.errors),

@@ -187,6 +187,24 @@ def test_write_back_writes_to_ssd_only_on_eviction(tmp_path):
         inst.cleanup()
 
 
+def test_a_save_waiting_for_its_engine_copy_is_one_plan_in_flight(instance):
+    s = instance.start()
+    with client(s.endpoint, kv(2)) as c:
+        channel = Channel(s.endpoint, 5.0)
+        try:
+            reply, _ = channel.call(  # a plan with the engine's D2H and the sidecar's H2DISK
+                p.Save(v=p.PROTOCOL_VERSION, id=0, session=c.session),
+                [p.keys_frame(c.block_keys(tokens(3))), p.ids_frame(np.arange(3))],
+            )
+            assert c.stats()["plans_in_flight"] == 1
+            channel.call(p.Cancel(v=p.PROTOCOL_VERSION, id=0, session=c.session,
+                                  plan_id=reply["plan_id"]))  # fmt: skip
+            wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+        finally:
+            channel.close()
+    assert s.stop() == 0
+
+
 def test_write_through_selective_counts_one_hit_per_engine_load(tmp_path):
     extra = ("--set", "write_policy=write_through_selective", "--set", "write_through_min_hits=2")
     inst = Instance(str(tmp_path / "ssd"), *extra)
