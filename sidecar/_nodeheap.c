@@ -86,21 +86,28 @@ static int set_token(PyObject *node, PyObject *value) {
     return PyObject_SetAttr(node, str_heap_token, value);
 }
 
-/* Drop stale entries and re-heapify. */
+/* Drop stale entries and re-heapify. On an error reading a token, the
+ * entries not yet looked at are kept as they are (after those kept so far),
+ * so no entry whose node was released stays in the array. */
 static int compact(NodeHeap *self) {
-    Py_ssize_t kept = 0;
-    for (Py_ssize_t i = 0; i < self->len; i++) {
+    Py_ssize_t kept = 0, i = 0;
+    int rc = 0;
+    for (; i < self->len; i++) {
         int live = entry_live(&self->data[i]);
-        if (live < 0) return -1;
+        if (live < 0) {
+            rc = -1;
+            break;
+        }
         if (live) {
             self->data[kept++] = self->data[i];
         } else {
             Py_DECREF(self->data[i].node);
         }
     }
+    for (; i < self->len; i++) self->data[kept++] = self->data[i];
     self->len = kept;
-    for (Py_ssize_t i = kept / 2 - 1; i >= 0; i--) sift_down(self->data, kept, i);
-    return 0;
+    for (Py_ssize_t j = kept / 2 - 1; j >= 0; j--) sift_down(self->data, kept, j);
+    return rc;
 }
 
 static PyObject *NodeHeap_push(NodeHeap *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -115,13 +122,6 @@ static PyObject *NodeHeap_push(NodeHeap *self, PyObject *const *args, Py_ssize_t
     if (k1 == -1.0 && PyErr_Occurred()) return NULL;
     long long k2 = PyLong_AsLongLong(args[3]);
     if (k2 == -1 && PyErr_Occurred()) return NULL;
-    if (self->len == self->cap) {
-        Py_ssize_t cap = self->cap ? 2 * self->cap : 1024;
-        Entry *data = PyMem_Realloc(self->data, (size_t)cap * sizeof(Entry));
-        if (data == NULL) return PyErr_NoMemory();
-        self->data = data;
-        self->cap = cap;
-    }
     PyObject *old = PyObject_GetAttr(node, str_heap_token);
     if (old == NULL) return NULL;
     int was_live = old != Py_None;
@@ -133,6 +133,15 @@ static PyObject *NodeHeap_push(NodeHeap *self, PyObject *const *args, Py_ssize_t
     if (rc < 0) return NULL;
     self->seq++;
     if (!was_live) self->size++;
+    /* Room is made only now: the attribute calls above run Python code
+     * (a property) that may itself push into this heap. */
+    if (self->len == self->cap) {
+        Py_ssize_t cap = self->cap ? 2 * self->cap : 1024;
+        Entry *data = PyMem_Realloc(self->data, (size_t)cap * sizeof(Entry));
+        if (data == NULL) return PyErr_NoMemory();
+        self->data = data;
+        self->cap = cap;
+    }
     Entry *e = &self->data[self->len];
     e->k0 = k0;
     e->k1 = k1;

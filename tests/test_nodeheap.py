@@ -121,3 +121,128 @@ def test_every_policy_evicts_in_the_same_order_on_either_heap(name, monkeypatch)
 
     monkeypatch.setattr(s3fifo, "NodeHeap", LazyHeap)
     assert victims() == from_c and from_c
+
+
+class _Bomb:
+    """A node whose heap_token read fails while `armed` (a RadixNode's never does)."""
+
+    armed = False
+
+    def __init__(self) -> None:
+        self._token = None
+
+    @property
+    def heap_token(self):
+        if _Bomb.armed:
+            raise RuntimeError("token read failed")
+        return self._token
+
+    @heap_token.setter
+    def heap_token(self, value) -> None:
+        self._token = value
+
+
+def test_a_failed_compaction_releases_each_stale_node_once():
+    import sys
+
+    from sidecar._nodeheap import NodeHeap
+
+    heap, stale = NodeHeap(), []
+    for i in range(1100):  # stale entries pile up until push compacts the array
+        if i == 600:
+            heap.push(_Bomb(), 5.0, 0.0, 0)
+        node = nodes(1)[0]
+        stale.append(node)
+        heap.push(node, 1.0, 0.0, i)
+        heap.remove(node)
+        if len(heap) > 1020:
+            break
+    del node
+    base = [sys.getrefcount(n) for n in stale]
+    _Bomb.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="token read failed"):
+            for j in range(20):
+                node = nodes(1)[0]
+                heap.push(node, 1.0, 0.0, j)
+                heap.remove(node)
+    finally:
+        _Bomb.armed = False
+    del heap
+    # The heap held one reference to each stale node; it must give back each exactly once.
+    assert [sys.getrefcount(n) for n in stale] == [b - 1 for b in base]
+
+
+REENTRANT_PUSH = """
+from sidecar import _nodeheap
+from sidecar._nodeheap import NodeHeap
+print(_nodeheap.__file__)
+heap = NodeHeap()
+class Plain:
+    __slots__ = ("heap_token",)
+    def __init__(self): self.heap_token = None
+class Reentrant:  # its token setter pushes into the same heap, at full capacity
+    def __init__(self): self._t, self.fired = None, False
+    @property
+    def heap_token(self): return self._t
+    @heap_token.setter
+    def heap_token(self, v):
+        self._t = v
+        if not self.fired:
+            self.fired = True
+            heap.push(Plain(), 0.0, 0.0, 0)
+keep = [Plain() for _ in range(1023)]
+for p in keep:
+    heap.push(p, 1.0, 0.0, 0)
+heap.push(Reentrant(), 2.0, 0.0, 0)
+assert len(heap) == 1025
+print("ok")
+"""
+
+
+def test_a_push_from_a_token_setter_stays_inside_the_array(tmp_path):
+    """Under AddressSanitizer (a build of its own in tmp_path): without room
+    made after the node's attribute calls, the outer push writes past the end."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc")
+    libasan = subprocess.run(
+        [gcc, "-print-file-name=libasan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    if not Path(libasan).is_file():
+        pytest.skip("no libasan")
+    root = Path(__file__).resolve().parent.parent
+    package = tmp_path / "sidecar"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer",
+         f"-I{sysconfig.get_paths()['include']}", str(root / "sidecar" / "_nodeheap.c"),
+         "-o", str(package / f"_nodeheap{suffix}")],
+        check=True,
+    )  # fmt: skip
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(tmp_path),
+        "LD_PRELOAD": libasan,
+        "ASAN_OPTIONS": "detect_leaks=0",
+        "PYTHONMALLOC": "malloc",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", REENTRANT_PUSH],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,  # the sanitized build, not the repository's
+        timeout=120,
+    )
+    assert "AddressSanitizer" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(package / f"_nodeheap{suffix}"), "ok"]
