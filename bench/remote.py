@@ -147,12 +147,7 @@ class RawRedis:
         header = b"$%d\r\n" % size
         each = len(header) + size + 2
         want = into[: len(keys) * each]
-        got = 0
-        while got < len(want):
-            n = sock.recv_into(want[got:])
-            if not n:
-                raise RuntimeError("redis closed the connection")
-            got += n
+        _recv_exactly(sock, want)
         if any(want[j * each : j * each + len(header)] != header for j in range(len(keys))):
             raise RuntimeError("a raw GET reply is not a value of the expected size")
 
@@ -173,15 +168,19 @@ def _send_all(sock: socket.socket, parts: list[Any]) -> None:
             views[first] = views[first][sent:]
 
 
-def _expect(sock: socket.socket, reply: bytes) -> None:
-    buf = bytearray(len(reply))
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        n = sock.recv_into(view[got:])
+def _recv_exactly(sock: socket.socket, into: memoryview) -> None:
+    got = 0
+    while got < len(into):
+        n = sock.recv_into(into[got:])
         if not n:
             raise RuntimeError("redis closed the connection")
         got += n
-    if bytes(buf) != reply:
+
+
+def _expect(sock: socket.socket, reply: bytes) -> None:
+    buf = bytearray(len(reply))
+    _recv_exactly(sock, memoryview(buf))
+    if buf != reply:
         raise RuntimeError(f"unexpected raw SET replies: {bytes(buf[:40])!r}")
 
 

@@ -165,8 +165,7 @@ def _raw_floors(plain: np.ndarray, shm: np.ndarray, threads: int | None) -> dict
     count = nbytes // piece  # the bench's totals are whole MiB
     starts = np.arange(count, dtype=np.uint64) * np.uint64(piece)
     a, b = starts + np.uint64(plain.ctypes.data), starts + np.uint64(shm.ctypes.data)
-    used = (threads or shm_copy.MAX_THREADS) if nbytes >= shm_copy.THREAD_MIN_BYTES else 1
-    stream = nbytes >= shm_copy.STREAM_MIN_BYTES
+    used, stream = shm_copy.copy_settings(nbytes, threads or shm_copy.MAX_THREADS)
     copy = shm_copy._blockcopy.copy
     return {
         "floor_raw_save": partial(copy, a, b, piece, used, stream),

@@ -76,7 +76,7 @@ def check_request(
     if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= planes.num_blocks):
         raise ValueError(f"block id out of range 0..{planes.num_blocks - 1}")
     unique, what = (slots, "slots") if save else (blocks, "block_ids")
-    if np.unique(unique).size != unique.size:
+    if shm_copy.has_repeats(unique):
         raise ValueError(f"{what} repeat: two copies would write the same bytes")
     if not isinstance(pool, ShmPool):
         raise TypeError(f"pool must be a ShmPool, got {type(pool).__name__}")

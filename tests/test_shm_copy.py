@@ -251,3 +251,12 @@ def test_bad_input_raises_and_copies_nothing(pool, direction, case):
         )
     assert (pool.segment_view(0) == SENTINEL).all()
     assert all(np.array_equal(raw(t), b) for t, b in zip(kv, engine_before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("ids", "repeats"),
+    [([], False), ([7], False), ([1, 2, 3], False), ([3, 1, 2], False), ([1, 2, 2], True),
+     ([5, 1, 5], True), ([2, 9, 4, 9, 0], True)],
+)  # fmt: skip
+def test_has_repeats_in_increasing_and_any_order(ids, repeats):
+    assert shm_copy.has_repeats(np.array(ids, dtype=np.int64)) is repeats
