@@ -20,9 +20,10 @@ times, on the same server and interleaved round by round:
   straight into a preallocated buffer (a GET reply of a known size needs
   no parsing beyond checking its header). Each floor is in the JSON;
   `*_vs_floor` uses the fastest, `*_vs_redis_py` redis-py's pipelines only
-  (what the tier was first measured against). A tier read does more than
-  the raw GET: it checks each value's header and checksum and copies it
-  into its slot.
+  (what the tier was first measured against). A tier read receives each
+  value into its slot as the raw GET does, and does more: it parses every
+  reply's header, splits the value's own 32-byte header off, and checks it
+  and the block's checksum.
 
 GB/s = 1e9 B/s of block bytes; medians over --repeats; ratio = tier /
 floor. Without --url a private `redis-server` (no persistence) is started
@@ -54,7 +55,7 @@ from bench.report import print_table, time_interleaved, write_json
 from shm.pool import ShmPool
 from sidecar.config import Config
 from sidecar.dataplane import split
-from sidecar.redis_connector import RedisConnector
+from sidecar.redis_connector import RedisConnector, send_buffers
 from sidecar.remote import ReadResult, RemoteStore
 from sidecar.workers import IoPool
 
@@ -124,8 +125,6 @@ class RawRedis:
     """The floor's plainest client: one socket per worker, RESP written by
     hand, values sent from and received into buffers without copies."""
 
-    IOV_MAX = 1024
-
     def __init__(self, url: str, count: int) -> None:
         parsed = redis.connection.parse_url(url)
         host, port = parsed.get("host", "127.0.0.1"), int(parsed.get("port", 6379))
@@ -137,8 +136,7 @@ class RawRedis:
         sock, parts = self.socks[i], []
         for k, v in zip(keys, values, strict=True):
             parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, len(v)), v, b"\r\n"]
-        for start in range(0, len(parts), self.IOV_MAX):
-            _send_all(sock, parts[start : start + self.IOV_MAX])
+        send_buffers(sock, parts)
         _expect(sock, b"+OK\r\n" * len(keys))
 
     def get(self, i: int, keys: list[bytes], size: int, into: memoryview) -> None:
@@ -154,18 +152,6 @@ class RawRedis:
     def close(self) -> None:
         for s in self.socks:
             s.close()
-
-
-def _send_all(sock: socket.socket, parts: list[Any]) -> None:
-    views = [memoryview(p).cast("B") for p in parts]
-    first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first:])
-        while first < len(views) and sent >= len(views[first]):
-            sent -= len(views[first])
-            first += 1
-        if sent:
-            views[first] = views[first][sent:]
 
 
 def _recv_exactly(sock: socket.socket, into: memoryview) -> None:

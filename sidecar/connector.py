@@ -13,6 +13,9 @@ Contract, for every implementation:
 - a per-key failure the store reports (out of memory, a moved slot) fails
   that key only: `put` reports it in its result, `get` returns None for it;
 - values are opaque bytes; framing and checksums belong to the caller.
+
+`get_into` has a default (a `get`, then a copy); a connector that can
+receive values straight into the caller's buffers overrides it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ Chunk = bytes | bytearray | memoryview
 Chunks = Sequence[Chunk]
 """One value as consecutive pieces (a header, then a view of an shm slot),
 written back to back without being joined first."""
+Buffers = Sequence[memoryview]
+"""Writable byte views (format "B") that one value fills, in order."""
 
 
 class RemoteError(Exception):
@@ -41,6 +46,26 @@ class Connector(ABC):
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The value of each key, None where the key is absent (or its read
         failed on the store's side)."""
+
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool | None]:
+        """Read the value of keys[i] into buffers[i], filled in order. Per key:
+        True, read; None, absent (or its read failed on the store's side);
+        False, a value of another size than the buffers hold, not read.
+        A key whose result is not True leaves its buffers as they were;
+        when the call raises, any of them may be partly written."""
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists")
+        out: list[bool | None] = []
+        for value, bufs in zip(self.get(keys), buffers, strict=True):
+            if value is None or len(value) != sum(b.nbytes for b in bufs):
+                out.append(None if value is None else False)
+                continue
+            pos = 0
+            for b in bufs:
+                b[:] = value[pos : pos + b.nbytes]
+                pos += b.nbytes
+            out.append(True)
+        return out
 
     @abstractmethod
     def put(self, keys: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:

@@ -1,11 +1,17 @@
 """The Redis / Valkey connector: redis-py connections, hiredis replies, pipelining.
 
-One batch is one pipeline per server: every command is written first, then
-every reply is read (hiredis parses them when it is installed). SET is
+One batch is one pipeline per server: every command is written first (a
+sendmsg gathers up to IOV_MAX buffers), then every reply is read (hiredis
+parses them when it is installed). SET is
 packed here rather than by redis-py's packer: the RESP prefix and the
 value's small header go out as one buffer and the block itself as a view of
 its shm slot, so a block reaches the socket with no copy at all (redis-py's
 hiredis packer copies every value, which measured ~0.45 GB/s).
+
+GET into buffers (`get_into`, the tier's reads) skips hiredis: the replies
+are parsed here off the connection's socket, and each value is received
+straight into its shm slot, one copy from the kernel instead of three
+(socket -> hiredis's buffer -> a bytes object -> the slot).
 
 Cluster mode uses `redis.cluster.RedisCluster` for the topology (which node
 serves a key's slot); each batch is split by node and pipelined to each. A
@@ -20,6 +26,9 @@ caller decides what to do when the store is down.
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +39,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import ResponseError
 from redis.retry import Retry
 
-from sidecar.connector import Chunk, Chunks, Connector, RemoteUnavailable
+from sidecar.connector import Buffers, Chunk, Chunks, Connector, RemoteUnavailable
 
 log = logging.getLogger("kvsidecar")
 
@@ -39,6 +48,15 @@ _SMALL = 16 << 10
 """Chunks up to this size are joined into the running buffer; larger ones
 (block views) are sent as they are."""
 _DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
+_SCRATCH = 64 << 10
+"""Bytes received at a time for reply headers (and whatever follows them)."""
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+"""Buffers one sendmsg takes at most (1,024 on Linux)."""
+_MAX_LINE = 1 << 10
+"""A reply header (`$<size>`, or an error line) longer than this is not RESP."""
+
+Reader = Callable[[Any, list[int]], list[object]]
+"""Reads the replies of the commands for keys `idx` off a connection."""
 
 
 def _bulk(arg: bytes) -> bytes:
@@ -82,6 +100,16 @@ class RedisConnector(Connector):
         replies = self._batch(keys, lambda i: [_command(b"GET", keys[i])])
         return [r if isinstance(r, bytes) else None for r in replies]
 
+    def get_into(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool | None]:
+        if len(buffers) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffer lists")
+
+        def read(conn: Any, idx: list[int]) -> list[object]:
+            return _ValueReader(conn).read([buffers[i] for i in idx])
+
+        replies = self._batch(keys, lambda i: [_command(b"GET", keys[i])], read)
+        return [r if isinstance(r, bool) else None for r in replies]
+
     def put(self, keys: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
@@ -101,7 +129,8 @@ class RedisConnector(Connector):
         return sum(r for r in replies if isinstance(r, int))
 
     def ping(self) -> None:
-        for (reply,) in _exchange([(pool, [_command(b"PING")], 1) for pool in self._pools()]):
+        pings = [(pool, [_command(b"PING")], [0]) for pool in self._pools()]
+        for (reply,) in _exchange(pings, _replies):
             if reply != b"PONG":
                 raise RemoteUnavailable(f"{self.describe()}: PING answered {reply!r}")
 
@@ -115,17 +144,21 @@ class RedisConnector(Connector):
 
     # ---- routing -----------------------------------------------------------------
 
-    def _batch(self, keys: Sequence[bytes], pack: Callable[[int], list[Chunk]]) -> list[object]:
+    def _batch(
+        self, keys: Sequence[bytes], pack: Callable[[int], list[Chunk]], read: Reader | None = None
+    ) -> list[object]:
         """Pipeline one command per key (chunks from `pack(index)`) to the
         server(s) holding the keys; the replies in key order (a
-        ResponseError where a command failed). Raises RemoteUnavailable on
-        a connection error or timeout."""
+        ResponseError where a command failed), read by `read` (default:
+        redis-py's parser). Raises RemoteUnavailable on a connection error
+        or timeout."""
         if not keys:
             return []
         groups = self._route(keys)
-        exchanges = [(pool, [c for i in idx for c in pack(i)], len(idx)) for pool, idx in groups]
+        reader = read or _replies
+        exchanges = [(pool, [c for i in idx for c in pack(i)], idx) for pool, idx in groups]
         out: list[object] = [None] * len(keys)
-        for (_, idx), replies in zip(groups, _exchange(exchanges), strict=True):
+        for (_, idx), replies in zip(groups, _exchange(exchanges, reader), strict=True):
             for i, reply in zip(idx, replies, strict=True):
                 out[i] = reply
         if any(isinstance(r, ResponseError) and _is_redirect(r) for r in out):
@@ -172,23 +205,26 @@ class RedisConnector(Connector):
             return self._cluster
 
 
-def _exchange(exchanges: list[tuple[redis.ConnectionPool, list[Chunk], int]]) -> list[list]:
-    """For each (pool, chunks of n commands, n): send the chunks on one
-    connection of the pool, then read its n replies. Every server's commands
-    are sent before any reply is read, so the servers of a cluster work at
-    once. Raises RemoteUnavailable (dropping the connections) on a
-    connection error or timeout."""
+def _exchange(
+    exchanges: list[tuple[redis.ConnectionPool, list[Chunk], list[int]]], read: Reader
+) -> list[list]:
+    """For each (pool, chunks of the commands for keys idx, idx): send the
+    chunks on one connection of the pool, then read their replies with
+    `read`. Every server's commands are sent before any reply is read, so
+    the servers of a cluster work at once. Raises RemoteUnavailable
+    (dropping the connections) on a connection error or timeout, or on a
+    reply that is not what was asked for."""
     held: list[tuple[redis.ConnectionPool, Any]] = []
     ok = False
     try:
         for pool, chunks, _ in exchanges:
             conn = pool.get_connection()
             held.append((pool, conn))
-            conn.send_packed_command(_coalesce(chunks), check_health=False)
-        replies = [_replies(conn, n) for (_, conn), (_, _, n) in zip(held, exchanges, strict=True)]
+            _send(conn, _coalesce(chunks))
+        replies = [read(conn, idx) for (_, conn), (_, _, idx) in zip(held, exchanges, strict=True)]
         ok = True
         return replies
-    except _DOWN as err:
+    except (*_DOWN, _NotResp) as err:
         raise RemoteUnavailable(str(err)) from None
     finally:
         for pool, conn in held:
@@ -197,15 +233,144 @@ def _exchange(exchanges: list[tuple[redis.ConnectionPool, list[Chunk], int]]) ->
             pool.release(conn)
 
 
-def _replies(conn: Any, n: int) -> list[object]:
-    """The next n replies on `conn`; a failed command's is its ResponseError."""
+def _replies(conn: Any, idx: list[int]) -> list[object]:
+    """The next len(idx) replies on `conn`, parsed by redis-py; a failed
+    command's is its ResponseError."""
     replies: list[object] = []
-    for _ in range(n):
+    for _ in idx:
         try:
             replies.append(conn.read_response(disable_decoding=True))
         except ResponseError as err:  # this command failed; the next replies follow
             replies.append(err)
     return replies
+
+
+class _NotResp(Exception):
+    """A reply that is not a GET's: the connection is out of step."""
+
+
+class _ValueReader:
+    """GET replies read off a redis-py connection's socket. Each value of
+    the expected size is received straight into its buffers; headers and
+    the bytes that arrive with them pass through a small scratch buffer.
+    The connection's own parser has nothing buffered (the pool checks that
+    before it hands a connection out), and every byte received is consumed
+    here, so the connection stays in step for the next command."""
+
+    def __init__(self, conn: Any) -> None:
+        self._sock = conn._sock
+        if self._sock is None:
+            raise redis.ConnectionError("the connection is closed")
+        self._buf = bytearray(_SCRATCH)
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0
+
+    def read(self, buffers: list[Buffers]) -> list[object]:
+        """One reply per entry of `buffers`: True (read into them), False
+        (a value of another size, skipped), None (no value) or the
+        ResponseError the server sent."""
+        out = [self._reply(bufs) for bufs in buffers]
+        if self._lo != self._hi:
+            raise _NotResp(f"{self._hi - self._lo} byte(s) past the last reply")
+        return out
+
+    def _reply(self, bufs: Buffers) -> object:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return ResponseError(rest.decode(errors="replace"))
+        if kind != b"$":
+            raise _NotResp(f"a GET answered {line[:40]!r}")
+        try:
+            size = int(rest)
+        except ValueError:
+            raise _NotResp(f"a bulk reply of size {rest[:40]!r}") from None
+        if size < 0:
+            return None
+        if size != sum(b.nbytes for b in bufs):
+            self._skip(size)
+            self._crlf()
+            return False
+        for b in bufs:
+            self._into(b)
+        self._crlf()
+        return True
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n", self._lo, self._hi)
+            if end >= 0:
+                line = bytes(self._view[self._lo : end])
+                self._lo = end + 2
+                return line
+            if self._hi - self._lo > _MAX_LINE:
+                raise _NotResp("a reply header with no end of line")
+            self._fill()
+
+    def _crlf(self) -> None:
+        while self._hi - self._lo < 2:
+            self._fill()
+        if self._view[self._lo : self._lo + 2] != b"\r\n":
+            raise _NotResp("a bulk value not followed by CRLF")
+        self._lo += 2
+
+    def _fill(self) -> None:
+        """Receive more into the scratch buffer, after what is unread."""
+        if self._lo:
+            left = self._hi - self._lo
+            self._buf[:left] = self._view[self._lo : self._hi]
+            self._lo, self._hi = 0, left
+        got = self._sock.recv_into(self._view[self._hi :])
+        if not got:
+            raise redis.ConnectionError("the server closed the connection")
+        self._hi += got
+
+    def _into(self, dst: memoryview) -> None:
+        """Fill `dst`: first from the scratch buffer, the rest from the socket."""
+        take = min(dst.nbytes, self._hi - self._lo)
+        dst[:take] = self._view[self._lo : self._lo + take]
+        self._lo += take
+        while take < dst.nbytes:
+            got = self._sock.recv_into(dst[take:])
+            if not got:
+                raise redis.ConnectionError("the server closed the connection")
+            take += got
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if self._lo == self._hi:
+                self._fill()
+            step = min(n, self._hi - self._lo)
+            self._lo += step
+            n -= step
+
+
+def _send(conn: Any, chunks: list[Chunk]) -> None:
+    """Send the chunks on the connection's socket (redis-py's
+    send_packed_command makes one sendall per chunk). TLS sockets have no
+    sendmsg: there, one sendall per chunk."""
+    sock = conn._sock
+    if sock is None:
+        raise redis.ConnectionError("the connection is closed")
+    if isinstance(sock, ssl.SSLSocket):
+        for chunk in chunks:
+            sock.sendall(chunk)
+    else:
+        send_buffers(sock, chunks)
+
+
+def send_buffers(sock: socket.socket, chunks: Sequence[Chunk]) -> None:
+    """Send every chunk, in order, with sendmsg of up to IOV_MAX of them at
+    a time (the kernel gathers them; nothing is joined here)."""
+    views = [memoryview(c).cast("B") for c in chunks]
+    first = 0
+    while first < len(views):
+        sent = sock.sendmsg(views[first : first + _IOV_MAX])
+        while first < len(views) and sent >= views[first].nbytes:
+            sent -= views[first].nbytes
+            first += 1
+        if sent:
+            views[first] = views[first][sent:]
 
 
 def _coalesce(chunks: list[Chunk]) -> list[Chunk]:

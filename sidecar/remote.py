@@ -8,7 +8,10 @@ deployments (or tenants) that share one.
 Value: a 32-byte header (magic, block size, xxh3-64 checksum seeded by the
 block key, the block key itself) followed by the block's bytes. A value
 that is absent, of the wrong size, under another key or whose bytes fail
-the checksum is a miss, never data: it is not copied into the slot.
+the checksum is a miss, never data. Reads receive each value straight into
+its slot and check it there, as SSD reads do: a slot whose read is not a
+HIT may hold any bytes, and the caller drops it (the slot of a block being
+staged is never visible before its read succeeds).
 """
 
 from __future__ import annotations
@@ -65,25 +68,26 @@ class RemoteStore:
     def read(
         self, keys: Sequence[bytes], targets: Sequence[memoryview | np.ndarray]
     ) -> list[ReadResult]:
-        """Fetch each block into its target buffer; a target whose result
-        is not HIT is left as it was."""
-        values = self.connector.get([self.name(k) for k in keys])
-        return [self._unpack(k, v, t) for k, v, t in zip(keys, values, targets, strict=True)]
+        """Fetch each block into its target buffer (at least block_bytes);
+        a target whose result is not HIT may hold any bytes."""
+        heads = [bytearray(HEADER_BYTES) for _ in keys]
+        bodies = [memoryview(t).cast("B")[: self.block_bytes] for t in targets]
+        got = self.connector.get_into(
+            [self.name(k) for k in keys],
+            [(memoryview(h), b) for h, b in zip(heads, bodies, strict=True)],
+        )
+        return [self._check(*args) for args in zip(keys, got, heads, bodies, strict=True)]
 
-    def _unpack(
-        self, key: bytes, value: bytes | None, target: memoryview | np.ndarray
-    ) -> ReadResult:
-        if value is None:
+    def _check(self, key: bytes, got: bool | None, head: bytearray, body: memoryview) -> ReadResult:
+        if got is None:
             return ReadResult.MISSING
-        if len(value) != HEADER_BYTES + self.block_bytes:
+        if not got:  # a value of the wrong size
             return ReadResult.CORRUPT
-        magic, size, digest, stored_key = HEADER.unpack_from(value)
-        body = memoryview(value)[HEADER_BYTES:]
+        magic, size, digest, stored_key = HEADER.unpack_from(head)
         if magic != MAGIC or size != self.block_bytes or stored_key != key:
             return ReadResult.CORRUPT
         if checksum(body, key) != digest:
             return ReadResult.CORRUPT
-        memoryview(target).cast("B")[: self.block_bytes] = body
         return ReadResult.HIT
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

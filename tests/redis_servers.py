@@ -43,20 +43,37 @@ class RedisServer:
     """One `redis-server` process; `persist=True` logs every write to an
     append-only file, so a SIGKILLed server restarts with its data."""
 
-    def __init__(self, *, persist: bool = False, cluster: bool = False) -> None:
+    def __init__(self, *, persist: bool = False, cluster: bool = False, tls: bool = False) -> None:
+        """`tls=True`: TLS only (a self-signed certificate made with openssl,
+        clients not verified); `url` is then a rediss:// one."""
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvs-redis-", dir="/tmp")
         self.persist = persist
         self.cluster = cluster
+        self.tls = tls
         self.bus_port = free_port() if cluster else 0
         self.proc: subprocess.Popen[bytes] | None = None
+        if tls:
+            openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+            openssl += ["-subj", "/CN=127.0.0.1", "-keyout", f"{self.dir}/key.pem"]
+            openssl += ["-out", f"{self.dir}/cert.pem"]
+            subprocess.run(openssl, check=True, capture_output=True)
 
     @property
     def url(self) -> str:
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.port}?ssl_cert_reqs=none"
         return f"redis://127.0.0.1:{self.port}"
 
     def args(self) -> list[str]:
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
+        if self.tls:
+            cert = f"{self.dir}/cert.pem"
+            args = ["redis-server", "--port", "0", "--tls-port", str(self.port)]
+            args += ["--tls-cert-file", cert, "--tls-key-file", f"{self.dir}/key.pem"]
+            args += ["--tls-ca-cert-file", cert, "--tls-auth-clients", "no"]
+            args += ["--bind", "127.0.0.1"]
+        else:
+            args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1"]
         args += ["--dir", self.dir, "--save", "", "--daemonize", "no", "--loglevel", "warning"]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.persist else []
         if self.cluster:
@@ -80,7 +97,7 @@ class RedisServer:
                 time.sleep(0.05)
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis.from_url(self.url, socket_timeout=5)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

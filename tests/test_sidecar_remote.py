@@ -261,6 +261,9 @@ def test_a_value_failing_its_checksum_is_a_miss_and_leaves_the_store(tmp_path, s
             assert blocks_of(dst, np.arange(5)) == blocks_of(src, np.arange(5))
             assert remote(c)["checksum_failures"] == 1
             wait_for(lambda: settled(c))
+            # The slot the bad value was received into is never served.
+            assert c.lookup(tokens(N)) == 5 * BLOCK_TOKENS
+            assert c.load(tokens(N), np.arange(N)).wait() == 5 * BLOCK_TOKENS
         with server.client() as r:
             assert not r.exists(bad), "a corrupt value is removed from the store"
     finally:
