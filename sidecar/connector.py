@@ -28,7 +28,7 @@ Chunks = Sequence[Chunk]
 """One value as consecutive pieces (a header, then a view of an shm slot),
 written back to back without being joined first."""
 Buffers = Sequence[memoryview]
-"""Writable byte views (format "B") that one value fills, in order."""
+"""Writable 1-D byte views (format "B") that one value fills, in order."""
 
 
 class RemoteError(Exception):

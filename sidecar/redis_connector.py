@@ -34,9 +34,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
+from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import AskError, ResponseError
 from redis.retry import Retry
 
 from sidecar.connector import Buffers, Chunk, Chunks, Connector, RemoteUnavailable
@@ -50,8 +51,9 @@ _SMALL = 16 << 10
 _DOWN = (redis.ConnectionError, redis.TimeoutError, OSError)
 _SCRATCH = 64 << 10
 """Bytes received at a time for reply headers (and whatever follows them)."""
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-"""Buffers one sendmsg takes at most (1,024 on Linux)."""
+_IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+"""Buffers one sendmsg takes at most (1,024 on Linux; sysconf's -1, "no
+limit", would be taken as 16)."""
 _MAX_LINE = 1 << 10
 """A reply header (`$<size>`, or an error line) longer than this is not RESP."""
 
@@ -249,6 +251,21 @@ class _NotResp(Exception):
     """A reply that is not a GET's: the connection is out of step."""
 
 
+def _error(message: bytes) -> ResponseError:
+    """An error reply, classified as redis-py classifies it. The ones that
+    say the server cannot serve at all (LOADING, NOAUTH, max clients: a
+    redis ConnectionError) are raised, so the batch fails as unavailable;
+    the others (WRONGTYPE, MOVED, ...) fail their key only."""
+    text = message.decode(errors="replace")
+    try:
+        err = BaseParser.parse_error(text)
+    except Exception:  # a malformed MOVED / ASK: keep it as it came
+        err = ResponseError(text)
+    if isinstance(err, redis.ConnectionError):
+        raise err
+    return err
+
+
 class _ValueReader:
     """GET replies read off a redis-py connection's socket. Each value of
     the expected size is received straight into its buffers; headers and
@@ -278,13 +295,12 @@ class _ValueReader:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":
-            return ResponseError(rest.decode(errors="replace"))
-        if kind != b"$":
+            return _error(rest)
+        if kind == b"_":  # RESP3's null (a URL with protocol=3)
+            return None
+        if kind != b"$" or not (rest.isdigit() or rest == b"-1"):
             raise _NotResp(f"a GET answered {line[:40]!r}")
-        try:
-            size = int(rest)
-        except ValueError:
-            raise _NotResp(f"a bulk reply of size {rest[:40]!r}") from None
+        size = int(rest)
         if size < 0:
             return None
         if size != sum(b.nbytes for b in bufs):
@@ -392,4 +408,6 @@ def _coalesce(chunks: list[Chunk]) -> list[Chunk]:
 
 
 def _is_redirect(err: ResponseError) -> bool:
-    return str(err).startswith(("MOVED", "ASK"))
+    """MOVED or ASK: redis-py's parsers give them their own classes (and
+    strip the word from the message)."""
+    return isinstance(err, AskError) or str(err).startswith(("MOVED", "ASK"))

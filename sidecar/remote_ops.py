@@ -3,9 +3,10 @@ remote worker pool.
 
 Each part of an op is one pipelined batch on one connection: a read is
 split over every thread of the pool, a write over `write_streams` of them.
-Writes send each block straight from its shm slot; reads verify each value
-and copy only good blocks into their slots. Socket I/O releases the GIL, so the
-pool's threads overlap their round trips.
+Writes send each block straight from its shm slot; reads receive each
+value straight into its slot and check it there, and a block that fails
+is dropped with its slot (BadBlocks) before anything can load it. Socket
+I/O releases the GIL, so the pool's threads overlap their round trips.
 """
 
 from __future__ import annotations

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from redis.cluster import key_slot
 from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
 from sidecar_proc import free_port
 
@@ -207,29 +210,49 @@ def test_get_into_times_out_then_recovers(server):
     c.close()
 
 
-def test_a_reply_that_is_not_a_get_s_makes_the_store_unavailable(redis_bin):
-    """A server answering out of step (here one that answers every command
-    with `:1`) is not read as data: the connection is dropped."""
+@contextlib.contextmanager
+def scripted_server(get_reply: bytes) -> Iterator[str]:
+    """A TCP server that answers each GET with `get_reply` and anything
+    else (redis-py's CLIENT SETINFO at connect) with +OK; yields its URL.
+    For replies a healthy Redis does not give on demand."""
     listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
 
     def answer() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while conn.recv(65536):
-                conn.sendall(b":1\r\n")
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                while request := conn.recv(65536):
+                    conn.sendall(get_reply if b"GET" in request else b"+OK\r\n")
 
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    c = RedisConnector(f"redis://127.0.0.1:{port}", timeout=1.0)
-    buf = np.zeros(8, dtype=np.uint8)
+    threading.Thread(target=answer, daemon=True).start()
     try:
-        with pytest.raises(RemoteUnavailable, match="a GET answered"):
-            c.get_into([b"k"], [[memoryview(buf)]])
-        assert not buf.any()
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}"
     finally:
-        c.close()
         listener.close()
+
+
+@pytest.mark.parametrize(
+    "reply, error",
+    [
+        (b":1\r\n", "a GET answered b':1'"),  # out of step
+        (b"$5x\r\n", "a GET answered"),
+        (b"-LOADING Redis is loading the dataset in memory\r\n", "loading"),
+        (b"-NOAUTH Authentication required.\r\n", "Authentication required"),
+    ],
+)
+def test_replies_that_say_the_server_cannot_serve_make_it_unavailable(reply, error):
+    """Not read as data, nor as "absent" (which would drop every block from
+    the remote index): the batch fails as the store being unavailable, and
+    the connection is dropped."""
+    with scripted_server(reply) as url:
+        c = RedisConnector(url, timeout=1.0)
+        buf = np.zeros(8, dtype=np.uint8)
+        try:
+            with pytest.raises(RemoteUnavailable, match=error):
+                c.get_into([b"k"], [[memoryview(buf)]])
+            assert not buf.any()
+        finally:
+            c.close()
 
 
 class _DictConnector(Connector):
@@ -304,3 +327,45 @@ def test_tls_round_trip(redis_bin):
             assert r.dbsize() == 1100
     finally:
         tls.cleanup()
+
+
+def test_resp3_connections_read_absent_keys_as_absent(server):
+    c = RedisConnector(server.url + "?protocol=3", timeout=2.0)
+    c.put([b"k"], [[b"12345"]])
+    buf = bytearray(5)
+    assert c.get_into([b"k", b"absent"], [[memoryview(buf)], [memoryview(bytearray(5))]]) == [
+        True,
+        None,
+    ]
+    assert buf == b"12345"
+    assert c.get([b"k", b"absent"]) == [b"12345", None]
+    c.close()
+
+
+def test_a_moved_slot_is_found_again_after_one_failed_batch(redis_bin):
+    """A slot moved behind the connector's back: the batch that meets MOVED
+    fails that key, and the next one, on the refreshed slot map, lands."""
+    cluster = RedisClusterOf3().start()
+    try:
+        c = RedisConnector(cluster.url, timeout=5.0, cluster=True)
+        key = b"moved-key"
+        assert c.put([key], [[b"v1"]]) == [True]
+        ids = {}
+        for node in cluster.nodes:
+            with node.client() as r:
+                ids[node.port] = r.execute_command("CLUSTER", "MYID").decode()
+        owner = c._topology().get_node_from_key(key).port
+        target = next(port for port in ids if port != owner)
+        for node in cluster.nodes:
+            with node.client() as r:
+                if node.port == owner:
+                    r.delete(key)
+                r.execute_command("CLUSTER", "SETSLOT", key_slot(key), "NODE", ids[target])
+        assert c.put([key], [[b"v2"]]) == [False]
+        assert c.put([key], [[b"v2"]]) == [True]
+        assert c.get([key]) == [b"v2"]
+        buf = bytearray(2)
+        assert c.get_into([key], [[memoryview(buf)]]) == [True] and buf == b"v2"
+        c.close()
+    finally:
+        cluster.cleanup()
