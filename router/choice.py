@@ -33,6 +33,11 @@ class Choice(NamedTuple):
     """The overlaps the choice was made on."""
 
 
+MAX_OVERLAP_WEIGHT = 1e12
+"""Larger weights would make costs overflow to infinity (and a temperature's
+weights NaN) on long requests."""
+
+
 class NoWorkers(ValueError):
     """No candidate worker is known: nothing to route to."""
 
@@ -41,8 +46,10 @@ class WorkerSelector:
     def __init__(
         self, overlap_weight: float = 1.0, temperature: float = 0.0, seed: int = 0
     ) -> None:
-        if not (math.isfinite(overlap_weight) and overlap_weight >= 0):
-            raise ValueError(f"overlap_weight must be a finite number >= 0, got {overlap_weight}")
+        if not 0 <= overlap_weight <= MAX_OVERLAP_WEIGHT:
+            raise ValueError(
+                f"overlap_weight must be in [0, {MAX_OVERLAP_WEIGHT:g}], got {overlap_weight}"
+            )
         if not (math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         self.overlap_weight = overlap_weight
@@ -70,8 +77,17 @@ class WorkerSelector:
         candidates: Iterable[Worker] | None = None,
         loads: Mapping[Worker, int] | None = None,
     ) -> Choice:
-        """Pick among `candidates` (default: every worker in `scores.tree_sizes`)."""
+        """Pick among `candidates` (default: every worker in `scores.tree_sizes`,
+        the known ones); ValueError if a candidate is not known."""
         pool = sorted(scores.tree_sizes if candidates is None else set(candidates))
+        if candidates is not None:
+            unknown = [w for w in pool if w not in scores.tree_sizes]
+            if unknown:
+                raise ValueError(
+                    f"{len(unknown)} candidate(s) not known to the router, first {unknown[0]}"
+                )
+            if not pool:
+                raise ValueError("candidates is empty")
         if not pool:
             raise NoWorkers("no worker is known to the router yet")
         costs = self.costs(scores, request_blocks, pool, loads)

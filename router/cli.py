@@ -51,6 +51,21 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="JSON of the sidecars' Namespace fields (to route by token ids)",
     )
     p.add_argument("--key-hash", default="blake2b", choices=("blake2b", "xxh3_128"))
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        metavar="FILE",
+        help="the engines' deployment secret (the bytes of FILE, as given to "
+        "KVClient.register(secret=...)): needed to route by token ids when they use one",
+    )
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="forget a sidecar's blocks after this long without a message from it "
+        "(sidecars send a heartbeat every second; 0 = never)",
+    )
     p.set_defaults(func=_serve)
 
     a = sub.add_parser(
@@ -72,10 +87,14 @@ def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:
         if not sep or not wid.isascii() or not wid.isdigit() or int(wid) >= 2**63:
             raise ValueError(f"--vllm wants PUB=WORKER_ID (an int64 >= 0), got {text!r}")
         sources.append(Source(pub, None, int(wid)))
+    seen: set[str] = set()
     for s in sources:
         for endpoint in (s.endpoint, s.resync_endpoint):
             if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"not a ZMQ endpoint: {endpoint!r}")
+        if s.endpoint in seen:
+            raise ValueError(f"{s.endpoint} is given twice: every event would be applied twice")
+        seen.add(s.endpoint)
     return sources
 
 
@@ -88,9 +107,14 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         sources = parse_sources(args.sidecar, args.vllm)
         hasher = None
+        if args.secret_file is not None and args.namespace is None:
+            raise ValueError("--secret-file is for routing by token ids: give --namespace too")
+        if not args.worker_timeout >= 0:
+            raise ValueError(f"--worker-timeout must be >= 0, got {args.worker_timeout}")
         if args.namespace is not None:
             ns = Namespace(**json.loads(args.namespace.read_text()))
-            hasher = KeyHasher(ns, algorithm=args.key_hash)
+            secret = b"" if args.secret_file is None else args.secret_file.read_bytes()
+            hasher = KeyHasher(ns, secret=secret, algorithm=args.key_hash)
         router = Router(
             args.index,
             overlap_weight=args.overlap_weight,
@@ -103,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvsidecar router: {exc}", file=sys.stderr)
         return 2
     try:
-        server = RouterServer(router, args.bind, sources)
+        server = RouterServer(router, args.bind, sources, args.worker_timeout)
     except zmq.ZMQError as exc:
         print(f"kvsidecar router: cannot bind or connect: {exc}", file=sys.stderr)
         return 2

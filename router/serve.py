@@ -65,7 +65,9 @@ class BadRequest(ValueError):
 
 
 class RouterServer:
-    def __init__(self, router: Router, bind: str, sources: list[Source]) -> None:
+    def __init__(
+        self, router: Router, bind: str, sources: list[Source], worker_timeout: float = 10.0
+    ) -> None:
         self.router = router
         self.ctx = zmq.Context()
         self.rep = self.ctx.socket(zmq.REP)
@@ -73,7 +75,7 @@ class RouterServer:
         self.rep.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             self.rep.bind(bind)
-            self.subs = Subscriptions(self.ctx, router, sources)
+            self.subs = Subscriptions(self.ctx, router, sources, worker_timeout=worker_timeout)
         except zmq.ZMQError:  # a bad endpoint: release the socket and context
             self.rep.close(0)
             self.ctx.term()
@@ -101,6 +103,7 @@ class RouterServer:
         for sock in self.subs.sockets:  # events first: answers see the latest state
             if sock in ready:
                 self.subs.drain(sock)
+        self.subs.expire()
         if self.rep in ready:
             frames = self.rep.recv_multipart()  # all of them, or REP cannot reply
             if len(frames) == 1:

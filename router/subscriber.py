@@ -15,6 +15,16 @@ must not block the router for a timeout on every batch.
 
 vLLM sources have no dump; on a gap their worker is cleared the same way.
 Malformed messages are counted and dropped; they never change the index.
+
+Liveness: a sidecar publishes a heartbeat (a batch with no events, carrying
+the seq of its last batch) every second when it has nothing else to send.
+A sidecar source silent for `worker_timeout` seconds (dead, killed, or cut
+off) has its worker forgotten; its next message resyncs it. A source that
+starts publishing as another worker id (restarted with a new
+events_worker_id) has its old worker forgotten at once. A worker id is
+followed from one source only: batches of a second source naming it are
+counted (`worker_conflicts`) and dropped, never merged. vLLM engines send
+no heartbeats: their workers are never expired.
 """
 
 from __future__ import annotations
@@ -57,6 +67,11 @@ class _State:
     left_epoch: str | None = None
     """An epoch a dump showed the publisher has left (it restarted): batches of
     it still queued are dropped without another resync each."""
+    worker: Worker | None = None
+    """The worker this sidecar source publishes as (None: none yet, or expired)."""
+    last_seen: float = 0.0
+    """time.monotonic() of the source's last message."""
+    conflict_logged: bool = False
 
 
 class Subscriptions:
@@ -67,13 +82,21 @@ class Subscriptions:
         sources: list[Source],
         resync_timeout: float = 2.0,
         resync_retry: float = 30.0,
+        worker_timeout: float = 10.0,
     ) -> None:
+        """`worker_timeout`: seconds of silence after which a sidecar
+        source's worker is forgotten (0: never)."""
+        if not worker_timeout >= 0:
+            raise ValueError(f"worker_timeout must be >= 0, got {worker_timeout}")
         self.ctx = ctx
         self.router = router
         self.resync_timeout = resync_timeout
         self.resync_retry = resync_retry
+        self.worker_timeout = worker_timeout
         self.counts: Counter[str] = Counter()
         self._states: dict[zmq.Socket, _State] = {}
+        self._owners: dict[Worker, _State] = {}
+        """Which source each worker's events come from."""
         try:
             for src in sources:
                 sock = ctx.socket(zmq.SUB)
@@ -110,6 +133,26 @@ class Subscriptions:
             except WireError as exc:
                 self.counts["bad_messages"] += 1
                 log.warning("dropped a message from %s: %s", st.source.endpoint, exc)
+            except Exception:  # a bug must not take the router down: drop the message
+                self.counts["bad_messages"] += 1
+                log.exception("dropped a message from %s", st.source.endpoint)
+
+    def expire(self, now: float | None = None) -> None:
+        """Forget the workers of sidecar sources silent for worker_timeout."""
+        if not self.worker_timeout:
+            return
+        now = time.monotonic() if now is None else now
+        for st in self._states.values():
+            if st.worker is not None and now - st.last_seen > self.worker_timeout:
+                log.warning(
+                    "no message from %s for %.0f s: forgetting worker %s",
+                    st.source.endpoint,
+                    now - st.last_seen,
+                    st.worker,
+                )
+                self._forget(st)
+                st.epoch = None  # its next message resyncs it
+                self.counts["workers_expired"] += 1
 
     def resync_all(self) -> None:
         """Dump every sidecar source now (at start: a router joining late)."""
@@ -124,26 +167,62 @@ class Subscriptions:
 
     # ---- sidecars ------------------------------------------------------------
 
+    def _claim(self, st: _State, w: Worker) -> bool:
+        """Make `w` the worker of sidecar source `st`: False (and the message
+        dropped) if another source publishes as `w`. A source that changes
+        worker id has its old worker forgotten."""
+        owner = self._owners.get(w)
+        if owner is not None and owner is not st:
+            self.counts["worker_conflicts"] += 1
+            if not st.conflict_logged:
+                st.conflict_logged = True
+                log.warning(
+                    "%s publishes as worker %s, which %s already does: its events are "
+                    "dropped (give every sidecar its own events_worker_id)",
+                    st.source.endpoint,
+                    w,
+                    owner.source.endpoint,
+                )
+            return False
+        if st.worker is not None and st.worker != w:
+            self._forget(st)
+        st.worker = w
+        self._owners[w] = st
+        return True
+
+    def _forget(self, st: _State) -> None:
+        assert st.worker is not None
+        self.router.remove_worker(st.worker)
+        self._owners.pop(st.worker, None)
+        st.worker = None
+
     def _on_sidecar(self, st: _State, frames: list[bytes]) -> None:
         if len(frames) != 2 or frames[0] != wire.TOPIC:
             raise WireError(f"expected 2 frames [{wire.TOPIC!r}, batch]")
         batch = wire.decode_batch(frames[1])
         events = wire.to_events(batch.events)
         w = worker(batch.worker_id, batch.dp_rank)
-        self.counts["batches"] += 1
-        if batch.epoch == st.epoch and batch.seq <= st.seq:
+        st.last_seen = time.monotonic()
+        if not self._claim(st, w):
+            return
+        beat = not events  # a heartbeat: "nothing since batch `seq`"
+        self.counts["heartbeats" if beat else "batches"] += 1
+        step = 0 if beat else 1
+        if batch.epoch == st.epoch and batch.seq < st.seq + step:
             return  # already covered by a dump
         if batch.epoch == st.left_epoch:
             return  # sent before the publisher restarted
-        if batch.epoch != st.epoch or batch.seq != st.seq + 1:
+        if batch.epoch != st.epoch or batch.seq != st.seq + step:
             self.counts["gaps"] += 1
             if not self._resync(st):
                 self.router.apply(w, [Cleared()])  # no dump: forget, start over
-                st.epoch, st.seq = batch.epoch, batch.seq - 1
+                st.epoch, st.seq = batch.epoch, batch.seq - step
             elif batch.epoch != st.epoch:
                 st.left_epoch = batch.epoch
-            if batch.epoch != st.epoch or batch.seq != st.seq + 1:
+            if batch.epoch != st.epoch or batch.seq != st.seq + step or beat:
                 return
+        if beat:
+            return
         if st.source.resync_endpoint is None or time.monotonic() < st.resync_after:
             self._apply_each(st, w, events)
         elif not self._apply(st, w, events):
@@ -165,9 +244,14 @@ class Subscriptions:
             log.warning("resync from %s failed: %s", st.source.resync_endpoint, exc)
             return False
         w = worker(reply.worker_id, reply.dp_rank)
+        if not self._claim(st, w):
+            return False
         if not self._apply(st, w, [Cleared(), *runs]):
+            self.counts["resync_failures"] += 1
+            st.resync_after = time.monotonic() + self.resync_retry
             return False
         st.epoch, st.seq = reply.epoch, reply.seq
+        st.last_seen = time.monotonic()
         self.counts["resyncs"] += 1
         return True
 
@@ -222,6 +306,10 @@ class Subscriptions:
         batch = decode_vllm(frames)
         assert st.source.vllm_worker_id is not None
         w = worker(st.source.vllm_worker_id, batch.dp_rank)
+        owner = self._owners.setdefault(w, st)
+        if owner is not st:
+            self.counts["worker_conflicts"] += 1
+            return
         self.counts["batches"] += 1
         if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart (from 0)
             self.counts["gaps"] += 1

@@ -50,8 +50,8 @@ def decode_vllm(frames: list[bytes]) -> VllmBatch:
     seq = int.from_bytes(frames[1], "big")
     try:
         batch = msgspec.msgpack.decode(frames[2])
-    except msgspec.DecodeError as exc:
-        raise WireError(f"vLLM event payload is not msgpack: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise WireError(f"vLLM event payload is not msgpack: {exc!r}") from None
     if isinstance(batch, dict):
         raw_events, dp_rank = batch.get("events"), batch.get("data_parallel_rank")
     elif isinstance(batch, list) and len(batch) in (2, 3):

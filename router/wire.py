@@ -91,15 +91,15 @@ def encode(msg: msgspec.Struct) -> bytes:
 def decode_batch(payload: bytes) -> EventBatch:
     try:
         return _batch_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"bad event batch: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise WireError(f"bad event batch: {exc!r}") from None
 
 
 def decode_reply(payload: bytes) -> DumpReply | ErrorReply:
     try:
         return _reply_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise WireError(f"bad resync reply: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise WireError(f"bad resync reply: {exc!r}") from None
 
 
 def to_events(msgs: list[StoredMsg | RemovedMsg | ClearedMsg]) -> list[RouterEvent]:

@@ -1,7 +1,10 @@
 """KV event publishing: the CPU tier's index events, out to cluster routers.
 
 A ZMQ PUB socket carries `router.wire.EventBatch`es (one per control-loop
-iteration that produced events) numbered 1, 2, ... under a random epoch. A
+iteration that produced events) numbered 1, 2, ... under a random epoch,
+and, after HEARTBEAT_SECONDS with nothing to send, a heartbeat: a batch with
+no events carrying the seq of the last batch (routers forget a sidecar that
+has gone silent, and see a restarted idle one by its new epoch). A
 ZMQ ROUTER socket answers resync requests with a full dump of the index as of
 the last batch sent, so a subscriber that missed batches (late join, high
 water mark, restart) catches up. Both sockets are driven by the sidecar's
@@ -12,6 +15,7 @@ sequence number it carries.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import zmq
@@ -25,6 +29,7 @@ log = logging.getLogger("kvsidecar")
 
 SEND_HWM = 100_000
 """Batches queued per subscriber before PUB drops (the subscriber then resyncs)."""
+HEARTBEAT_SECONDS = 1.0
 
 
 class EventPublisher:
@@ -34,6 +39,7 @@ class EventPublisher:
         self.epoch = uuid.uuid4().hex
         self.seq = 0
         self.worker_id = worker_id
+        self._last_sent = 0.0
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -50,27 +56,44 @@ class EventPublisher:
             raise
 
     def publish(self, events: list[KVEvent]) -> None:
-        if not events:
+        """Send the events as the next batch; with none, a heartbeat if
+        HEARTBEAT_SECONDS passed since the last message."""
+        now = time.monotonic()
+        if events:
+            self.seq += 1
+        elif now - self._last_sent < HEARTBEAT_SECONDS:
             return
-        self.seq += 1
         batch = wire.EventBatch(self.epoch, self.seq, self.worker_id, 0, _to_msgs(events))
         self.pub.send_multipart([wire.TOPIC, wire.encode(batch)], copy=False)
+        self._last_sent = now
 
-    def serve_resync(self, index: RadixIndex | None) -> None:
-        """Answer every waiting resync request (call after `publish`)."""
+    def serve_resync(self, index: RadixIndex | None, most: int = 16) -> None:
+        """Answer the waiting resync requests, at most `most` (call after
+        `publish`). One dump, made once, answers them all: a crowd of
+        routers resyncing at once must not hold the control loop for a
+        dump each."""
         sock = self.resync
         if sock is None:
             return
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        dump: bytes | None = None
+        for _ in range(most):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) < 2 or frames[-1] != wire.DUMP_REQUEST:
-                reply: wire.DumpReply | wire.ErrorReply = wire.ErrorReply(
-                    f"expected a single frame {wire.DUMP_REQUEST!r} from a REQ socket"
+                reply = wire.encode(
+                    wire.ErrorReply(
+                        f"expected a single frame {wire.DUMP_REQUEST!r} from a REQ socket"
+                    )
                 )
             else:
-                runs = [] if index is None else index_runs(index)
-                reply = wire.DumpReply(self.epoch, self.seq, self.worker_id, 0, runs)
-            sock.send_multipart([*frames[:-1], wire.encode(reply)])
+                if dump is None:
+                    runs = [] if index is None else index_runs(index)
+                    dump = wire.encode(
+                        wire.DumpReply(self.epoch, self.seq, self.worker_id, 0, runs)
+                    )
+                reply = dump
+            sock.send_multipart([*frames[:-1], reply])
 
     def close(self) -> None:
         for sock in (self.pub, self.resync):

@@ -195,8 +195,7 @@ class Server(Handlers):
         self.retry_parked()
         if self.publisher is not None:
             index = self.cache.cpu.index if self.cache is not None else None
-            if index is not None:
-                self.publisher.publish(index.drain_events())
+            self.publisher.publish([] if index is None else index.drain_events())
             self.publisher.serve_resync(index)
         now = time.monotonic()
         if now >= self._next_lease_check:

@@ -121,11 +121,16 @@ def assert_clean(g: GlobalCacheEngine) -> None:
         assert_engine_clean(engine)
 
 
-def wait_until(cond: Callable[[], bool], subs: Any, timeout: float = 10.0) -> None:
-    """Feed a router's `Subscriptions` its waiting messages until `cond()` holds."""
+def wait_until(
+    cond: Callable[[], bool], subs: Any, timeout: float = 10.0, expire: bool = False
+) -> None:
+    """Feed a router's `Subscriptions` its waiting messages until `cond()`
+    holds; with `expire`, also expire silent workers, as router serve does."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, dict(subs.counts)
         for sock in subs.sockets:
             if sock.poll(20):
                 subs.drain(sock)
+        if expire:
+            subs.expire()

@@ -67,6 +67,8 @@ def test_bad_parameters_and_no_workers() -> None:
         WorkerSelector(temperature=-1)
     with pytest.raises(ValueError, match="overlap_weight"):
         WorkerSelector(overlap_weight=float("nan"))
+    with pytest.raises(ValueError, match="overlap_weight"):
+        WorkerSelector(overlap_weight=1e308)  # costs would overflow to inf
     with pytest.raises(NoWorkers):
         WorkerSelector().select(OverlapScores({}, {}), 3)
 
@@ -101,3 +103,13 @@ def test_router_routes_by_tokens_with_a_hasher() -> None:
     assert router.choose(router.keys_of_tokens(list(range(12)))).overlap == 2
     with pytest.raises(ValueError, match="no token hasher"):
         Router().keys_of_tokens([1, 2])
+
+
+def test_candidates_must_be_known_workers() -> None:
+    """An unknown id would win every tie (it holds no blocks) and leave a hit
+    entry behind for ever."""
+    scores = OverlapScores({}, {W0: 9, W1: 3})
+    with pytest.raises(ValueError, match="not known"):
+        WorkerSelector().select(scores, 4, candidates=[W0, W2])
+    with pytest.raises(ValueError, match="empty"):
+        WorkerSelector().select(scores, 4, candidates=[])

@@ -266,3 +266,179 @@ def test_drain_handles_at_most_max_messages(loopback: Loopback) -> None:
         assert router.index.workers() == {WORKER: 5}
     finally:
         subs.close()
+
+
+def test_a_killed_sidecar_is_forgotten_an_idle_one_is_not(sidecar: Sidecar) -> None:
+    """Heartbeats keep an idle sidecar's worker; kill -9 stops them, and
+    after worker_timeout the router no longer routes to its blocks."""
+    pub, resync = sidecar.events  # type: ignore[attr-defined]
+    ctx = zmq.Context()
+    router = Router("radix")
+    subs = Subscriptions(ctx, router, [Source(pub, resync)], worker_timeout=1.5)
+    try:
+        subs.resync_all()
+        keys = _save(sidecar.endpoint, 4)
+        wait_until(lambda: router.index.workers().get(WORKER) == 4, subs, expire=True)
+        idle_until = time.monotonic() + 3.5  # over twice the timeout with nothing saved
+        wait_until(lambda: time.monotonic() > idle_until, subs, expire=True)
+        assert router.find_matches(keys).scores == {WORKER: 4}
+        assert subs.counts["heartbeats"] >= 2 and subs.counts["workers_expired"] == 0
+        sidecar.kill()
+        wait_until(lambda: WORKER not in router.index.workers(), subs, expire=True)
+        assert subs.counts["workers_expired"] == 1
+        assert router.find_matches(keys).scores == {}
+        sidecar.start()  # for the fixture's clean stop
+    finally:
+        subs.close()
+        ctx.term()
+
+
+def test_a_restarted_idle_sidecar_is_resynced_by_its_heartbeat(sidecar: Sidecar) -> None:
+    """A sidecar restarted with an empty cache that saves nothing: its first
+    heartbeat carries a new epoch, and the resync empties its worker."""
+    pub, resync = sidecar.events  # type: ignore[attr-defined]
+    ctx = zmq.Context()
+    router = Router("flat")
+    subs = Subscriptions(ctx, router, [Source(pub, resync)], worker_timeout=0)
+    try:
+        subs.resync_all()
+        _save(sidecar.endpoint, 3)
+        wait_until(lambda: router.index.workers().get(WORKER) == 3, subs, expire=True)
+        assert sidecar.stop() == 0
+        sidecar.start()
+        wait_until(lambda: router.index.workers().get(WORKER) == 0, subs, expire=True)
+        assert subs.counts["resyncs"] == 2
+    finally:
+        subs.close()
+        ctx.term()
+
+
+def _batch(epoch: str, seq: int, worker_id: int, keys: bytes, parent: bytes | None = None):
+    msgs = [wire.StoredMsg(keys, parent)] if keys else []
+    return [wire.TOPIC, wire.encode(wire.EventBatch(epoch, seq, worker_id, 0, msgs))]
+
+
+def test_a_worker_id_is_followed_from_one_source_only(loopback: Loopback) -> None:
+    """Two sidecars left on the same events_worker_id are not merged: the
+    second one's events are dropped and counted; a source that changes its
+    worker id has its old worker forgotten."""
+    one, one_endpoint = loopback.bind(zmq.PUB)
+    two, two_endpoint = loopback.bind(zmq.PUB)
+    router = Router("radix")
+    subs = Subscriptions(loopback.ctx, router, [Source(one_endpoint), Source(two_endpoint)])
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    try:
+        time.sleep(0.3)  # let the SUBs connect
+        one.send_multipart(_batch("e1", 1, 3, a))
+        wait_until(lambda: router.index.workers() == {WORKER: 1}, subs)
+        two.send_multipart(_batch("e2", 1, 3, b))
+        two.send_multipart(_batch("e2", 2, 3, c))
+        wait_until(lambda: subs.counts["worker_conflicts"] == 2, subs)
+        assert router.index.workers() == {WORKER: 1}
+        assert router.find_matches(split_keys(b)).scores == {}
+        one.send_multipart(_batch("e1", 2, 4, c))  # the first source is worker 4 now
+        wait_until(lambda: worker(4) in router.index.workers(), subs)
+        assert router.index.workers() == {worker(4): 1}
+        assert router.find_matches(split_keys(a)).scores == {}
+        two.send_multipart(_batch("e2", 3, 3, b))  # worker 3 is free: the second source takes it
+        wait_until(lambda: WORKER in router.index.workers(), subs)
+        assert router.find_matches(split_keys(b)).scores == {WORKER: 1}
+    finally:
+        subs.close()
+
+
+def test_heartbeats_reveal_a_lost_batch(loopback: Loopback) -> None:
+    """A heartbeat carries the seq of the last batch: one past what the router
+    has applied means a batch was lost, and the worker is cleared (no dump)."""
+    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    router = Router("flat")
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint)])
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    try:
+        time.sleep(0.3)
+        pub.send_multipart(_batch("e", 1, 3, a))
+        pub.send_multipart(_batch("e", 1, 3, b""))  # a heartbeat after batch 1: in step
+        wait_until(lambda: subs.counts["heartbeats"] == 1, subs)
+        # The first batch is a gap (the router joins), the heartbeat is not.
+        assert router.index.workers() == {WORKER: 1} and subs.counts["gaps"] == 1
+        pub.send_multipart(_batch("e", 2, 3, b""))  # batch 2 never came
+        wait_until(lambda: subs.counts["heartbeats"] == 2, subs)
+        assert subs.counts["gaps"] == 2 and router.index.workers() == {WORKER: 0}
+        pub.send_multipart(_batch("e", 3, 3, b))  # followed again from there
+        wait_until(lambda: router.index.workers() == {WORKER: 1}, subs)
+        assert subs.counts["gaps"] == 2
+    finally:
+        subs.close()
+
+
+def test_a_rejected_dump_is_not_retried_on_every_batch(loopback: Loopback) -> None:
+    resync, resync_endpoint = loopback.bind(zmq.ROUTER)
+    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    a, b = bytes([1]) * 16, bytes([2]) * 16
+    orphan = wire.StoredMsg(b, bytes([9]) * 16)  # its parent is in no run: the index refuses it
+    dump = wire.encode(wire.DumpReply("e", 1, 3, 0, [wire.StoredMsg(a, None), orphan]))
+    answered = []
+    stop = threading.Event()
+
+    def answer() -> None:
+        while not stop.is_set():
+            if resync.poll(20):
+                frames = resync.recv_multipart()
+                resync.send_multipart([*frames[:-1], dump])
+                answered.append(1)
+
+    answerer = threading.Thread(target=answer)
+    answerer.start()
+    router = Router("radix")
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, resync_endpoint)])
+    try:
+        time.sleep(0.3)
+        for seq in range(5, 10):
+            pub.send_multipart(_batch("e", seq, 3, bytes([seq]) * 16))
+        wait_until(lambda: subs.counts["batches"] == 5, subs)
+        assert len(answered) == 1 and subs.counts["resync_failures"] == 1
+    finally:
+        stop.set()
+        answerer.join(5)
+        subs.close()
+
+
+def test_a_message_too_deeply_nested_is_dropped(loopback: Loopback) -> None:
+    """msgspec raises RecursionError on deep nesting: a bad message, not the
+    end of the router."""
+    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    router = Router("flat")
+    subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, None, 7)])
+    good = [b"kv", (0).to_bytes(8, "big"), bytes.fromhex("92cb0000000000000000") + b"\x90"]
+    try:
+        time.sleep(0.3)
+        pub.send_multipart([b"kv", (0).to_bytes(8, "big"), b"\x91" * 10_000 + b"\xc0"])
+        pub.send_multipart(good)
+        wait_until(lambda: subs.counts["batches"] == 1, subs)
+        assert subs.counts["bad_messages"] == 1
+    finally:
+        subs.close()
+
+
+def test_one_dump_answers_a_crowd_of_resync_requests(sidecar: Sidecar) -> None:
+    """Requests beyond `most` wait for the next loop iteration (the engines'
+    requests are served in between); every one is answered."""
+    _, resync = sidecar.events  # type: ignore[attr-defined]
+    _save(sidecar.endpoint, 2)
+    ctx = zmq.Context()
+    reqs = []
+    try:
+        for _ in range(40):
+            req = ctx.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(resync)
+            req.send(wire.DUMP_REQUEST)
+            reqs.append(req)
+        for req in reqs:
+            assert req.poll(10_000)
+            dump = wire.decode_reply(req.recv())
+            assert isinstance(dump, wire.DumpReply) and len(dump.runs) == 1
+    finally:
+        for req in reqs:
+            req.close(0)
+        ctx.term()

@@ -75,8 +75,11 @@ class RouterProc:
         return code
 
 
-def test_routes_to_the_sidecar_holding_the_prefix(sidecar: Sidecar, tmp_path: Path) -> None:
-    client = connect(sidecar.endpoint, make_kv(2))
+@pytest.mark.parametrize("secret", [b"", b"deployment secret"])
+def test_routes_to_the_sidecar_holding_the_prefix(
+    sidecar: Sidecar, tmp_path: Path, secret: bytes
+) -> None:
+    client = connect(sidecar.endpoint, make_kv(2), secret=secret)
     toks = tokens(6)
     try:
         assert client.save(toks, np.arange(6)).wait() == 96
@@ -86,7 +89,11 @@ def test_routes_to_the_sidecar_holding_the_prefix(sidecar: Sidecar, tmp_path: Pa
     finally:
         client.close()
     pub = f"ipc://{sidecar.runtime_dir}/ev.pub,ipc://{sidecar.runtime_dir}/ev.resync"
-    router = RouterProc("--bind", "tcp://127.0.0.1:0", "--sidecar", pub, "--namespace", str(ns))
+    args = ["--bind", "tcp://127.0.0.1:0", "--sidecar", pub, "--namespace", str(ns)]
+    if secret:
+        (tmp_path / "secret").write_bytes(secret)
+        args += ["--secret-file", str(tmp_path / "secret")]
+    router = RouterProc(*args)
     try:
         deadline = time.monotonic() + 10
         while router.ask({"op": "stats"})["index"].get("5/0") != 6:  # the start-up resync
@@ -119,6 +126,8 @@ BAD = [
     ({"op": "route", "keys": bytes(16), "loads": [[0, 0, -1]]}, False, ">= 0"),
     ({"op": "route", "vllm_hashes": [1.5]}, False, "Expected"),
     ({"op": "route", "keys": bytes(16)}, False, "no worker is known"),
+    ({"op": "route", "keys": bytes(16), "candidates": [[11, 0]]}, False, "not known"),
+    ({"op": "route", "keys": bytes(16), "candidates": []}, False, "candidates is empty"),
 ]
 
 
@@ -144,6 +153,9 @@ def test_malformed_requests_get_an_error_reply_and_change_nothing() -> None:
         (["--sidecar", "tcp://bad"], "cannot bind or connect"),
         (["--sidecar", "tcp://127.0.0.1:1,tcp://bad"], "cannot bind or connect"),
         (["--bind", "tcp://bad"], "cannot bind or connect"),
+        (["--sidecar", "tcp://127.0.0.1:1", "--sidecar", "tcp://127.0.0.1:1"], "given twice"),
+        (["--secret-file", "/dev/null"], "give --namespace too"),
+        (["--worker-timeout", "-1"], "--worker-timeout must be >= 0"),
     ],
 )
 def test_bad_command_line_exits_2(args: list[str], message: str) -> None:
