@@ -131,11 +131,31 @@ def _fields(kv: KVLayoutMsg) -> dict[str, object]:
     return {name: getattr(kv, name) for name in kv.__struct_fields__}
 
 
+@dataclass
+class Orphan:
+    """A save plan whose engine left while a rank of it may still be copying
+    into the plan's CPU slots (a process frozen past its lease, or a TP rank
+    that had not reported yet). The plan is rolled back, and its slots made
+    free, only once no such writer is left."""
+
+    writers: dict[str, int]
+    """Session id -> pid (0: not known here) of each rank that may still write."""
+    since: float
+
+
+WRITER_GRACE_LEASES = 10
+"""An orphan's writers are given up on after this many lease periods, even
+when they are alive (a frozen process) or their pid is unknown; past that a
+writer resuming mid-copy could still land in reused slots."""
+
+
 class Engines:
     """Every engine a sidecar serves, its sessions and the plans it holds.
 
     `cancel(plan_id)` rolls a plan back in the cache; it is called for every
     plan of an engine that loses a rank (a plan needs every rank to finish).
+    A save plan a rank may still be writing into is rolled back only when
+    that rank reports on it, or its process is gone (`orphans`).
     """
 
     def __init__(self, cancel: Callable[[int], None]) -> None:
@@ -143,6 +163,8 @@ class Engines:
         self.groups: dict[str, EngineGroup] = {}
         self.sessions: dict[str, Session] = {}
         self.plans: dict[int, PlanState] = {}
+        self.orphans: dict[int, Orphan] = {}
+        """Plan id -> a save plan of a departed engine, held until its writers stop."""
         self.num_expired = 0
         self.num_ended = 0
         """Plans ended so far (completed, failed, cancelled or dropped)."""
@@ -213,13 +235,19 @@ class Engines:
         if cancel:
             self._cancel(plan_id)
 
-    def drop(self, session: Session, why: str) -> None:
+    def drop(self, session: Session, why: str, *, may_write: bool = False) -> None:
         """A rank left: its engine's plans are rolled back (locks released,
-        unfinished saves dropped), and the engine goes with its last rank."""
+        unfinished saves dropped), and the engine goes with its last rank.
+        `may_write`: the leaving rank's process may still be running a copy
+        (its lease expired while it lives): its save plans wait for it."""
         group = session.group
         log.info("engine %s rank %d: %s", group.engine_id, session.rank, why)
         for plan_id in list(group.plans):
-            self.end(plan_id, cancel=True)
+            writers = self._writers(group.plans[plan_id], session, may_write)
+            if writers:
+                self._orphan(plan_id, writers)
+            else:
+                self.end(plan_id, cancel=True)
         self.sessions.pop(session.session_id, None)
         if group.sessions.get(session.rank) is session:
             del group.sessions[session.rank]
@@ -227,13 +255,74 @@ class Engines:
             self.groups.pop(group.engine_id, None)
 
     def expire(self, lease_seconds: float) -> None:
-        """Drop sessions not heard from within the lease, or whose process is gone."""
+        """Drop sessions not heard from within the lease, or whose process is
+        gone; roll back orphans whose writers are all gone (or given up on)."""
         now = time.monotonic()
         for session in list(self.sessions.values()):
             gone = bool(session.pid) and not _alive(session.pid)
             if gone or now - session.last_seen > lease_seconds:
                 self.num_expired += 1
-                self.drop(session, "process gone" if gone else "lease expired")
+                self.drop(session, "process gone" if gone else "lease expired", may_write=not gone)
+        for plan_id, orphan in list(self.orphans.items()):
+            if now - orphan.since > WRITER_GRACE_LEASES * lease_seconds:
+                log.warning(
+                    "plan %d: %d engine rank(s) that may still write into its slots did not "
+                    "report within %d leases; freeing them",
+                    plan_id,
+                    len(orphan.writers),
+                    WRITER_GRACE_LEASES,
+                )
+                orphan.writers.clear()
+            for sid, pid in list(orphan.writers.items()):
+                if pid and not _alive(pid):
+                    del orphan.writers[sid]
+            if not orphan.writers:
+                self._release(plan_id)
+
+    def writer_done(self, session_id: str, plan_id: int) -> None:
+        """A report (complete, fail, cancel) on an orphaned plan: that rank's
+        copies into its slots have stopped."""
+        orphan = self.orphans.get(plan_id)
+        if orphan is None or orphan.writers.pop(session_id, None) is None:
+            return
+        if not orphan.writers:
+            self._release(plan_id)
+
+    def release_orphans(self) -> None:
+        """Shutdown: roll every orphan back (the shm goes with the sidecar)."""
+        for plan_id in list(self.orphans):
+            self._release(plan_id)
+
+    def _writers(self, state: PlanState, leaving: Session, may_write: bool) -> dict[str, int]:
+        """The ranks that may still copy into this plan's CPU slots: none
+        for a plan without engine writes; else every rank of the engine that
+        has reported none of its ops and whose process may live (the
+        leaving rank only if `may_write`)."""
+        if not any(op.kind is OpKind.D2H for op in state.plan.graph.ops):
+            return {}
+        reported = set().union(*state.reported.values())
+        return {
+            s.session_id: s.pid
+            for s in state.group.sessions.values()
+            if (s is not leaving or may_write)
+            and s.rank not in reported
+            and not (s.pid and not _alive(s.pid))
+        }
+
+    def _orphan(self, plan_id: int, writers: dict[str, int]) -> None:
+        state = self.plans.pop(plan_id)
+        state.group.plans.pop(plan_id, None)
+        self.orphans[plan_id] = Orphan(writers, time.monotonic())
+        log.info(
+            "plan %d held until %d engine rank(s) stop copying into its slots",
+            plan_id,
+            len(writers),
+        )
+
+    def _release(self, plan_id: int) -> None:
+        del self.orphans[plan_id]
+        self.num_ended += 1
+        self._cancel(plan_id)
 
     def describe(self) -> list[dict[str, object]]:
         return [

@@ -63,6 +63,7 @@ def server_stats(server: Server) -> dict[str, Any]:
             server.engines.plans.keys()
             | (server.dataplane.plans.keys() if server.dataplane else set())
         ),
+        "orphaned_plans": len(server.engines.orphans),
         "engines": server.engines.describe(),
         "requests": dict(server.requests),
         "errors": dict(server.errors),

@@ -304,6 +304,7 @@ class Handlers:
         return p.ok(rid, arrays, plan_id=plan.plan_id, boot_id=self.boot_id, ops=ops, **fields)
 
     def _complete(self, req: p.Complete, _: list[bytes]) -> p.Reply:
+        self.engines.writer_done(req.session, req.plan_id)
         session = self._session(req)
         state = self.engines.owned_plan(session, req.plan_id)
         state.check_report(session.rank, req.op_ids)
@@ -327,6 +328,7 @@ class Handlers:
         return p.ok(req.id, finished=finished)
 
     def _fail(self, req: p.Fail, _: list[bytes]) -> p.Reply:
+        self.engines.writer_done(req.session, req.plan_id)
         session = self._session(req)
         state = self.engines.owned_plan(session, req.plan_id)
         if req.op_id not in state.reported:
@@ -338,6 +340,7 @@ class Handlers:
         return p.ok(req.id)
 
     def _cancel(self, req: p.Cancel, _: list[bytes]) -> p.Reply:
+        self.engines.writer_done(req.session, req.plan_id)
         session = self._session(req)
         self.engines.owned_plan(session, req.plan_id)
         self.engines.end(req.plan_id, cancel=True)

@@ -270,6 +270,7 @@ class Server(Handlers):
             self.remote.abandon_probes()
         for plan_id in list(self.engines.plans):
             self.engines.end(plan_id, cancel=True)
+        self.engines.release_orphans()
         if self.dataplane is not None:
             self.dataplane.abandon()
         for identity, req, _, _ in [*self._deferred.values(), *self._waiting_for_io]:

@@ -198,6 +198,38 @@ def hang_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
     time.sleep(60)
 
 
+BIG_MODEL = {**MODEL, "num_kv_heads": 8, "head_dim": 128}
+BIG_BLOCK_SHAPE = (2, TOKENS_PER_BLOCK, 8, 128)
+"""256 KiB blocks (2 layers of 128 KiB): a 1 MiB CPU tier holds 4."""
+
+
+def big_kv(value: float) -> list:
+    import torch
+
+    return [torch.full((16, *BIG_BLOCK_SHAPE), value) for _ in range(NUM_LAYERS)]
+
+
+def freeze_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
+    """Saves n blocks of BIG_MODEL KV (all 1.0), but stops itself (SIGSTOP,
+    as a VM pause or a cgroup freeze would) right before its copy into the
+    plan's slots; once continued, copies and reports how the save ended."""
+    from cuda_ext import copier
+
+    copy = copier.CpuBlockCopier.save
+
+    def frozen_then_copy(self, *args, **kwargs):
+        conn.send("frozen")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return copy(self, *args, **kwargs)
+
+    copier.CpuBlockCopier.save = frozen_then_copy  # type: ignore[method-assign]
+    client = connect(endpoint, big_kv(1.0), **BIG_MODEL)
+    try:
+        conn.send(client.save(tokens(n_blocks), np.arange(n_blocks)).wait())
+    except Exception as err:
+        conn.send(repr(err))
+
+
 def tp_rank1_worker(endpoint: str, seed: int, inbox, outbox) -> str:
     """TP rank 1 of engine "tp": registers, then runs the plan its leader sends."""
     client = connect(endpoint, make_kv(seed), tp_size=2, tp_rank=1, engine_id="tp")

@@ -321,6 +321,51 @@ def test_an_engine_killed_mid_save_leaks_nothing(sidecar):
         assert client.lookup(tokens(4)) == 0
 
 
+@pytest.mark.parametrize("then", ["continue", "kill"])
+def test_an_engine_frozen_past_its_lease_never_writes_into_reused_slots(then):
+    """An engine frozen between its save plan and its copy loses its lease,
+    but may still wake up and copy: its slots are held (invisible, not
+    reused) until it reports or its process is gone, so another engine's
+    blocks never get its bytes."""
+    s = Sidecar(capacity="1MiB", lease=1.0).start()  # 4 slots: any reuse would be of these
+    parent, child = SPAWN.Pipe()
+    frozen = SPAWN.Process(target=sp.freeze_mid_save_worker, args=(s.endpoint, 4, child))
+    frozen.start()
+    try:
+        assert parent.recv() == "frozen"
+        wait_for(lambda: stats_of(s)["expired_sessions"] == 1)
+        st = stats_of(s)
+        assert st["orphaned_plans"] == 1 and st["engines"] == []
+        assert st["tiers"]["cpu"]["used_blocks"] == 4
+        other_kv = sp.big_kv(2.0)
+        other = connect(s.endpoint, other_kv, **sp.BIG_MODEL)
+        assert other.lookup(tokens(4)) == 0  # the frozen save's blocks are not visible
+        assert other.save(tokens(4, start=5000), np.arange(4)).wait() == 0  # no slot to take
+        if then == "continue":
+            os.kill(frozen.pid, signal.SIGCONT)  # it wakes up and copies into its slots
+            # Its report (refused: the plan is gone) ends the orphan; the save failed.
+            assert parent.recv().startswith("SidecarError(")
+        else:
+            frozen.kill()
+        frozen.join(10)
+        wait_for(lambda: stats_of(s)["orphaned_plans"] == 0)
+        assert stats_of(s)["tiers"]["cpu"]["used_blocks"] == 0
+        assert other.save(tokens(4, start=5000), np.arange(4)).wait() == 4 * sp.TOKENS_PER_BLOCK
+        got_kv = sp.big_kv(0.0)
+        with connect(s.endpoint, got_kv, **sp.BIG_MODEL) as reader:
+            loaded = reader.load(tokens(4, start=5000), np.arange(4)).wait()
+        assert loaded == 4 * sp.TOKENS_PER_BLOCK
+        for mine, got in zip(other_kv, got_kv, strict=True):
+            assert np.array_equal(mine[:4].numpy(), got[:4].numpy()), "another engine's bytes"
+        other.close()
+    finally:
+        if frozen.is_alive():
+            frozen.kill()
+        assert s.stop() == 0
+        assert s.shm_segments() == []
+        s.cleanup()
+
+
 def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(sidecar):
     client = connect(sidecar.endpoint, make_kv(11), timeout=0.3)
     assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
