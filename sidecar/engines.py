@@ -279,6 +279,11 @@ class Engines:
             if not orphan.writers:
                 self._release(plan_id)
 
+    def renew_all(self, now: float) -> None:
+        """Count every session as heard from at `now`."""
+        for session in self.sessions.values():
+            session.last_seen = now
+
     def writer_done(self, session_id: str, plan_id: int) -> None:
         """A report (complete, fail, cancel) on an orphaned plan: that rank's
         copies into its slots have stopped."""

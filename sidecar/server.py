@@ -199,6 +199,13 @@ class Server(Handlers):
             self.publisher.serve_resync(index)
         now = time.monotonic()
         if now >= self._next_lease_check:
+            late = now - self._next_lease_check
+            if self._next_lease_check and late > self.config.lease_seconds / 2:
+                # This loop did not run for a while (the sidecar was stopped,
+                # swapped out, paused): the engines' heartbeats may be queued
+                # unread, so their silence proves nothing. A lease from now.
+                log.warning("the control loop stalled for %.1f s: engines' leases renewed", late)
+                self.engines.renew_all(now)
             if (
                 self.parent_pid is not None
                 and os.getppid() != self.parent_pid

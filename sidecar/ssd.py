@@ -216,8 +216,11 @@ def _fit(path: Path, want: int, slot_bytes: int, tag: str) -> int:
     """Slots to preallocate in `path`: `want`, or what the filesystem has room for."""
     path.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(path)
-    have = _existing_bytes(path / f"{tag}.data") + st.f_bavail * st.f_frsize
-    room = int(have * 0.95) // (slot_bytes + RECORD_BYTES)
+    # Our own files (a restart) are reused whole; a 5% margin is kept of the
+    # free space only, so a restart on a filesystem that has filled up since
+    # still fits the slots its files hold (and keeps their blocks).
+    ours = sum(_existing_bytes(path / f"{tag}.{ext}") for ext in ("data", "journal"))
+    room = (ours + int(st.f_bavail * st.f_frsize * 0.95)) // (slot_bytes + RECORD_BYTES)
     if room < want:
         log.warning("SSD dir %s has room for %d of the %d slots asked for", path, room, want)
     if min(want, room) <= 0:

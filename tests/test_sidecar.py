@@ -366,6 +366,28 @@ def test_an_engine_frozen_past_its_lease_never_writes_into_reused_slots(then):
         s.cleanup()
 
 
+def test_a_sidecar_stalled_past_the_lease_does_not_expire_its_engines():
+    """Stopped longer than a lease, the sidecar cannot have read the
+    engines' heartbeats: on waking it renews their leases instead of
+    dropping every engine (and rolling back plans they are copying)."""
+    s = Sidecar(lease=1.0).start()
+    try:
+        client = connect(s.endpoint, make_kv(3))
+        assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        s.proc.send_signal(signal.SIGSTOP)
+        time.sleep(2.5)
+        s.proc.send_signal(signal.SIGCONT)
+        time.sleep(1.0)  # heartbeats flow again
+        st = stats_of(s)
+        assert st["expired_sessions"] == 0 and len(st["engines"]) == 1
+        assert client.load(tokens(2), np.arange(2, 4)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        client.close()
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+        assert s.stop() == 0
+        s.cleanup()
+
+
 def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(sidecar):
     client = connect(sidecar.endpoint, make_kv(11), timeout=0.3)
     assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK

@@ -77,6 +77,22 @@ def test_records_survive_a_reopen_and_drop_clears_one(tmp_path):
     again.close()
 
 
+def test_a_restart_on_a_filesystem_filled_since_keeps_its_blocks(tmp_path, monkeypatch):
+    """The files already hold every slot: the free-space margin must not
+    shrink the tier below them (which would start it empty, blocks lost)."""
+    s = store(tmp_path, dirs=1, capacity=64 * SLOT)
+    s.write(5, block(5), key(1), key(0), True)
+    s.close()
+    full = os.statvfs_result((4096, 4096, 1 << 20, 0, 0, 1000, 0, 0, 0, 255))  # 0 bytes free
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    again = store(tmp_path, dirs=1, capacity=64 * SLOT)
+    assert again.num_slots == 64
+    out = aligned()
+    assert [r.slot for r in again.records()] == [5]
+    assert again.read(5, out, key(1)) and bytes(out) == bytes(block(5))
+    again.close()
+
+
 def test_a_directory_written_with_another_slot_size_starts_empty(tmp_path):
     s = store(tmp_path)
     s.write(0, block(0), key(1), key(0), True)
