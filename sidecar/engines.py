@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import psutil
 
 from sidecar.blocks import Namespace
@@ -141,6 +142,9 @@ class Orphan:
     writers: dict[str, int]
     """Session id -> pid (0: not known here) of each rank that may still write."""
     since: float
+    slots: np.ndarray
+    """The CPU slots held back: the plan is rolled back (its blocks gone
+    from the index), these are not free until the writers stop."""
 
 
 WRITER_GRACE_LEASES = 10
@@ -158,8 +162,16 @@ class Engines:
     that rank reports on it, or its process is gone (`orphans`).
     """
 
-    def __init__(self, cancel: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        cancel: Callable[..., np.ndarray | None],
+        free_slots: Callable[[np.ndarray], None] = lambda slots: None,
+    ) -> None:
+        """`cancel(plan_id, hold=False)` rolls a plan back; with hold=True it
+        returns the CPU slots of the plan's unlanded blocks instead of
+        freeing them, and `free_slots` frees them later."""
         self._cancel = cancel
+        self._free_slots = free_slots
         self.groups: dict[str, EngineGroup] = {}
         self.sessions: dict[str, Session] = {}
         self.plans: dict[int, PlanState] = {}
@@ -315,9 +327,13 @@ class Engines:
         }
 
     def _orphan(self, plan_id: int, writers: dict[str, int]) -> None:
+        """Roll the plan back now (its blocks leave the index, so others can
+        store that prefix), holding back the CPU slots the writers may fill."""
         state = self.plans.pop(plan_id)
         state.group.plans.pop(plan_id, None)
-        self.orphans[plan_id] = Orphan(writers, time.monotonic())
+        held = self._cancel(plan_id, hold=True)
+        slots = held if held is not None else np.empty(0, np.int64)
+        self.orphans[plan_id] = Orphan(writers, time.monotonic(), slots)
         log.info(
             "plan %d held until %d engine rank(s) stop copying into its slots",
             plan_id,
@@ -325,9 +341,9 @@ class Engines:
         )
 
     def _release(self, plan_id: int) -> None:
-        del self.orphans[plan_id]
+        """The plan ends for good: its held slots come free."""
+        self._free_slots(self.orphans.pop(plan_id).slots)
         self.num_ended += 1
-        self._cancel(plan_id)
 
     def describe(self) -> list[dict[str, object]]:
         return [

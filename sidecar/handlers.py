@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from shm.copy import has_repeats
@@ -91,11 +92,26 @@ class Handlers:
     def _session(self, request: Any) -> Session:
         return self.engines.session(request.session)
 
-    def _cancel_plan(self, plan_id: int) -> None:
-        if self.dataplane is not None:
-            self.dataplane.cancel(plan_id)  # waits for its ops on threads, if any
-        elif self.cache is not None:
-            self.cache.cancel(plan_id)
+    def _cancel_plan(self, plan_id: int, hold: bool = False) -> np.ndarray | None:
+        """Roll a plan back. With `hold`, the CPU slots of its unlanded blocks
+        are not freed but returned (an engine may still write into them)."""
+        cpu = self.cache.cpu if self.cache is not None and hold else None
+        if cpu is not None:
+            cpu.held_back = []
+        try:
+            if self.dataplane is not None:
+                self.dataplane.cancel(plan_id)  # waits for its ops on threads, if any
+            elif self.cache is not None:
+                self.cache.cancel(plan_id)
+        finally:
+            held = None
+            if cpu is not None:
+                held, cpu.held_back = cpu.held_back, None
+        return np.concatenate(held) if held else (np.empty(0, np.int64) if hold else None)
+
+    def _free_cpu_slots(self, slots: np.ndarray) -> None:
+        if self.cache is not None and slots.size:
+            self.cache.cpu.free(slots)
 
     def _not_stopping(self) -> None:
         if self.stopping:
