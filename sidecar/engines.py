@@ -136,8 +136,8 @@ def _fields(kv: KVLayoutMsg) -> dict[str, object]:
 class Orphan:
     """A save plan whose engine left while a rank of it may still be copying
     into the plan's CPU slots (a process frozen past its lease, or a TP rank
-    that had not reported yet). The plan is rolled back, and its slots made
-    free, only once no such writer is left."""
+    that had not reported yet). The plan is rolled back at once; its CPU
+    slots are made free only once no such writer is left."""
 
     writers: dict[str, int]
     """Session id -> pid (0: not known here) of each rank that may still write."""
@@ -158,14 +158,15 @@ class Engines:
 
     `cancel(plan_id)` rolls a plan back in the cache; it is called for every
     plan of an engine that loses a rank (a plan needs every rank to finish).
-    A save plan a rank may still be writing into is rolled back only when
-    that rank reports on it, or its process is gone (`orphans`).
+    A save plan a rank may still be writing into is rolled back too, but
+    its CPU slots stay held until that rank reports on it, or its process
+    is gone (`orphans`).
     """
 
     def __init__(
         self,
         cancel: Callable[..., np.ndarray | None],
-        free_slots: Callable[[np.ndarray], None] = lambda slots: None,
+        free_slots: Callable[[np.ndarray], None],
     ) -> None:
         """`cancel(plan_id, hold=False)` rolls a plan back; with hold=True it
         returns the CPU slots of the plan's unlanded blocks instead of
@@ -268,7 +269,8 @@ class Engines:
 
     def expire(self, lease_seconds: float) -> None:
         """Drop sessions not heard from within the lease, or whose process is
-        gone; roll back orphans whose writers are all gone (or given up on)."""
+        gone; free the slots of orphans whose writers are all gone (or given
+        up on)."""
         now = time.monotonic()
         for session in list(self.sessions.values()):
             gone = bool(session.pid) and not _alive(session.pid)
@@ -306,7 +308,7 @@ class Engines:
             self._release(plan_id)
 
     def release_orphans(self) -> None:
-        """Shutdown: roll every orphan back (the shm goes with the sidecar)."""
+        """Shutdown: free every orphan's slots (the shm goes with the sidecar)."""
         for plan_id in list(self.orphans):
             self._release(plan_id)
 

@@ -94,7 +94,8 @@ class Handlers:
 
     def _cancel_plan(self, plan_id: int, hold: bool = False) -> np.ndarray | None:
         """Roll a plan back. With `hold`, the CPU slots of its unlanded blocks
-        are not freed but returned (an engine may still write into them)."""
+        are not freed but returned (None if there are none): an engine may
+        still write into them."""
         cpu = self.cache.cpu if self.cache is not None and hold else None
         if cpu is not None:
             cpu.held_back = []
@@ -107,7 +108,7 @@ class Handlers:
             held = None
             if cpu is not None:
                 held, cpu.held_back = cpu.held_back, None
-        return np.concatenate(held) if held else (np.empty(0, np.int64) if hold else None)
+        return np.concatenate(held) if held else None
 
     def _free_cpu_slots(self, slots: np.ndarray) -> None:
         if self.cache is not None and slots.size:
