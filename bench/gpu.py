@@ -9,11 +9,17 @@ H2D (load, with per-layer events), block ids and slots random permutations.
 
 The floor, measured in the same run and interleaved with the copies: one
 cudaMemcpyAsync of the same total bytes between a contiguous GPU buffer and
-the same pinned pool, each way. Every figure is measured twice, alone and
-with a bf16 matmul running on another stream. Figures are GB/s (1 GB = 1e9 B)
-of host wall time from enqueue to completion, medians over --repeats;
+the same pinned pool, each way. Every figure is measured alone and with a
+bf16 matmul running on another stream. Figures are GB/s (1 GB = 1e9 B) of
+host wall time from enqueue to completion, medians over --repeats;
 ratio = achieved / floor. Target: the path "auto" picks reaches 0.85 x floor
 at 1,024 blocks.
+
+"queued" figures time the same ops (and the floor) on the GPU when queued
+behind other GPU work, as an engine queues a save behind its forward pass:
+then the op's host part (argument checks, index upload, launches: a few
+hundred microseconds of Python) overlaps that work instead of delaying the
+copy. Wall time counts it; queued time does not.
 
 Without a GPU, a driver or the built library it says so, measures nothing,
 writes JSON saying so (--json) and exits 0.
@@ -41,6 +47,9 @@ TOKENS_PER_BLOCK = 16
 LAYOUTS = ("vllm_flash", "flashinfer", "cross_layer")
 PATHS = ("sm", "dma")
 MATMUL_SIZE = 8192
+# A GPU sleep (~2.5 ms at 2 GHz) longer than any op's host part, for the
+# "queued" figures.
+QUEUED_SLEEP_CYCLES = 5_000_000
 
 
 class Model(NamedTuple):
@@ -127,7 +136,19 @@ def run(args: argparse.Namespace) -> int:
             )
     result = _summary(cases, args)
     print_table(
-        ("case", "MiB", "path", "dir", "GB/s", "floor", "ratio", "w/ matmul", "ratio", "mm slow"),
+        (
+            "case",
+            "MiB",
+            "path",
+            "dir",
+            "GB/s",
+            "floor",
+            "ratio",
+            "queued ratio",
+            "w/ matmul",
+            "ratio",
+            "mm slow",
+        ),
         _rows(cases),
     )
     for name, case in cases.items():
@@ -180,9 +201,11 @@ def measure_case(
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         pinned = pool.segment_view(0).ctypes.data
 
-        def floor(dst: int, src: int) -> Callable[[], None]:
-            def copy() -> None:
+        def floor(dst: int, src: int) -> Callable[..., None]:
+            def copy(queued: Callable[[], None] | None = None) -> None:
                 _lib.check(lib.kv_memcpy(index, dst, src, nbytes, stream.cuda_stream), "memcpy")
+                if queued is not None:
+                    queued()
                 stream.synchronize()
 
             return copy
@@ -197,6 +220,7 @@ def measure_case(
             fns[f"{path}_d2h"] = _op(copier.save, blocks, slots, layout, path)
             fns[f"{path}_h2d"] = _op(copier.load, blocks, slots, layout, path)
         times = time_interleaved(fns, repeats)
+        queued = _time_queued(fns, repeats, stream)
         busy, slowdown = _with_matmul(fns, times, repeats, device) if contention else ({}, {})
         _check_bytes(copier, planes, pool, blocks, slots, layout)
         result = {
@@ -219,15 +243,17 @@ def measure_case(
         }
     for name, seconds in times.items():
         result[f"{name}_gbps"] = nbytes / statistics.median(seconds) / 1e9
+    for name, seconds in queued.items():
+        result[f"{name}_queued_gbps"] = nbytes / statistics.median(seconds) / 1e9
     for name, seconds in busy.items():
         result[f"{name}_matmul_gbps"] = nbytes / statistics.median(seconds) / 1e9
     for name, ratio in slowdown.items():
         result[f"{name}_matmul_slowdown"] = ratio
     for key in [k for k in result if k.endswith("_gbps") and k[:3] in ("sm_", "dma")]:
         direction = "d2h" if "_d2h" in key else "h2d"
-        busy = "_matmul" if "_matmul" in key else ""
+        kind = next((k for k in ("_matmul", "_queued") if k in key), "")
         result[key.replace("_gbps", "_vs_floor")] = (
-            result[key] / result[f"floor_{direction}{busy}_gbps"]
+            result[key] / result[f"floor_{direction}{kind}_gbps"]
         )
     return result
 
@@ -250,10 +276,38 @@ def _engine_kv(model: Model, num_blocks: int, layout: str, device: Any, seed: in
 
 
 def _op(method: Callable, blocks: np.ndarray, slots: np.ndarray, layout: Any, path: str):
-    def copy() -> None:
-        method(blocks, slots, layout, 0, path=path).synchronize()
+    def copy(queued: Callable[[], None] | None = None) -> None:
+        handle = method(blocks, slots, layout, 0, path=path)
+        if queued is not None:
+            queued()
+        handle.synchronize()
 
     return copy
+
+
+def _time_queued(
+    fns: dict[str, Callable[..., None]], repeats: int, stream: Any
+) -> dict[str, list[float]]:
+    """Each fn's GPU seconds when it is queued behind other GPU work, as an
+    engine queues a save behind its forward pass: the host's part of the op
+    (checks, index upload, launches) then overlaps that work. A GPU sleep
+    longer than any op's host part holds the current stream; the time runs
+    from its end to the end of everything the fn queued on the copier's
+    stream (the floor's copy runs there too)."""
+    import torch
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            torch.cuda._sleep(QUEUED_SLEEP_CYCLES)
+            start.record()
+            stream.wait_event(start)  # the floor's copy too (copier ops wait by themselves)
+            fn(lambda: end.record(stream))
+            end.synchronize()
+            if round_:
+                times[name].append(start.elapsed_time(end) / 1e3)
+    return times
 
 
 def _with_matmul(
@@ -372,7 +426,10 @@ def _rows(cases: dict[str, dict[str, Any]]) -> list[tuple]:
                 busy = c.get(f"{path}_{d}_matmul_gbps", math.nan)
                 busy_ratio = c.get(f"{path}_{d}_matmul_vs_floor", math.nan)
                 gbps, ratio = c[f"{path}_{d}_gbps"], c[f"{path}_{d}_vs_floor"]
+                queued = c[f"{path}_{d}_queued_vs_floor"]
                 mib = c["bytes"] / (1 << 20)
                 slow = c.get(f"{path}_{d}_matmul_slowdown", math.nan)
-                rows.append((name, mib, path, d, gbps, floor, ratio, busy, busy_ratio, slow))
+                rows.append(
+                    (name, mib, path, d, gbps, floor, ratio, queued, busy, busy_ratio, slow)
+                )
     return rows

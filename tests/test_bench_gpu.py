@@ -26,7 +26,14 @@ def test_gpu_bench_runs_or_says_why_not(tmp_path, capsys):
         assert not any(k.endswith(("_gbps", "_vs_floor")) for k in data)
         return
     for case in data["cases"].values():
-        for key in ("floor_d2h_gbps", "floor_h2d_gbps", "dma_d2h_gbps", "dma_h2d_gbps"):
+        for key in (
+            "floor_d2h_gbps",
+            "floor_h2d_gbps",
+            "dma_d2h_gbps",
+            "dma_h2d_gbps",
+            "floor_d2h_queued_gbps",
+            "dma_h2d_queued_vs_floor",
+        ):
             assert math.isfinite(case[key]) and case[key] > 0, key
         assert case["auto_path"] in ("sm", "dma")
 

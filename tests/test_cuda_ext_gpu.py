@@ -155,6 +155,39 @@ def test_a_save_waits_for_work_queued_on_the_engine_stream(pool):
         assert (pool.slot_view(0, layout.slot_stride)[: planes.chunk_bytes] == 7).all()
 
 
+def test_ops_queued_back_to_back_each_copy_their_own_blocks(pool, monkeypatch):
+    """More ops than the copier has pinned index buffers, all queued behind
+    GPU work (so none has run when the buffers come round again), and one
+    that outgrows them: every op copies the blocks it was given."""
+    monkeypatch.setattr(gpu._IndexUploads, "MIN_ENTRIES", 2)  # one block per buffer
+    source = gpu_planes("flashinfer", logical_kv(torch.float16, seed=6))
+    target = gpu_planes("flashinfer", logical_kv(torch.float16, seed=8))
+    layout = source.block_layout()
+    saves = gpu._IndexUploads.RING * 2 + 3
+    assert saves + 3 <= pool.num_slots(layout.slot_stride)
+    with GpuBlockCopier(source, pool) as copier:
+        torch.cuda._sleep(50_000_000)
+        for op in range(saves):
+            copier.save([op % BLOCKS], [op], layout, 0)
+        copier.save([1, 5, 9], [saves, saves + 1, saves + 2], layout, 0).synchronize()
+    owners = [op % BLOCKS for op in range(saves)] + [1, 5, 9]
+    for slot, block in enumerate(owners):
+        view = pool.slot_view(slot, layout.slot_stride)
+        for p, plane in enumerate(source.planes):
+            start = layout.offset(0, p)
+            got = view[start : start + layout.layer_block_bytes]
+            assert np.array_equal(got, raw(plane[block])), (slot, block, p)
+    with GpuBlockCopier(target, pool) as copier:
+        torch.cuda._sleep(50_000_000)
+        for block in range(BLOCKS):  # slot `block` holds source block `block`
+            copier.load([block], [block], layout, 0)
+        copier.load([0, 1, 2], [saves, saves + 1, saves + 2], layout, 0).synchronize()
+    loaded = {block: block for block in range(3, BLOCKS)} | {0: 1, 1: 5, 2: 9}
+    for block, origin in loaded.items():
+        for s_plane, t_plane in zip(source.planes, target.planes, strict=True):
+            assert np.array_equal(raw(t_plane[block]), raw(s_plane[origin])), (block, origin)
+
+
 def test_the_pool_is_registered_once_per_process(pool):
     planes = gpu_planes("mla", logical_kv(torch.bfloat16, seed=5))
     first = GpuBlockCopier(planes, pool)

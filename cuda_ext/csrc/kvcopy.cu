@@ -35,25 +35,33 @@ constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB p
 // vectors to move. A thread loads all its vectors before storing any: reads
 // of mapped host memory cross PCIe, and only many reads in flight hide that
 // latency.
+//
+// Index is the type of positions in that run: uint32_t whenever the launch
+// has fewer than 2^32 vectors (64 GiB), because a 64-bit division is a long
+// software routine on the GPU and each vector takes two. Addresses are always
+// computed in 64 bits.
+template <typename Index>
 __global__ void __launch_bounds__(kThreads)
     copy_chunks(const uint64_t *__restrict__ planes, const int64_t *__restrict__ blocks,
-                const uint64_t *__restrict__ slots, int64_t n, int64_t plane_begin,
-                int64_t chunk_vecs, int64_t total_vecs, bool to_host) {
-  for (int64_t base = blockIdx.x * kPieceVecs; base < total_vecs;
-       base += static_cast<int64_t>(gridDim.x) * kPieceVecs) {
+                const uint64_t *__restrict__ slots, Index n, Index plane_begin,
+                Index chunk_vecs, Index total_vecs, bool to_host) {
+  const Index stride = static_cast<Index>(gridDim.x) * kPieceVecs;
+  for (Index base = blockIdx.x * kPieceVecs; base < total_vecs; base += stride) {
     uint4 v[kUnroll];
     uint4 *dst[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t f = base + threadIdx.x + u * kThreads;
+      const Index f = base + threadIdx.x + u * kThreads;
       dst[u] = nullptr;
       if (f < total_vecs) {
-        const int64_t chunk = f / chunk_vecs;
-        const int64_t offset = f - chunk * chunk_vecs;
-        const int64_t plane = plane_begin + chunk / n;
-        const int64_t i = chunk % n;
-        uint4 *gpu = reinterpret_cast<uint4 *>(planes[plane]) + blocks[i] * chunk_vecs + offset;
-        uint4 *host = reinterpret_cast<uint4 *>(slots[i]) + plane * chunk_vecs + offset;
+        const Index chunk = f / chunk_vecs;
+        const Index offset = f - chunk * chunk_vecs;
+        const Index plane = plane_begin + chunk / n;
+        const Index i = chunk - (chunk / n) * n;
+        uint4 *gpu = reinterpret_cast<uint4 *>(planes[plane]) +
+                     blocks[i] * static_cast<int64_t>(chunk_vecs) + offset;
+        uint4 *host = reinterpret_cast<uint4 *>(slots[i]) +
+                      static_cast<int64_t>(plane) * chunk_vecs + offset;
         v[u] = to_host ? *gpu : *host;
         dst[u] = to_host ? host : gpu;
       }
@@ -147,9 +155,17 @@ KV_EXPORT int kv_copy_sm(int device, const uint64_t *planes, const int64_t *inde
   const int64_t total_vecs = (plane_end - plane_begin) * n * chunk_vecs;
   const int64_t units = (total_vecs + kPieceVecs - 1) / kPieceVecs;
   const int64_t ctas = units < max_ctas ? units : max_ctas;
-  copy_chunks<<<static_cast<unsigned>(ctas), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      planes, index, reinterpret_cast<const uint64_t *>(index + n), n, plane_begin, chunk_vecs,
-      total_vecs, to_host != 0);
+  const auto slots = reinterpret_cast<const uint64_t *>(index + n);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The last step's base + kPieceVecs must fit as well as total_vecs.
+  if (total_vecs + ctas * kPieceVecs <= static_cast<int64_t>(UINT32_MAX)) {
+    copy_chunks<uint32_t><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(
+        planes, index, slots, static_cast<uint32_t>(n), static_cast<uint32_t>(plane_begin),
+        static_cast<uint32_t>(chunk_vecs), static_cast<uint32_t>(total_vecs), to_host != 0);
+  } else {
+    copy_chunks<int64_t><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(
+        planes, index, slots, n, plane_begin, chunk_vecs, total_vecs, to_host != 0);
+  }
   return done(cudaGetLastError());
 }
 
