@@ -38,8 +38,10 @@ row the median of its prompts' own speedups.
 
 Fidelity. Every hit's logits are compared with `split_recompute` (the
 forwards the hit's inputs came from, without the cache): bit-identical
-required on the CPU; and with the one-shot recompute: within 32 fp32 eps or
-4 bf16 eps at the logits' scale, argmax equal.
+required; and with the one-shot recompute: within 32 fp32 eps or 4 bf16 eps
+at the logits' scale, argmax equal, required on the CPU and reported on a
+GPU (where a 32-layer model's split and one-shot forwards differ by more,
+cache or no cache).
 
 Break-even. Prompts of growing length (whole blocks and one token) whose
 every full block is cached: the break-even length of a tier is the shortest
@@ -265,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         for t in s.targets
         if any(r["target_tokens"] == t for r in trace_rows)
     ]
-    checks = fidelity(rows, exact_required=s.device == "cpu")
+    checks = fidelity(rows, tolerance_required=s.device == "cpu")
     result: dict[str, Any] = {
         "lengths": by_length,
         "sweep": sweep_rows,

@@ -156,17 +156,23 @@ def measure(
     return [_row(c, t) for c, t in zip(cases, timings, strict=True)]
 
 
-def fidelity(rows: list[dict[str, Any]], exact_required: bool) -> dict[str, Any]:
-    """Every hit against its references, over all rows."""
+def fidelity(rows: list[dict[str, Any]], tolerance_required: bool) -> dict[str, Any]:
+    """Every hit against its references, over all rows. A hit must equal
+    split_recompute bit for bit everywhere: that is what the cache promises.
+    How far that split computation is from a one-shot recompute is the
+    model's own rounding, and the tolerance for it is only required where it
+    was calibrated (tiny_llama on the CPU): a 32-layer model on a GPU exceeds
+    it with no cache involved (docs/engines.md)."""
     out = {
-        "exact_required": exact_required,
+        "exact_required": True,
         "all_exact": all(r["exact"] for r in rows),
         "max_abs_diff_vs_recompute": max(r["max_abs_diff"] for r in rows),
         "within_tolerance": all(r["max_abs_diff"] <= r["tolerance"] for r in rows),
         "argmax_equal": all(r["argmax_equal"] for r in rows),
+        "tolerance_required": tolerance_required,
     }
-    exact = out["all_exact"] or not exact_required
-    out["ok"] = exact and out["within_tolerance"] and out["argmax_equal"]
+    near = out["within_tolerance"] and out["argmax_equal"]
+    out["ok"] = out["all_exact"] and (near or not tolerance_required)
     return out
 
 

@@ -53,7 +53,7 @@ def print_report(r: dict[str, Any]) -> None:
         f"fidelity: bit-identical to split_recompute {f['all_exact']} "
         f"(required: {f['exact_required']}); max |diff| vs the one-shot recompute "
         f"{f['max_abs_diff_vs_recompute']:.3g} (within tolerance: {f['within_tolerance']}); "
-        f"argmax equal {f['argmax_equal']}"
+        f"argmax equal {f['argmax_equal']} (both required: {f['tolerance_required']})"
     )
     print(
         f"torch threads {r['torch_threads']}; sidecar exits {r['sidecar_exit_codes']}, "

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 import torch
 from hf_helpers import one_torch_thread  # noqa: F401
 
+from bench.ttft_measure import fidelity
 from bench.ttft_workload import follow_ups, prompt_tokens
 from sidecar.cli import main
 
@@ -80,6 +81,19 @@ def test_ttft_quick_measures_ssd_and_cpu_hits_exactly_and_cleans_up(tmp_path):
     assert r["sidecar_exit_codes"] == [0] * (r["repeats"] + 1) and r["shm_leftovers"] == []
     assert list(ssd.iterdir()) == []  # its temporary directory was removed
     assert r["machine"]["cpu_count"] > 0
+
+
+def test_a_hit_must_equal_the_split_recompute_everywhere_and_near_one_shot_on_the_cpu():
+    def row(exact: bool, diff: float) -> dict:
+        return {"exact": exact, "max_abs_diff": diff, "tolerance": 0.1, "argmax_equal": True}
+
+    far = [row(True, 0.01), row(True, 0.3)]  # a GPU's split vs one-shot rounding
+    assert fidelity(far, tolerance_required=False)["ok"] is True
+    assert fidelity(far, tolerance_required=True)["ok"] is False
+    changed = [row(True, 0.01), row(False, 0.01)]  # a hit the cache changed
+    for required in (True, False):
+        checks = fidelity(changed, tolerance_required=required)
+        assert checks["ok"] is False and checks["exact_required"] is True
 
 
 @pytest.mark.parametrize(

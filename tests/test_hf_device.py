@@ -32,8 +32,10 @@ TPB = 16
 BF16_TOL = 0.03125  # as in tests/test_hf.py
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def sidecar():
+    """One per test: a sidecar serves one KV layout, and an fp32 and a bf16
+    model's blocks differ in size."""
     sc = Sidecar(capacity="32MiB").start()
     yield sc
     assert sc.stop() == 0
