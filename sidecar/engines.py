@@ -134,10 +134,11 @@ def _fields(kv: KVLayoutMsg) -> dict[str, object]:
 
 @dataclass
 class Orphan:
-    """A save plan whose engine left while a rank of it may still be copying
-    into the plan's CPU slots (a process frozen past its lease, or a TP rank
-    that had not reported yet). The plan is rolled back at once; its CPU
-    slots are made free only once no such writer is left."""
+    """A save plan that ended (its engine left, or a rank failed or cancelled
+    it) while a rank of it may still be copying into the plan's CPU slots (a
+    process frozen past its lease, or a TP rank that had not reported yet).
+    The plan is rolled back at once; its CPU slots are made free only once no
+    such writer is left."""
 
     writers: dict[str, int]
     """Session id -> pid (0: not known here) of each rank that may still write."""
@@ -157,10 +158,10 @@ class Engines:
     """Every engine a sidecar serves, its sessions and the plans it holds.
 
     `cancel(plan_id)` rolls a plan back in the cache; it is called for every
-    plan of an engine that loses a rank (a plan needs every rank to finish).
-    A save plan a rank may still be writing into is rolled back too, but
-    its CPU slots stay held until that rank reports on it, or its process
-    is gone (`orphans`).
+    plan of an engine that loses a rank (a plan needs every rank to finish),
+    and for a plan a rank fails or cancels. A save plan another rank may
+    still be writing into is rolled back too, but its CPU slots stay held
+    until that rank reports on it, or its process is gone (`orphans`).
     """
 
     def __init__(
@@ -247,6 +248,16 @@ class Engines:
         state.group.plans.pop(plan_id, None)
         if cancel:
             self._cancel(plan_id)
+
+    def give_up(self, session: Session, plan_id: int) -> None:
+        """A rank failed or cancelled the plan (it copies no more): roll it
+        back. Other ranks of a save may still be copying into its slots:
+        then those slots are held until they report (`orphans`)."""
+        writers = self._writers(self.plans[plan_id], session, may_write=False)
+        if writers:
+            self._orphan(plan_id, writers)
+        else:
+            self.end(plan_id, cancel=True)
 
     def drop(self, session: Session, why: str, *, may_write: bool = False) -> None:
         """A rank left: its engine's plans are rolled back (locks released,

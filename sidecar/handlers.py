@@ -353,14 +353,14 @@ class Handlers:
         log.warning(
             "engine %s failed plan %d: %s", session.group.engine_id, req.plan_id, req.reason
         )
-        self.engines.end(req.plan_id, cancel=True)
+        self.engines.give_up(session, req.plan_id)
         return p.ok(req.id)
 
     def _cancel(self, req: p.Cancel, _: list[bytes]) -> p.Reply:
         self.engines.writer_done(req.session, req.plan_id)
         session = self._session(req)
         self.engines.owned_plan(session, req.plan_id)
-        self.engines.end(req.plan_id, cancel=True)
+        self.engines.give_up(session, req.plan_id)
         return p.ok(req.id)
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> p.Reply:

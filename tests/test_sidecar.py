@@ -462,6 +462,64 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
     client.close()
 
 
+@pytest.mark.parametrize("report", ["fail", "cancel"])
+def test_a_tp_rank_failing_a_save_leaves_its_slots_to_the_ranks_still_copying(report):
+    """Rank 1 gives up on a save (a failed copy, or a cancel) while rank 0
+    has not copied its shard yet: the plan is rolled back at once, but its
+    slots are held until rank 0 reports, so rank 0's late copy lands in no
+    other block."""
+    from engine_shim.client import _plan_ops
+
+    s = Sidecar(capacity="4MiB").start()  # 8 slots of 2 ranks x 256 KiB
+    tp = {"engine_id": "tp", "tp_size": 2, **sp.BIG_MODEL}
+    leader = connect(s.endpoint, sp.big_kv(1.0), tp_rank=0, **tp)
+    follower = connect(s.endpoint, sp.big_kv(1.0), tp_rank=1, **tp)
+    other_kv = [sp.big_kv(2.0), sp.big_kv(2.0)]
+    others = [
+        connect(s.endpoint, kv, tp_rank=r, engine_id="other", tp_size=2, **sp.BIG_MODEL)
+        for r, kv in enumerate(other_kv)
+    ]
+    try:
+        assert stats_of(s)["tiers"]["cpu"]["capacity_blocks"] == 8
+        keys = leader.block_keys(tokens(4))
+        reply, arrays = leader._call(
+            leader._req(p.Save), [p.keys_frame(keys), p.ids_frame(np.arange(4))]
+        )
+        plan = _plan_ops(reply, arrays, "save")  # rank 0 has not copied yet
+        if report == "fail":
+            follower._fail(plan, RuntimeError("rank 1's copy failed"))
+        else:
+            follower._give_back(plan.plan_id)
+        wait_for(lambda: stats_of(s)["orphaned_plans"] == 1)
+        cpu = stats_of(s)["tiers"]["cpu"]
+        assert cpu["used_blocks"] == 4 and cpu["cached_blocks"] == 0
+
+        def store(start: int) -> None:
+            handle = others[0].save(tokens(4, start=start), np.arange(4))
+            if handle.plan is not None:
+                others[1].execute(handle.plan).wait()
+            handle.wait()
+
+        store(0)  # the same prefix is not stuck "in flight"
+        store(5000)  # the tier is full: this evicts, never takes the held slots
+        assert others[0].lookup(tokens(4, start=5000)) == 4 * sp.TOKENS_PER_BLOCK
+        assert stats_of(s)["tiers"]["cpu"]["used_blocks"] == 8
+        with pytest.raises(SidecarError):  # rank 0 copies late; its report is refused
+            leader.execute(plan).wait()
+        wait_for(lambda: stats_of(s)["orphaned_plans"] == 0)
+        assert others[0].lookup(tokens(4)) == 0  # evicted for 5000's blocks
+        handle = others[0].load(tokens(4, start=5000), np.arange(10, 14))
+        others[1].execute(handle.plan).wait()
+        assert handle.wait() == 4 * sp.TOKENS_PER_BLOCK
+        for layer in other_kv[0]:  # rank 0's shard: what the late copy would overwrite
+            assert np.array_equal(layer[10:14].numpy(), layer[:4].numpy()), "rank 0's bytes"
+    finally:
+        for client in (leader, follower, *others):
+            client.close()
+        assert s.stop() == 0
+        s.cleanup()
+
+
 def test_a_plan_from_before_a_sidecar_restart_is_refused(sidecar):
     kv0, kv1 = make_kv(16), make_kv(17)
     leader = connect(sidecar.endpoint, kv0, engine_id="tp", tp_size=2, tp_rank=0, timeout=0.5)
