@@ -16,7 +16,7 @@ import functools
 from pathlib import Path
 
 LIB_PATH = Path(__file__).resolve().parent / "libkvcopy.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # Errors meaning "no usable GPU here" rather than "this call was wrong".
 UNAVAILABLE_ERRORS = frozenset(
@@ -50,6 +50,7 @@ _SIGNATURES: dict[str, tuple[type | None, tuple]] = {
     "kv_host_register": (_I, (_I, _P, _SZ, ctypes.POINTER(_P))),
     "kv_host_device_pointer": (_I, (_I, _P, ctypes.POINTER(_P))),
     "kv_host_unregister": (_I, (_P,)),
+    "kv_stage_index": (_I, (_P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I, _P, _P)),
     "kv_copy_sm": (_I, (_I, _P, _P, _I64, _I64, _I64, _I64, _I, _I, _P)),
     "kv_copy_dma": (
         _I,

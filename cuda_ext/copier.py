@@ -59,17 +59,7 @@ def check_request(
     """Check a copy of engine blocks block_ids[i] <-> slots[i]; TypeError or
     ValueError says what is wrong. Slots must be distinct for a save (each
     writes one), block ids for a load."""
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
-    if (layout.num_layers, layout.layer_block_bytes) != (len(planes.planes), planes.chunk_bytes):
-        raise ValueError(
-            f"the layout has {layout.num_layers} planes of {layout.layer_block_bytes} bytes, "
-            f"the KV {len(planes.planes)} of {planes.chunk_bytes}: use planes.block_layout()"
-        )
-    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
-        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-    if not 0 <= rank < layout.tp_size:
-        raise ValueError(f"rank {rank} out of range 0..{layout.tp_size - 1}")
+    check_layout(planes, layout, rank)
     blocks, slots = _ids("block_ids", block_ids), _ids("slots", slots)
     if blocks.size != slots.size:
         raise ValueError(f"{blocks.size} block ids but {slots.size} slots")
@@ -82,6 +72,21 @@ def check_request(
         raise TypeError(f"pool must be a ShmPool, got {type(pool).__name__}")
     segments, offsets = pool.slot_locations(slots, layout.slot_stride)  # range-checks slots
     return CopyRequest(blocks, segments, offsets + rank * layout.shard_bytes)
+
+
+def check_layout(planes: KVPlanes, layout: BlockLayout, rank: int) -> None:
+    """The part of check_request about the layout and the rank."""
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if (layout.num_layers, layout.layer_block_bytes) != (len(planes.planes), planes.chunk_bytes):
+        raise ValueError(
+            f"the layout has {layout.num_layers} planes of {layout.layer_block_bytes} bytes, "
+            f"the KV {len(planes.planes)} of {planes.chunk_bytes}: use planes.block_layout()"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < layout.tp_size:
+        raise ValueError(f"rank {rank} out of range 0..{layout.tp_size - 1}")
 
 
 def _ids(what: str, values: Any) -> np.ndarray:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from cuda_ext import _lib
-from cuda_ext.copier import CopyRequest, check_request
+from cuda_ext.copier import CopyRequest, check_layout, check_request
 from cuda_ext.layouts import KVPlanes
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
@@ -104,26 +104,26 @@ class _IndexUploads:
     def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
         self._device, self._stream = device, stream
         self._host: list[torch.Tensor] = []
+        self._host_np: list[np.ndarray] = []
         self._copied: list[torch.cuda.Event] = []
-        self._next = 0
+        self._turn = 0
         self._dev = torch.empty(0, dtype=torch.int64, device=device)
 
-    def upload(self, blocks: np.ndarray, slots: np.ndarray) -> torch.Tensor:
-        """Queue the upload of [blocks..., slots...] (int64) on the stream;
-        the device array the kernel reads. Call with the stream current."""
-        n = blocks.size + slots.size
+    def reserve(self, n: int) -> np.ndarray:
+        """The next pinned host buffer's first n int64s to fill, once no
+        queued copy reads that buffer any more."""
         if n > self._dev.numel():
             self._grow(n)
-        turn = self._next
-        self._next = (turn + 1) % self.RING
-        self._copied[turn].synchronize()
-        host = self._host[turn][:n]
-        staged = host.numpy()
-        staged[: blocks.size] = blocks
-        staged[blocks.size :] = slots
+        self._turn = (self._turn + 1) % self.RING
+        self._copied[self._turn].synchronize()
+        return self._host_np[self._turn][:n]
+
+    def send(self, n: int) -> torch.Tensor:
+        """Queue the copy of the reserved buffer's first n int64s to the
+        device array the kernel reads; call with the stream current."""
         index = self._dev[:n]
-        index.copy_(host, non_blocking=True)
-        self._copied[turn].record(self._stream)
+        index.copy_(self._host[self._turn][:n], non_blocking=True)
+        self._copied[self._turn].record(self._stream)
         return index
 
     def _grow(self, n: int) -> None:
@@ -133,6 +133,7 @@ class _IndexUploads:
         self._host = [
             torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(self.RING)
         ]
+        self._host_np = [host.numpy() for host in self._host]
         self._copied = [torch.cuda.Event() for _ in range(self.RING)]
         # Allocated on the copier's stream: the caching allocator hands the old
         # buffer to nothing else until the kernels queued there have read it.
@@ -251,13 +252,13 @@ class GpuBlockCopier:
         """How long pinning and mapping the pool took (0 if done earlier in this process)."""
         self._host_bases = np.array([pin.ctypes.data for pin in self._pins], dtype=np.uint64)
         self._dev_bases = np.array(devs, dtype=np.uint64)
+        self._slot_maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def save(
         self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, *, path: str | None = None
     ) -> GpuCopyHandle:
         """Queue engine block block_ids[i] -> this rank's shard of slot slots[i]."""
-        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
-        return self._run(request, save=True, path=path, layer_events=False)
+        return self._run(block_ids, slots, layout, rank, save=True, path=path, layer_events=False)
 
     def load(
         self,
@@ -272,8 +273,9 @@ class GpuBlockCopier:
         """Queue this rank's shard of slot slots[i] -> engine block block_ids[i].
         With layer_events (one launch per layer) `wait_layer(l)` waits for layer
         l alone; without, one launch and every layer lands at the end."""
-        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
-        return self._run(request, save=False, path=path, layer_events=layer_events)
+        return self._run(
+            block_ids, slots, layout, rank, save=False, path=path, layer_events=layer_events
+        )
 
     def choose_path(self, path: str | None = None) -> str:
         """The path ("sm" or "dma") an op asking for `path` takes."""
@@ -316,7 +318,15 @@ class GpuBlockCopier:
         self.close()
 
     def _run(
-        self, request: CopyRequest, *, save: bool, path: str | None, layer_events: bool
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        save: bool,
+        path: str | None,
+        layer_events: bool,
     ) -> GpuCopyHandle:
         if self.closed:
             raise RuntimeError("the copier is closed")
@@ -324,18 +334,26 @@ class GpuBlockCopier:
         groups, event_of_layer = self._groups(layer_events)
         events = [torch.cuda.Event() for _ in groups]
         keep: list = []
-        n = int(request.blocks.size)
         caller = torch.cuda.current_stream(self.device)
         # libkvcopy selects the device itself; being current already, it never
         # switches the engine thread's context.
         with self._enqueue, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            # Bad arguments raise here, before anything is queued.
+            index, request = None, None
+            if path == "sm":
+                n = self._stage(block_ids, slots, layout, rank, save)
+                index = self._indexes.send(2 * n) if n else None
+            else:
+                request = check_request(
+                    self.planes, self.pool, block_ids, slots, layout, rank, save=save
+                )
+                n = int(request.blocks.size)
             self._ready.record(caller)  # the op runs after what the caller queued
             self.stream.wait_event(self._ready)
-            index = self._upload(request) if n and path == "sm" else None
             for (begin, end), event in zip(groups, events, strict=True):
                 if index is not None:
                     self._launch_sm(index, n, begin, end, save)
-                elif n:
+                elif request is not None and n:
                     keep.append(self._launch_dma(request, begin, end, save))
                 event.record(self.stream)
         keep.append(index)
@@ -353,11 +371,49 @@ class GpuBlockCopier:
     def _slot_addresses(self, request: CopyRequest, bases: np.ndarray) -> np.ndarray:
         return bases[request.segments] + request.offsets.astype(np.uint64)
 
-    def _upload(self, request: CopyRequest) -> torch.Tensor:
-        """Block ids, then slot device addresses, as one int64 device array
-        (queued on the copier's stream, from pinned memory)."""
-        slots = self._slot_addresses(request, self._dev_bases).view(np.int64)
-        return self._indexes.upload(request.blocks, slots)
+    def _stage(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, save: bool) -> int:
+        """Check an sm op's arguments and write its index (block ids, then
+        slot device addresses) into the next pinned buffer; the block count.
+        One libkvcopy call does it for int64-able id arrays; anything it
+        refuses goes through check_request, which says what is wrong."""
+        check_layout(self.planes, layout, rank)
+        blocks, slot_ids = _int64_ids(block_ids), _int64_ids(slots)
+        if blocks is not None and slot_ids is not None and blocks.size == slot_ids.size:
+            n = int(blocks.size)
+            out = self._indexes.reserve(2 * n)
+            seg_slots, seen = self._slot_map(layout.slot_stride)
+            code = self._lib.kv_stage_index(
+                blocks.ctypes.data,
+                slot_ids.ctypes.data,
+                n,
+                self.planes.num_blocks,
+                seg_slots.ctypes.data,
+                self._dev_bases.ctypes.data,
+                seg_slots.size,
+                layout.slot_stride,
+                rank * layout.shard_bytes,
+                2 if save else 1,
+                seen.ctypes.data,
+                out.ctypes.data,
+            )
+            if code == 0:
+                return n
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
+        n = int(request.blocks.size)  # valid after all: numpy writes the index
+        out = self._indexes.reserve(2 * n)
+        out[:n] = request.blocks
+        out[n:] = self._slot_addresses(request, self._dev_bases).view(np.int64)
+        return n
+
+    def _slot_map(self, stride: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per slot stride: slots in each pool segment, and a zeroed bitmap
+        with a bit per slot or engine block (kv_stage_index's `seen`)."""
+        found = self._slot_maps.get(stride)
+        if found is None:
+            seg_slots = np.array([size // stride for size in self.pool.segment_sizes], np.int64)
+            bits = max(int(seg_slots.sum()), self.planes.num_blocks)
+            found = self._slot_maps[stride] = (seg_slots, np.zeros(bits // 8 + 1, np.uint8))
+        return found
 
     def _launch_sm(self, index: torch.Tensor, n: int, begin: int, end: int, save: bool) -> None:
         code = self._lib.kv_copy_sm(
@@ -401,3 +457,12 @@ class GpuBlockCopier:
             self.batch_error = _lib.error_name(batch_error.value)
         self.dma_kind = "batch" if used.value else "loop"
         return [srcs, dsts]
+
+
+def _int64_ids(values: Any) -> np.ndarray | None:
+    """`values` as a contiguous 1-D int64 array, or None if it is not a 1-D
+    integer array (check_request then says so)."""
+    array = np.asarray(values)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        return None
+    return np.ascontiguousarray(array, dtype=np.int64)

@@ -115,3 +115,63 @@ def test_gpu_copier_refuses_cpu_planes_and_open_copier_picks_the_cpu_one():
     with pytest.raises(ValueError, match="CUDA tensors"):
         GpuBlockCopier(planes, None)  # type: ignore[arg-type]
     assert isinstance(open_copier(planes, None), CpuBlockCopier)  # type: ignore[arg-type]
+
+
+def stage(blocks, slots, num_blocks, seg_slots, bases, stride, shard, unique, seen):
+    """kv_stage_index on numpy arrays: (code, out)."""
+    import numpy as np
+
+    blocks, slots = np.asarray(blocks, np.int64), np.asarray(slots, np.int64)
+    seg_slots, bases = np.asarray(seg_slots, np.int64), np.asarray(bases, np.uint64)
+    out = np.full(2 * blocks.size, -1, np.int64)
+    code = _lib.load().kv_stage_index(
+        blocks.ctypes.data,
+        slots.ctypes.data,
+        blocks.size,
+        num_blocks,
+        seg_slots.ctypes.data,
+        bases.ctypes.data,
+        seg_slots.size,
+        stride,
+        shard,
+        unique,
+        seen.ctypes.data,
+        out.ctypes.data,
+    )
+    return code, out
+
+
+@pytest.mark.skipif(not _lib.LIB_PATH.exists(), reason="libkvcopy.so is not built")
+def test_the_index_staging_matches_the_pool_and_refuses_what_check_request_refuses():
+    """kv_stage_index (host code: no GPU needed) writes the block ids and the
+    same slot addresses as ShmPool.slot_locations, across segments, and
+    refuses out-of-range ids and repeats, leaving its bitmap zeroed."""
+    import numpy as np
+
+    stride, shard, seg_slots = 3 * 4096, 4096, [5, 3, 7]
+    bases = [1 << 40, 2 << 40, 3 << 40]
+    ends = np.cumsum(seg_slots)
+    seen = np.zeros(8, np.uint8)  # 64 bits: >= 15 slots and 40 blocks
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(1, 15))
+        blocks, slots = rng.permutation(40)[:n], rng.permutation(15)[:n]
+        code, out = stage(blocks, slots, 40, seg_slots, bases, stride, shard, 2, seen)
+        segments = np.searchsorted(ends, slots, side="right")
+        offsets = (slots - (ends - seg_slots)[segments]) * stride + shard
+        want = (np.array(bases, np.uint64)[segments] + offsets.astype(np.uint64)).view(np.int64)
+        assert code == 0
+        assert np.array_equal(out[:n], blocks) and np.array_equal(out[n:], want)
+        assert not seen.any()
+    for blocks, slots, unique, code in [
+        ([0, 40], [0, 1], 2, 1),  # block id out of range
+        ([0, -1], [0, 1], 2, 1),
+        ([0, 1], [0, 15], 2, 2),  # slot out of range
+        ([0, 1], [-1, 1], 1, 2),
+        ([0, 1, 2], [4, 9, 4], 2, 3),  # a save writing one slot twice
+        ([7, 3, 7], [0, 1, 2], 1, 3),  # a load writing one block twice
+    ]:
+        assert stage(blocks, slots, 40, seg_slots, bases, stride, shard, unique, seen)[0] == code
+        assert not seen.any()
+    # Repeats of the ids that may repeat are fine: a load reads one slot twice.
+    assert stage([1, 2], [4, 4], 40, seg_slots, bases, stride, shard, 1, seen)[0] == 0

@@ -22,7 +22,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB per CTA step
@@ -135,6 +135,59 @@ KV_EXPORT int kv_host_device_pointer(int device, void *ptr, void **device_ptr) {
 }
 
 KV_EXPORT int kv_host_unregister(void *ptr) { return done(cudaHostUnregister(ptr)); }
+
+// Checks one sm op's ids and writes the index copy_chunks reads, in one call
+// instead of a dozen numpy ones before every launch (host code, no GPU).
+// out[i] = blocks[i]; out[n + i] = the device address of this rank's shard of
+// slot slots[i]: the slot's segment base + its offset there + shard_offset.
+// Segment s holds seg_slots[s] slots of `stride` bytes at device address
+// seg_bases[s]; slots are numbered across segments in order. `unique` names
+// the ids that must not repeat: 1 block ids (a load), 2 slots (a save).
+// `seen` is a zeroed bitmap with a bit per possible id; it is zeroed again
+// on return. Returns 0, or what is wrong: 1 a block id out of
+// [0, num_blocks), 2 a slot out of range, 3 a repeated id (the caller's own
+// checks then say which in full); `out` is then incomplete.
+KV_EXPORT int kv_stage_index(const int64_t *blocks, const int64_t *slots, int64_t n,
+                             int64_t num_blocks, const int64_t *seg_slots,
+                             const uint64_t *seg_bases, int64_t nseg, int64_t stride,
+                             int64_t shard_offset, int unique, uint8_t *seen, int64_t *out) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < nseg; ++s) total += seg_slots[s];
+  int code = 0;
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    const int64_t block = blocks[i], slot = slots[i];
+    if (block < 0 || block >= num_blocks) {
+      code = 1;
+      break;
+    }
+    if (slot < 0 || slot >= total) {
+      code = 2;
+      break;
+    }
+    if (unique != 0) {
+      const int64_t id = unique == 1 ? block : slot;
+      const uint8_t bit = static_cast<uint8_t>(1u << (id & 7));
+      if (seen[id >> 3] & bit) {
+        code = 3;
+        break;
+      }
+      seen[id >> 3] |= bit;
+    }
+    int64_t segment = 0, first = 0;
+    while (slot >= first + seg_slots[segment]) first += seg_slots[segment++];
+    out[i] = block;
+    out[n + i] = static_cast<int64_t>(seg_bases[segment] +
+                                      static_cast<uint64_t>((slot - first) * stride + shard_offset));
+  }
+  if (unique != 0) {  // clear exactly the bits set: entries before i
+    for (int64_t j = 0; j < i; ++j) {
+      const int64_t id = unique == 1 ? blocks[j] : slots[j];
+      seen[id >> 3] = 0;
+    }
+  }
+  return code;
+}
 
 // One kernel launch on `stream` copies chunk (p, i) for every plane p in
 // [plane_begin, plane_end) and every i < n. `planes` (device, uint64 per
