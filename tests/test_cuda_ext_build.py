@@ -175,3 +175,66 @@ def test_the_index_staging_matches_the_pool_and_refuses_what_check_request_refus
         assert not seen.any()
     # Repeats of the ids that may repeat are fine: a load reads one slot twice.
     assert stage([1, 2], [4, 4], 40, seg_slots, bases, stride, shard, 1, seen)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def staging_pool():
+    """A 3-segment pool of 11 slots and CPU planes of 20 blocks, TP 2."""
+    import torch
+    from shm_helpers import checked_prefix
+
+    from cuda_ext.layouts import kv_planes
+    from shm.pool import ShmPool
+
+    planes = kv_planes([torch.zeros(20, 2, 512) for _ in range(3)], "block_major")
+    layout = planes.block_layout(2)
+    stride = layout.slot_stride
+    with (
+        checked_prefix("stage") as prefix,
+        ShmPool.create(prefix, 11 * stride, segment_bytes=4 * stride, prefault=False) as pool,
+    ):
+        assert [size // stride for size in pool.segment_sizes] == [4, 4, 3]
+        yield planes, layout, pool
+
+
+@pytest.mark.skipif(not _lib.LIB_PATH.exists(), reason="libkvcopy.so is not built")
+def test_the_index_staging_agrees_with_check_request_on_any_ids(staging_pool):
+    """For random ids, valid or not: kv_stage_index accepts exactly what
+    check_request accepts, and then writes the addresses of its CopyRequest."""
+    import numpy as np
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from cuda_ext.copier import check_request
+
+    planes, layout, pool = staging_pool
+    stride = layout.slot_stride
+    seg_slots = [size // stride for size in pool.segment_sizes]
+    bases = np.array([1 << 40, 3 << 40, 5 << 40], np.uint64)
+    seen = np.zeros(8, np.uint8)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        pairs=st.lists(st.tuples(st.integers(-2, 22), st.integers(-2, 13)), max_size=12),
+        save=st.booleans(),
+        rank=st.integers(0, 1),
+    )
+    def check(pairs, save, rank):
+        blocks = np.array([b for b, _ in pairs], np.int64)
+        slots = np.array([s for _, s in pairs], np.int64)
+        try:
+            request = check_request(planes, pool, blocks, slots, layout, rank, save=save)
+        except ValueError:
+            request = None
+        shard = rank * layout.shard_bytes
+        code, out = stage(
+            blocks, slots, 20, seg_slots, bases, stride, shard, 2 if save else 1, seen
+        )
+        assert not seen.any()
+        assert (code == 0) == (request is not None), (code, pairs, save)
+        if request is not None:
+            want = (bases[request.segments] + request.offsets.astype(np.uint64)).view(np.int64)
+            assert np.array_equal(out[: blocks.size], blocks)
+            assert np.array_equal(out[blocks.size :], want)
+
+    check()
