@@ -114,7 +114,7 @@ def test_layer_events_complete_in_layer_order(pool):
     with (
         checked_prefix("cudaevents") as prefix,
         ShmPool.create(prefix, blocks * layout.slot_stride) as big,
-        GpuBlockCopier(planes, big, path="sm") as copier,
+        GpuBlockCopier(planes, big, path="sm", load_group_bytes=0) as copier,
     ):
         ids = np.arange(blocks)
         copier.save(ids, ids, layout, 0).synchronize()
@@ -136,6 +136,19 @@ def test_layer_events_complete_in_layer_order(pool):
         other.synchronize()
         assert torch.equal(first.cpu(), saved[0])
         handle.synchronize()
+        # By default a launch covers whole layers of at least 16 MiB: 4 here.
+        copier.load_group_bytes = gpu.LOAD_GROUP_BYTES
+        for t in kv:
+            t.zero_()
+        handle = copier.load(ids, ids, layout, 0)
+        assert len(handle._events) == 2 and handle._event_of_layer == [0] * 4 + [1] * 4
+        handle.wait_layer(3, other)
+        with torch.cuda.stream(other):
+            early = [t.clone() for t in kv[:4]]
+        other.synchronize()
+        assert all(torch.equal(e.cpu(), want) for e, want in zip(early, saved, strict=False))
+        handle.synchronize()
+        assert all(torch.equal(t.cpu(), want) for t, want in zip(kv, saved, strict=True))
     cross = kv_planes(engine_kv("cross_layer", logical_kv(torch.bfloat16, 2).cuda()), "cross_layer")
     with GpuBlockCopier(cross, pool) as copier:
         handle = copier.load([0], [0], cross.block_layout(), 0)

@@ -155,3 +155,27 @@ def test_bad_requests_raise_and_copy_nothing(pool, kind):
     assert (pool.segment_view(0) == SENTINEL).all()
     for layer, old in zip(kv, before, strict=True):
         assert torch.equal(layer.view(torch.uint8), old.view(torch.uint8))
+
+
+def test_a_load_launches_once_per_group_of_whole_layers_of_enough_bytes():
+    """GpuBlockCopier's launch plan (no GPU needed): consecutive whole layers
+    until a group holds load_group_bytes of the op, the rest in the last."""
+    from types import SimpleNamespace
+
+    from cuda_ext.gpu import GpuBlockCopier
+
+    planes = kv_planes([torch.zeros(4, 2, 1024) for _ in range(5)], "block_major")
+    assert planes.chunk_bytes == 8192 and planes.layer_ends == (1, 2, 3, 4, 5)
+
+    def groups(group_bytes: int, n: int, layer_events: bool = True):
+        copier = SimpleNamespace(planes=planes, load_group_bytes=group_bytes)
+        return GpuBlockCopier._groups(copier, layer_events, n)  # type: ignore[arg-type]
+
+    assert groups(0, 4) == ([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)], [0, 1, 2, 3, 4])
+    assert groups(2 * 8192 * 4, 4) == ([(0, 2), (2, 4), (4, 5)], [0, 0, 1, 1, 2])
+    assert groups(3 * 8192 * 4, 4) == ([(0, 3), (3, 5)], [0, 0, 0, 1, 1])
+    assert groups(1 << 30, 4) == ([(0, 5)], [0] * 5)
+    assert groups(0, 4, layer_events=False) == ([(0, 5)], [0] * 5)
+    cross = kv_planes(torch.zeros(4, 3, 2, 256), "cross_layer")  # every layer in one plane
+    copier = SimpleNamespace(planes=cross, load_group_bytes=0)
+    assert GpuBlockCopier._groups(copier, True, 4) == ([(0, 1)], [0, 0, 0])  # type: ignore[arg-type]
