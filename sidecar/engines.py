@@ -33,11 +33,14 @@ class PlanState:
     group: EngineGroup
     reported: dict[int, set[int]]
     """Engine-side op id -> ranks that reported it done."""
+    requester: str
+    """The session that asked for the plan. The other ranks get the plan from
+    it, after its own copies succeeded (KVClient.save returns it then)."""
 
     @classmethod
-    def of(cls, plan: Plan, group: EngineGroup) -> PlanState:
+    def of(cls, plan: Plan, group: EngineGroup, requester: str) -> PlanState:
         ops = {op.op_id: set() for op in plan.graph.ops if op.kind in ENGINE_OPS}
-        return cls(plan, group, ops)
+        return cls(plan, group, ops, requester)
 
     def check_report(self, rank: int, op_ids: list[int]) -> None:
         """ProtocolError unless every op id is an engine op this rank has not reported."""
@@ -144,8 +147,9 @@ class Orphan:
     """Session id -> pid (0: not known here) of each rank that may still write."""
     since: float
     slots: np.ndarray
-    """The CPU slots held back: the plan is rolled back (its blocks gone
-    from the index), these are not free until the writers stop."""
+    """The plan's CPU slots the writers may fill (its D2H destinations): held
+    (Mempool.hold) until they stop, however the plan's rollback frees them,
+    at once or once its ops on I/O threads return."""
 
 
 WRITER_GRACE_LEASES = 10
@@ -166,14 +170,15 @@ class Engines:
 
     def __init__(
         self,
-        cancel: Callable[..., np.ndarray | None],
-        free_slots: Callable[[np.ndarray], None],
+        cancel: Callable[[int], None],
+        hold_slots: Callable[[np.ndarray], None],
+        release_slots: Callable[[np.ndarray], None],
     ) -> None:
-        """`cancel(plan_id, hold=False)` rolls a plan back; with hold=True it
-        returns the CPU slots of the plan's unlanded blocks instead of
-        freeing them, and `free_slots` frees them later."""
+        """`cancel(plan_id)` rolls a plan back; `hold_slots(slots)` keeps CPU
+        slots from reuse until `release_slots(slots)`."""
         self._cancel = cancel
-        self._free_slots = free_slots
+        self._hold_slots = hold_slots
+        self._release_slots = release_slots
         self.groups: dict[str, EngineGroup] = {}
         self.sessions: dict[str, Session] = {}
         self.plans: dict[int, PlanState] = {}
@@ -181,7 +186,9 @@ class Engines:
         """Plan id -> a save plan of a departed engine, held until its writers stop."""
         self.num_expired = 0
         self.num_ended = 0
-        """Plans ended so far (completed, failed, cancelled or dropped)."""
+        """Plans ended so far (completed, failed, cancelled or dropped) and
+        orphans made or released: each may have unlocked or freed CPU slots
+        (parked loads are tried again when it changes)."""
 
     def session(self, session_id: str) -> Session:
         """The live session (its lease renewed), or ProtocolError NOT_REGISTERED."""
@@ -225,8 +232,9 @@ class Engines:
         self.sessions[session_id] = session
         return session
 
-    def track(self, plan: Plan, group: EngineGroup) -> PlanState:
-        state = PlanState.of(plan, group)
+    def track(self, plan: Plan, session: Session) -> PlanState:
+        group = session.group
+        state = PlanState.of(plan, group, session.session_id)
         self.plans[plan.plan_id] = state
         group.plans[plan.plan_id] = state
         return state
@@ -252,8 +260,15 @@ class Engines:
     def give_up(self, session: Session, plan_id: int) -> None:
         """A rank failed or cancelled the plan (it copies no more): roll it
         back. Other ranks of a save may still be copying into its slots:
-        then those slots are held until they report (`orphans`)."""
-        writers = self._writers(self.plans[plan_id], session, may_write=False)
+        then those slots are held until they report (`orphans`). A requester
+        giving up before it reported its own copies has not handed the plan
+        to any other rank yet (KVClient.save returns it only after them)."""
+        state = self.plans[plan_id]
+        reported = set().union(*state.reported.values())
+        if session.session_id == state.requester and session.rank not in reported:
+            self.end(plan_id, cancel=True)
+            return
+        writers = self._writers(state, session, may_write=False)
         if writers:
             self._orphan(plan_id, writers)
         else:
@@ -341,12 +356,15 @@ class Engines:
 
     def _orphan(self, plan_id: int, writers: dict[str, int]) -> None:
         """Roll the plan back now (its blocks leave the index, so others can
-        store that prefix), holding back the CPU slots the writers may fill."""
+        store that prefix), holding the CPU slots the writers may fill."""
         state = self.plans.pop(plan_id)
         state.group.plans.pop(plan_id, None)
-        held = self._cancel(plan_id, hold=True)
-        slots = held if held is not None else np.empty(0, np.int64)
+        d2h = [op.dst for op in state.plan.graph.ops if op.kind is OpKind.D2H]
+        slots = np.unique(np.concatenate(d2h)) if d2h else np.empty(0, np.int64)
+        self._hold_slots(slots)
+        self._cancel(plan_id)
         self.orphans[plan_id] = Orphan(writers, time.monotonic(), slots)
+        self.num_ended += 1
         log.info(
             "plan %d held until %d engine rank(s) stop copying into its slots",
             plan_id,
@@ -354,8 +372,8 @@ class Engines:
         )
 
     def _release(self, plan_id: int) -> None:
-        """The plan ends for good: its held slots come free."""
-        self._free_slots(self.orphans.pop(plan_id).slots)
+        """The writers stopped: the held slots the rollback freed come free."""
+        self._release_slots(self.orphans.pop(plan_id).slots)
         self.num_ended += 1
 
     def describe(self) -> list[dict[str, object]]:

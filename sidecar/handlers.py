@@ -92,27 +92,20 @@ class Handlers:
     def _session(self, request: Any) -> Session:
         return self.engines.session(request.session)
 
-    def _cancel_plan(self, plan_id: int, hold: bool = False) -> np.ndarray | None:
-        """Roll a plan back. With `hold`, the CPU slots of its unlanded blocks
-        are not freed but returned (None if there are none): an engine may
-        still write into them."""
-        cpu = self.cache.cpu if self.cache is not None and hold else None
-        if cpu is not None:
-            cpu.held_back = []
-        try:
-            if self.dataplane is not None:
-                self.dataplane.cancel(plan_id)  # waits for its ops on threads, if any
-            elif self.cache is not None:
-                self.cache.cancel(plan_id)
-        finally:
-            held = None
-            if cpu is not None:
-                held, cpu.held_back = cpu.held_back, None
-        return np.concatenate(held) if held else None
+    def _cancel_plan(self, plan_id: int) -> None:
+        """Roll a plan back (at once, or when its ops on I/O threads return)."""
+        if self.dataplane is not None:
+            self.dataplane.cancel(plan_id)
+        elif self.cache is not None:
+            self.cache.cancel(plan_id)
 
-    def _free_cpu_slots(self, slots: np.ndarray) -> None:
-        if self.cache is not None and slots.size:
-            self.cache.cpu.free(slots)
+    def _hold_cpu_slots(self, slots: np.ndarray) -> None:
+        if self.cache is not None:
+            self.cache.cpu.mempool.hold(slots)
+
+    def _release_cpu_slots(self, slots: np.ndarray) -> None:
+        if self.cache is not None:
+            self.cache.cpu.mempool.release(slots)
 
     def _not_stopping(self) -> None:
         if self.stopping:
@@ -313,7 +306,7 @@ class Handlers:
         if not plan.finished_on_return:
             if self.dataplane is not None:
                 self.dataplane.adopt(plan)  # its sidecar ops start when their deps are done
-            state = self.engines.track(plan, session.group)
+            state = self.engines.track(plan, session)
             for op in plan.graph.ops:
                 if op.op_id in state.reported:
                     ops.append({"op_id": op.op_id, "kind": op.kind.value})

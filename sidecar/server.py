@@ -91,7 +91,7 @@ class Server(Handlers):
         self._identity = b""
         self._waiting_for_io: list[tuple[bytes, p.Load, list[bytes], int]] = []
         self._parked_at = 0
-        self.engines = Engines(self._cancel_plan, self._free_cpu_slots)
+        self.engines = Engines(self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots)
         self.hits = HitStats(config.hit_window)
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()

@@ -130,3 +130,43 @@ def test_take_marks_given_slots_used_and_refuses_bad_ones():
         with pytest.raises(MempoolError):
             pool.take(np.array(bad))
     assert pool.num_free == 1 and pool.allocate(1).tolist() == [1]
+
+
+def test_held_slots_freed_meanwhile_come_free_only_when_released():
+    pool = Mempool(6)
+    a = pool.allocate(4)  # 0, 1, 2, 3
+    pool.hold(a[:2])
+    assert pool.num_held == 2
+    pool.free(a)  # 0 and 1 are held: only 2 and 3 come free now
+    assert pool.num_free == 4 and pool.num_used == 2
+    assert not pool.is_free(0) and pool.is_free(2)
+    assert sorted(pool.allocate(4).tolist()) == [2, 3, 4, 5]  # never 0 or 1
+    with pytest.raises(MempoolError, match="double free"):
+        pool.free(np.array([0]))  # freed once already, while held
+    pool.release(a[:2])
+    assert pool.num_held == 0 and pool.is_free(0) and pool.is_free(1)
+
+
+def test_a_hold_released_before_the_free_leaves_the_slots_used_until_freed():
+    pool = Mempool(4)
+    a = pool.allocate(2)
+    pool.hold(a)
+    pool.release(a)
+    assert pool.num_used == 2 and not pool.is_free(0)
+    pool.free(a)
+    assert pool.num_free == 4
+
+
+def test_bad_holds_and_releases_raise_and_change_nothing():
+    pool = Mempool(4)
+    a = pool.allocate(2)
+    with pytest.raises(MempoolError, match="used"):
+        pool.hold(np.array([0, 3]))  # 3 is free
+    pool.hold(a[:1])
+    with pytest.raises(MempoolError, match="used"):
+        pool.hold(a)  # 0 is held already
+    with pytest.raises(MempoolError, match="not held"):
+        pool.release(a)  # 1 is not held
+    with pytest.raises(MempoolError, match="out of range"):
+        pool.hold(np.array([9]))
+    assert pool.num_held == 1 and pool.num_used == 2

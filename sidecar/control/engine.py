@@ -55,10 +55,6 @@ class CacheEngine:
         self.remove_hook: Callable[[np.ndarray], None] | None = None
         """Called with the slots `remove` frees (the SSD tier clears their
         journal records, so that a restart does not bring the blocks back)."""
-        self.held_back: list[np.ndarray] | None = None
-        """While a list: `discard` puts the slots of dropped nodes here
-        instead of freeing them (a plan rolled back while an engine may still
-        write into its slots; see sidecar.engines.Orphan)."""
         self.num_evicted_blocks = 0
 
     @property
@@ -112,12 +108,8 @@ class CacheEngine:
 
     def discard(self, node: RadixNode) -> None:
         """Drop an unready node whose data never landed, and free its slots
-        (or hold them back, see `held_back`)."""
-        slots = self.index.discard(node)
-        if self.held_back is not None:
-            self.held_back.append(slots)
-        else:
-            self.mempool.free(slots)
+        (held ones once released: Mempool.hold)."""
+        self.mempool.free(self.index.discard(node))
 
     def remove(self, keys: BlockKeys) -> int:
         """Drop block keys[-1] and everything below it (see RadixIndex.remove);

@@ -22,6 +22,10 @@ class Mempool:
     free slots are a stack in one preallocated array, a boolean mask catches
     double frees and foreign slots, and a scratch array catches a slot repeated
     within one call without sorting. A bad `free` raises and changes nothing.
+
+    `hold(slots)` keeps used slots from being handed out again until
+    `release(slots)`, however they are freed meanwhile: a writer may still
+    be copying into them (sidecar/engines.py, orphans).
     """
 
     def __init__(self, num_slots: int) -> None:
@@ -35,6 +39,9 @@ class Mempool:
         # _scratch[s] = position of s in the current free() call (duplicate check).
         self._scratch = np.zeros(num_slots, dtype=np.int64)
         self._positions = np.arange(0, dtype=np.int64)
+        self._held = np.zeros(num_slots, dtype=np.bool_)
+        self._freed_held = np.zeros(num_slots, dtype=np.bool_)  # freed while held
+        self._num_held = 0
 
     @property
     def num_free(self) -> int:
@@ -63,7 +70,7 @@ class Mempool:
             raise MempoolError(f"slots must be integers, got dtype {slots.dtype}")
         if slots.min() < 0 or slots.max() >= self.num_slots:
             raise MempoolError(f"slot out of range 0..{self.num_slots - 1}: {slots}")
-        if self._is_free[slots].any():
+        if self._is_free[slots].any() or (self._num_held and self._freed_held[slots].any()):
             raise MempoolError(f"double free of slots {slots[self._is_free[slots]]}")
         if slots.size > 1:
             # Write each slot's position; a repeated slot keeps only its last.
@@ -73,9 +80,44 @@ class Mempool:
             self._scratch[slots] = positions
             if not np.array_equal(self._scratch[slots], positions):
                 raise MempoolError("the same slot appears twice in one free")
+        if self._num_held:
+            held = self._held[slots]
+            if held.any():  # not free until released
+                self._freed_held[slots[held]] = True
+                slots = slots[~held]
         self._is_free[slots] = True
         self._stack[self._top : self._top + slots.size] = slots[::-1]
         self._top += slots.size
+
+    def hold(self, slots: np.ndarray) -> None:
+        """Keep these used slots from being allocated again until `release`:
+        a `free` of one meanwhile takes effect at the release."""
+        slots = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
+        if slots.size == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.num_slots:
+            raise MempoolError(f"slot out of range 0..{self.num_slots - 1}")
+        if self._is_free[slots].any() or self._held[slots].any():
+            raise MempoolError("only used slots that are not held already can be held")
+        self._held[slots] = True
+        self._num_held += int(slots.size)
+
+    def release(self, slots: np.ndarray) -> None:
+        """End a hold: the slots freed while held are free now."""
+        slots = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
+        if slots.size == 0:
+            return
+        if slots.min() < 0 or slots.max() >= self.num_slots or not self._held[slots].all():
+            raise MempoolError("release of slots that are not held")
+        self._held[slots] = False
+        self._num_held -= int(slots.size)
+        freed = slots[self._freed_held[slots]]
+        self._freed_held[freed] = False
+        self.free(freed)
+
+    @property
+    def num_held(self) -> int:
+        return self._num_held
 
     def take(self, slots: np.ndarray) -> None:
         """Mark these free slots used (a restart rebuilding its index from
