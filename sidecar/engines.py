@@ -357,11 +357,12 @@ class Engines:
     def _orphan(self, plan_id: int, writers: dict[str, int]) -> None:
         """Roll the plan back now (its blocks leave the index, so others can
         store that prefix), holding the CPU slots the writers may fill."""
-        state = self.plans.pop(plan_id)
-        state.group.plans.pop(plan_id, None)
+        state = self.plans[plan_id]
         d2h = [op.dst for op in state.plan.graph.ops if op.kind is OpKind.D2H]
         slots = np.unique(np.concatenate(d2h)) if d2h else np.empty(0, np.int64)
-        self._hold_slots(slots)
+        self._hold_slots(slots)  # first: if it raises, the plan is as it was
+        del self.plans[plan_id]
+        state.group.plans.pop(plan_id, None)
         self._cancel(plan_id)
         self.orphans[plan_id] = Orphan(writers, time.monotonic(), slots)
         self.num_ended += 1

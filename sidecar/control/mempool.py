@@ -70,8 +70,11 @@ class Mempool:
             raise MempoolError(f"slots must be integers, got dtype {slots.dtype}")
         if slots.min() < 0 or slots.max() >= self.num_slots:
             raise MempoolError(f"slot out of range 0..{self.num_slots - 1}: {slots}")
-        if self._is_free[slots].any() or (self._num_held and self._freed_held[slots].any()):
-            raise MempoolError(f"double free of slots {slots[self._is_free[slots]]}")
+        freed = self._is_free[slots]
+        if self._num_held:
+            freed = freed | self._freed_held[slots]  # freed already, while held
+        if freed.any():
+            raise MempoolError(f"double free of slots {slots[freed]}")
         if slots.size > 1:
             # Write each slot's position; a repeated slot keeps only its last.
             if self._positions.size < slots.size:
