@@ -311,6 +311,13 @@ class Server(Handlers):
             self.remote.close()
             self.remote = None
         if self.ssd is not None:
+            tier = self.cache.lower.get("ssd") if self.cache is not None else None
+            if tier is not None:  # the I/O threads are done: no write is in flight
+                try:
+                    stale = self.ssd.drop_stale(tier.mempool.free_slots())
+                    log.info("SSD tier: cleared the records of %d evicted blocks", stale)
+                except OSError as err:  # they may come back after the restart: no harm
+                    log.warning("SSD tier: could not clear evicted blocks' records: %s", err)
             self.ssd.close()
             self.ssd = None
         if self.pool is not None:

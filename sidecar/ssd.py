@@ -185,6 +185,17 @@ class SsdStore:
         for slot in slots.tolist():
             self.drop(slot)
 
+    def drop_stale(self, free: np.ndarray) -> int:
+        """Clear the records that these free slots still hold: blocks evicted
+        from the index keep theirs until their slot is written again (clearing
+        it at eviction would cost a journal write per block inside the control
+        loop). A clean stop calls this, so that the next start recovers the
+        blocks that were indexed, not evicted or deleted ones. Returns how
+        many were cleared."""
+        stale = free[self.keys[free].any(axis=1)] if free.size else free
+        self.drop_slots(stale)
+        return int(stale.size)
+
     def _write_record(self, d: _Dir, slot: int, record: bytes) -> None:
         os.pwrite(d.journal, record, (slot // len(self._dirs)) * RECORD_BYTES)
 

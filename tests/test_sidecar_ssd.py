@@ -243,6 +243,40 @@ def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
     assert s.stop() == 0
 
 
+def test_blocks_evicted_from_ssd_stay_gone_after_a_clean_restart(tmp_path):
+    """An evicted SSD block keeps its journal record until its slot is
+    written again; a clean stop clears those, so the next start recovers
+    exactly what was indexed, not blocks evicted (or deleted) before."""
+    inst = Instance(
+        str(tmp_path / "ssd"), "--set", "ssd_capacity_per_dir=1MiB", "--set", "evict_ratio=0.5"
+    )
+    try:
+        s = inst.start()
+        with client(s.endpoint, kv(5)) as c:
+            assert ssd_stats(c)["capacity_blocks"] == 8
+
+            def save(n: int, start: int = 0) -> None:
+                c.save(tokens(n, start=start), np.arange(n)).wait()
+                wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+
+            save(1)
+            save(2)  # a block below the first one's
+            save(3, 5000)
+            c.load(tokens(1), np.arange(40, 41)).wait()  # the first block used again
+            save(2, 6000)  # 7 of 8 SSD slots used
+            save(2, 7000)  # one short: 4 blocks evicted at once (evict_ratio), 2 reused
+            before = ssd_stats(c)
+            assert before["evicted_blocks"] == 4 and before["cached_blocks"] == 5
+        assert s.stop() == 0
+        s = inst.start()
+        with client(s.endpoint, kv(None)) as c:
+            assert ssd_stats(c)["cached_blocks"] == 5  # not the 2 evicted, unused slots too
+            assert c.lookup(tokens(2, start=7000)) == 2 * BLOCK_TOKENS
+        assert s.stop() == 0
+    finally:
+        inst.cleanup()
+
+
 def test_deleted_blocks_stay_deleted_after_a_restart(instance):
     s = instance.start()
     with client(s.endpoint, kv(12)) as c:

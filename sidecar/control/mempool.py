@@ -118,6 +118,10 @@ class Mempool:
         self._freed_held[freed] = False
         self.free(freed)
 
+    def free_slots(self) -> np.ndarray:
+        """The free slots, in no particular order (a copy)."""
+        return self._stack[: self._top].copy()
+
     @property
     def num_held(self) -> int:
         return self._num_held
