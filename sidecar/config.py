@@ -247,7 +247,8 @@ class Config:
         "After serving a request the loop polls without sleeping for this many "
         "microseconds before it blocks, so an engine's next request is served "
         "without a wake-up (~100-250 us on a VM). Costs a core within that window "
-        "after traffic: worth it where cores are spare; 0 = always block.",
+        "after traffic: worth it where cores are spare; 0 = always block. At most "
+        "an eighth of lease_seconds is used.",
         low=0,
         high=1_000_000,
     )

@@ -68,6 +68,7 @@ def server_stats(server: Server) -> dict[str, Any]:
         "requests": dict(server.requests),
         "errors": dict(server.errors),
         "expired_sessions": server.engines.num_expired,
+        "loop_lapses": server.num_lapses,
     }
 
 

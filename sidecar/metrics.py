@@ -62,6 +62,12 @@ class StatsCollector(Collector):
         yield _gauge(
             "kvsidecar_expired_sessions", "sessions dropped by lease", s["expired_sessions"]
         )
+        yield _gauge(
+            "kvsidecar_loop_lapses",
+            "control-loop rounds that left the socket unread past a quarter lease "
+            "(each renewed every lease)",
+            s["loop_lapses"],
+        )
         errors = GaugeMetricFamily("kvsidecar_errors", "error replies by code", labels=["code"])
         for code, n in s["errors"].items():
             errors.add_metric([code], n)

@@ -55,6 +55,10 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 MAX_MESSAGE_BYTES = 64 << 20
 POLL_MS = 100
+LAPSE_LEASES = 0.25
+"""A round of the control loop that takes this many leases beyond its wait
+for requests renews every engine's lease: heartbeats sent meanwhile may sit
+unread in the socket, so the engines' silence proves nothing."""
 
 
 def default_cpu_capacity() -> int:
@@ -101,7 +105,15 @@ class Server(Handlers):
         self._metrics: Any = None
         self.publisher: EventPublisher | None = None
         self._next_lease_check = 0.0
-        self._busy_poll = config.busy_poll_us / 1e6
+        self._max_wait_ms = max(1, min(POLL_MS, int(config.lease_seconds * 1000 / 8)))
+        """The longest wait for a request. With the busy-poll window (also at
+        most an eighth of a lease), a round that lapses unnoticed leaves the
+        socket unread for under half a lease: with heartbeats every third of
+        a lease, a healthy engine's lease never runs out on a stall."""
+        self._loop_mark = 0.0
+        """When the last round of the loop ended (monotonic seconds; 0: none yet)."""
+        self.num_lapses = 0
+        self._busy_poll = min(config.busy_poll_us / 1e6, config.lease_seconds / 8)
         self._spin_until = 0.0
         self._rcvtimeo = -1
         self._poller = zmq.Poller()
@@ -186,8 +198,10 @@ class Server(Handlers):
             self.close()
 
     def poll_once(self, timeout_ms: int = POLL_MS) -> None:
-        """Serve what is ready, waiting for it up to `timeout_ms`, then the
-        periodic work (events, leases, the stats snapshot)."""
+        """Serve what is ready, waiting for it up to `timeout_ms` (at most an
+        eighth of a lease), then the periodic work (events, leases, the stats
+        snapshot)."""
+        timeout_ms = min(timeout_ms, self._max_wait_ms)
         if len(self._poller.sockets) == 1 and not self._busy_poll:
             self._receive(timeout_ms)
         else:
@@ -198,14 +212,14 @@ class Server(Handlers):
             self.publisher.publish([] if index is None else index.drain_events())
             self.publisher.serve_resync(index)
         now = time.monotonic()
+        lapse = now - self._loop_mark - timeout_ms / 1000 - self._busy_poll
+        if self._loop_mark and lapse > LAPSE_LEASES * self.config.lease_seconds:
+            # The socket went unread for a while (the sidecar was stopped,
+            # swapped out, or busy): a lease from now.
+            self.num_lapses += 1
+            log.warning("the control loop lapsed for %.2f s: engines' leases renewed", lapse)
+            self.engines.renew_all(now)
         if now >= self._next_lease_check:
-            late = now - self._next_lease_check
-            if self._next_lease_check and late > self.config.lease_seconds / 2:
-                # This loop did not run for a while (the sidecar was stopped,
-                # swapped out, paused): the engines' heartbeats may be queued
-                # unread, so their silence proves nothing. A lease from now.
-                log.warning("the control loop stalled for %.1f s: engines' leases renewed", late)
-                self.engines.renew_all(now)
             if (
                 self.parent_pid is not None
                 and os.getppid() != self.parent_pid
@@ -216,6 +230,7 @@ class Server(Handlers):
             self.engines.expire(self.config.lease_seconds)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
+        self._loop_mark = time.monotonic()
 
     def _receive(self, timeout_ms: int) -> None:
         """The socket is all there is to wait for: one blocking receive.

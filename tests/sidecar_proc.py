@@ -198,6 +198,14 @@ def hang_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
     time.sleep(60)
 
 
+def idle_engine_worker(endpoint: str, conn) -> None:
+    """Registers (its heartbeats renew its lease), tells the parent, then
+    idles until killed."""
+    client = connect(endpoint, make_kv(2))
+    conn.send(client.session)
+    time.sleep(60)
+
+
 BIG_MODEL = {**MODEL, "num_kv_heads": 8, "head_dim": 128}
 BIG_BLOCK_SHAPE = (2, TOKENS_PER_BLOCK, 8, 128)
 """256 KiB blocks (2 layers of 128 KiB): a 1 MiB CPU tier holds 4."""

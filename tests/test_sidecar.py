@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -26,6 +27,8 @@ from engine_shim import SidecarError, SidecarUnavailable
 from engine_shim.channel import Channel
 from sidecar import protocol as p
 from sidecar.cli import main as cli_main
+from sidecar.config import load_config
+from sidecar.server import Server
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -389,6 +392,86 @@ def test_a_sidecar_stalled_past_the_lease_does_not_expire_its_engines():
         client.close()
     finally:
         s.proc.send_signal(signal.SIGCONT)
+        assert s.stop() == 0
+        s.cleanup()
+
+
+def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_path):
+    """The control loop stalls for under half a lease, and the engine's
+    heartbeat sent meanwhile sits unread behind another request. Counting
+    from the engine's last heartbeat read, its lease has run out; but the
+    stall is a lapse of over a quarter lease, so every lease is renewed
+    instead of this healthy engine being dropped."""
+    config = load_config(
+        env={},
+        overrides={
+            "instance": f"t{os.getpid()}-lapse",
+            "runtime_dir": str(tmp_path),
+            "cpu_capacity": 4 << 20,
+            "lease_seconds": 1.0,
+        },
+    )
+    server = Server(config)
+    server.start()
+    running, paused, stop = threading.Event(), threading.Event(), threading.Event()
+    running.set()
+
+    def loop() -> None:
+        while not stop.is_set():
+            if not running.is_set():
+                paused.set()
+                running.wait()
+            server.poll_once()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    channel = Channel(server.endpoint, 2.0)
+    client = connect(server.endpoint, make_kv(4))
+    try:
+        client._heartbeat.stop()  # this test sends the engine's heartbeat itself
+        registered = time.monotonic()
+        time.sleep(0.65)
+        running.clear()
+        assert paused.wait(2.0)
+        stalled = time.monotonic()
+        queued = [
+            channel.send(p.Stats(v=p.PROTOCOL_VERSION, id=0)),
+            channel.send(client._req(p.Heartbeat)),
+        ]
+        time.sleep(max(0.45 - (time.monotonic() - stalled), registered + 1.1 - time.monotonic()))
+        running.set()
+        for rid in queued:
+            channel.wait_reply(rid)
+        assert server.num_lapses >= 1
+        assert server.engines.num_expired == 0
+        assert client.session in server.engines.sessions
+    finally:
+        stop.set()
+        running.set()
+        thread.join(5.0)
+        channel.close()
+        client.close()
+        server.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(server.paths.shm_prefix + ".")]
+
+
+def test_with_a_lease_shorter_than_the_idle_wait_a_frozen_engine_still_expires():
+    """The loop waits at most an eighth of a lease, so a 0.1 s lease is not
+    taken for a stall on every round (renewing every lease forever)."""
+    s = Sidecar(lease=0.1).start()
+    parent, child = SPAWN.Pipe()
+    engine = SPAWN.Process(target=sp.idle_engine_worker, args=(s.endpoint, child))
+    engine.start()
+    try:
+        assert parent.poll(30) and parent.recv()
+        assert stats_of(s)["expired_sessions"] == 0
+        os.kill(engine.pid, signal.SIGSTOP)  # alive, but silent
+        time.sleep(1.0)  # the sidecar idles: nothing else wakes its loop
+        st = stats_of(s)
+        assert st["expired_sessions"] == 1 and st["engines"] == []
+    finally:
+        engine.kill()
+        engine.join(10)
         assert s.stop() == 0
         s.cleanup()
 
