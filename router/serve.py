@@ -34,6 +34,10 @@ from router.subscriber import Source, Subscriptions
 log = logging.getLogger("kvsidecar.router")
 
 MAX_REQUEST_BYTES = 16 << 20
+"""A larger request is answered with an error, unread."""
+MAX_FRAME_BYTES = 256 << 20
+"""ZeroMQ drops a larger frame and its connection unanswered: the router
+never buffers more than this for one request."""
 
 
 class _Keyed(msgspec.Struct, forbid_unknown_fields=True, tag_field="op"):
@@ -72,7 +76,7 @@ class RouterServer:
         self.ctx = zmq.Context()
         self.rep = self.ctx.socket(zmq.REP)
         self.rep.setsockopt(zmq.LINGER, 0)
-        self.rep.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self.rep.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             self.rep.bind(bind)
             self.subs = Subscriptions(self.ctx, router, sources, worker_timeout=worker_timeout)
@@ -114,6 +118,12 @@ class RouterServer:
             self.rep.send(_encoder.encode(reply))
 
     def handle(self, payload: bytes) -> dict[str, Any]:
+        if len(payload) > MAX_REQUEST_BYTES:
+            self.errors += 1
+            return {
+                "ok": False,
+                "error": f"request of {len(payload)} bytes is over {MAX_REQUEST_BYTES} bytes",
+            }
         try:
             req = _decoder.decode(payload)
             if isinstance(req, StatsRequest):

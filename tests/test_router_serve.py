@@ -170,23 +170,41 @@ def test_bad_command_line_exits_2(args: list[str], message: str) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_a_multipart_request_gets_an_error_reply() -> None:
+@pytest.fixture
+def ask():
+    """Send frames to an in-process router, serve them, return its reply."""
     from router.router import Router
     from router.serve import RouterServer
 
     server = RouterServer(Router("flat"), "tcp://127.0.0.1:0", [])
     req = server.ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
-    try:
-        req.connect(server.endpoint)
-        req.send_multipart([msgspec.msgpack.encode({"op": "stats"}), b"extra"])
+    req.connect(server.endpoint)
+
+    def call(*frames: bytes) -> dict:
+        req.send_multipart(list(frames))
         server.poll_once(5000)
         assert req.poll(5000)
-        reply = msgspec.msgpack.decode(req.recv())
-        assert reply["ok"] is False and "1 frame" in reply["error"]
-        req.send(msgspec.msgpack.encode({"op": "stats"}))  # the socket still serves
-        server.poll_once(5000)
-        assert req.poll(5000) and msgspec.msgpack.decode(req.recv())["bad_requests"] == 1
+        return msgspec.msgpack.decode(req.recv())
+
+    try:
+        yield call
     finally:
         req.close(0)
         server.close()
+
+
+def test_a_multipart_request_gets_an_error_reply(ask) -> None:
+    reply = ask(msgspec.msgpack.encode({"op": "stats"}), b"extra")
+    assert reply["ok"] is False and "1 frame" in reply["error"]
+    # The socket still serves.
+    assert ask(msgspec.msgpack.encode({"op": "stats"}))["bad_requests"] == 1
+
+
+def test_a_request_over_the_size_limit_gets_an_error_reply(ask) -> None:
+    from router.serve import MAX_REQUEST_BYTES
+
+    keys = b"k" * (MAX_REQUEST_BYTES + 16)  # whole 16-byte keys, too many
+    reply = ask(msgspec.msgpack.encode({"op": "route", "keys": keys}))
+    assert reply["ok"] is False and "over 16777216 bytes" in reply["error"]
+    assert ask(msgspec.msgpack.encode({"op": "stats"}))["bad_requests"] == 1
