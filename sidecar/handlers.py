@@ -204,6 +204,9 @@ class Handlers:
             return None
         if self.dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
             stage = self.cache.get(keys, gpu, len(keys), hit=False)  # lower tiers -> CPU only
+            # Its evictions may have started write-backs (write_back policy):
+            # running now, they are plans in flight whose end frees CPU slots.
+            self._adopt_background()
             waiting = (self._identity, req, arrays, attempt + 1)
             if not stage.finished_on_return:
                 self._deferred[stage.plan_id] = waiting

@@ -172,14 +172,18 @@ def test_write_back_writes_to_ssd_only_on_eviction(tmp_path):
             c.save(tokens(3), np.arange(3)).wait()
             time.sleep(0.3)
             assert ssd_stats(c)["cached_blocks"] == 0
-            fill_cpu(c)
-            wait_for(
-                lambda: ssd_stats(c)["cached_blocks"] >= 3 and not c.stats()["plans_in_flight"]
-            )
-            for i in range(10):  # make room in the CPU tier: the load is then not short of slots
-                c.delete(tokens(1, start=20_000 + 100 * i))
+            for i in range(10):  # each save waits for the write-backs it set off
+                c.save(tokens(1, start=20_000 + 100 * i), np.arange(1)).wait()
+                wait_for(lambda: not c.stats()["plans_in_flight"])
+            assert ssd_stats(c)["cached_blocks"] >= 3
+            cpu = c.stats()["tiers"]["cpu"]
+            assert cpu["used_blocks"] == cpu["cached_blocks"] == cpu["capacity_blocks"]
             dst = kv(None)
             with client(s.endpoint, dst) as other:
+                # The CPU tier is full of blocks that have no SSD copy: staging
+                # the load evicts some, whose write-backs hold their slots. The
+                # load waits for those writes and delivers what lookup promised.
+                assert other.lookup(tokens(3)) == 3 * BLOCK_TOKENS
                 assert other.load(tokens(3), np.arange(20, 23)).wait() == 3 * BLOCK_TOKENS
                 assert blocks_of(dst, np.arange(20, 23)) == blocks_of(src, np.arange(3))
         assert s.stop() == 0
