@@ -578,7 +578,7 @@ class _Heartbeat:
     def _run(self) -> None:
         channel = Channel(self._client.endpoint, self._client.timeout)
         try:
-            while not self._stop.wait(max(0.05, self._client.lease_seconds / 3)):
+            while not self._stop.wait(max(0.01, self._client.lease_seconds / 3)):
                 with contextlib.suppress(SidecarUnavailable, SidecarError):
                     self._beat(channel)  # a missed beat is harmless
         finally:

@@ -293,11 +293,11 @@ class Engines:
         if not group.sessions:
             self.groups.pop(group.engine_id, None)
 
-    def expire(self, lease_seconds: float) -> None:
+    def expire(self, lease_seconds: float, now: float | None = None) -> None:
         """Drop sessions not heard from within the lease, or whose process is
         gone; free the slots of orphans whose writers are all gone (or given
         up on)."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         for session in list(self.sessions.values()):
             gone = bool(session.pid) and not _alive(session.pid)
             if gone or now - session.last_seen > lease_seconds:

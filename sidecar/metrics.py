@@ -64,8 +64,8 @@ class StatsCollector(Collector):
         )
         yield _gauge(
             "kvsidecar_loop_lapses",
-            "control-loop rounds that left the socket unread past a quarter lease "
-            "(each renewed every lease)",
+            "control-loop rounds that ran over a quarter lease beyond their wait "
+            "for requests (each renewed every lease)",
             s["loop_lapses"],
         )
         errors = GaugeMetricFamily("kvsidecar_errors", "error replies by code", labels=["code"])

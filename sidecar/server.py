@@ -108,7 +108,7 @@ class Server(Handlers):
         self._max_wait_ms = max(1, min(POLL_MS, int(config.lease_seconds * 1000 / 8)))
         """The longest wait for a request. With the busy-poll window (also at
         most an eighth of a lease), a round that lapses unnoticed leaves the
-        socket unread for under half a lease: with heartbeats every third of
+        socket unread for at most half a lease: with heartbeats every third of
         a lease, a healthy engine's lease never runs out on a stall."""
         self._loop_mark = 0.0
         """When the last round of the loop ended (monotonic seconds; 0: none yet)."""
@@ -227,10 +227,10 @@ class Server(Handlers):
             ):
                 log.warning("parent process %d exited: draining", self.parent_pid)
                 self.stopping = True
-            self.engines.expire(self.config.lease_seconds)
+            self.engines.expire(self.config.lease_seconds, now)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
-        self._loop_mark = time.monotonic()
+        self._loop_mark = now  # this round's periodic work counts in the next round's lapse
 
     def _receive(self, timeout_ms: int) -> None:
         """The socket is all there is to wait for: one blocking receive.

@@ -396,8 +396,10 @@ def test_a_sidecar_stalled_past_the_lease_does_not_expire_its_engines():
         s.cleanup()
 
 
-def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_path):
-    """The control loop stalls for under half a lease, and the engine's
+@pytest.mark.parametrize("where", ["between_rounds", "in_the_stats_snapshot"])
+def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_path, where):
+    """The control loop stalls for under half a lease (between two rounds,
+    or inside the stats snapshot that closes a round), and the engine's
     heartbeat sent meanwhile sits unread behind another request. Counting
     from the engine's last heartbeat read, its lease has run out; but the
     stall is a lapse of over a quarter lease, so every lease is renewed
@@ -416,11 +418,22 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
     running, paused, stop = threading.Event(), threading.Event(), threading.Event()
     running.set()
 
+    def hold() -> None:
+        if not running.is_set():
+            paused.set()
+            running.wait()
+
+    def stats_after_a_stall() -> dict:
+        hold()
+        return Server.stats(server)
+
+    if where == "in_the_stats_snapshot":
+        server.stats = stats_after_a_stall  # type: ignore[method-assign]
+
     def loop() -> None:
         while not stop.is_set():
-            if not running.is_set():
-                paused.set()
-                running.wait()
+            if where == "between_rounds":
+                hold()
             server.poll_once()
 
     thread = threading.Thread(target=loop, daemon=True)
