@@ -216,6 +216,12 @@ class Handlers:
             if max(counts.ssd, counts.remote) > counts.cpu and self.dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
                 # flight or by engines' open plans. Try again when a plan ends.
+                # Blocks that another plan is filling right now (another load
+                # staging the same prefix) are waited for without using up a
+                # try: their plan's end brings this load back.
+                cpu = self.cache.cpu.match(keys)
+                if cpu.num_present > cpu.num_blocks:
+                    waiting = (self._identity, req, arrays, attempt)
                 self._waiting_for_io.append(waiting)
                 self._parked_at = self.engines.num_ended
                 return None
@@ -301,7 +307,8 @@ class Handlers:
         retry, self._waiting_for_io = [*self._waiting_for_io, *ready], []
         self._parked_at = self.engines.num_ended
         for identity, req, arrays, attempt in retry:
-            self._resume(identity, req.id, functools.partial(self._load, req, arrays, attempt))
+            retried = functools.partial(self._load, req, arrays, attempt, True)  # probed once
+            self._resume(identity, req.id, retried)
         self._adopt_background()
 
     def _plan_reply(self, rid: int, session: Session, plan: Any, fields: dict) -> p.Reply:

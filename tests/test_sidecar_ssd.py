@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 
@@ -96,6 +97,13 @@ def instance(tmp_path):
     inst.cleanup()
 
 
+@pytest.fixture
+def write_back(tmp_path):
+    inst = Instance(str(tmp_path / "ssd"), "--set", "write_policy=write_back")
+    yield inst
+    inst.cleanup()
+
+
 def fill_cpu(c: KVClient, n: int = 10) -> None:
     """Save n unrelated blocks, pushing older blocks out of the 8-block CPU tier."""
     for i in range(n):
@@ -163,32 +171,76 @@ def test_a_load_short_of_cpu_slots_is_answered_once_a_cancel_frees_them(instance
     assert s.stop() == 0
 
 
-def test_write_back_writes_to_ssd_only_on_eviction(tmp_path):
-    inst = Instance(str(tmp_path / "ssd"), "--set", "write_policy=write_back")
-    try:
-        s = inst.start()
-        src = kv(2)
-        with client(s.endpoint, src) as c:
-            c.save(tokens(3), np.arange(3)).wait()
-            time.sleep(0.3)
-            assert ssd_stats(c)["cached_blocks"] == 0
-            for i in range(10):  # each save waits for the write-backs it set off
-                c.save(tokens(1, start=20_000 + 100 * i), np.arange(1)).wait()
-                wait_for(lambda: not c.stats()["plans_in_flight"])
-            assert ssd_stats(c)["cached_blocks"] >= 3
-            cpu = c.stats()["tiers"]["cpu"]
-            assert cpu["used_blocks"] == cpu["cached_blocks"] == cpu["capacity_blocks"]
-            dst = kv(None)
-            with client(s.endpoint, dst) as other:
-                # The CPU tier is full of blocks that have no SSD copy: staging
-                # the load evicts some, whose write-backs hold their slots. The
-                # load waits for those writes and delivers what lookup promised.
-                assert other.lookup(tokens(3)) == 3 * BLOCK_TOKENS
-                assert other.load(tokens(3), np.arange(20, 23)).wait() == 3 * BLOCK_TOKENS
-                assert blocks_of(dst, np.arange(20, 23)) == blocks_of(src, np.arange(3))
-        assert s.stop() == 0
-    finally:
-        inst.cleanup()
+def save_settled(c: KVClient, start: int) -> None:
+    """Save one block, then wait for the write-backs it set off."""
+    c.save(tokens(1, start=start), np.arange(1)).wait()
+    wait_for(lambda: not c.stats()["plans_in_flight"])
+
+
+def test_write_back_writes_to_ssd_only_on_eviction(write_back):
+    s = write_back.start()
+    src = kv(2)
+    with client(s.endpoint, src) as c:
+        c.save(tokens(3), np.arange(3)).wait()
+        time.sleep(0.3)
+        assert ssd_stats(c)["cached_blocks"] == 0
+        for i in range(10):
+            save_settled(c, 20_000 + 100 * i)
+        assert ssd_stats(c)["cached_blocks"] >= 3
+        cpu = c.stats()["tiers"]["cpu"]
+        assert cpu["used_blocks"] == cpu["cached_blocks"] == cpu["capacity_blocks"]
+        dst = kv(None)
+        with client(s.endpoint, dst) as other:
+            # The CPU tier is full of blocks that have no SSD copy: staging
+            # the load evicts some, whose write-backs hold their slots. The
+            # load waits for those writes and delivers what lookup promised.
+            assert other.lookup(tokens(3)) == 3 * BLOCK_TOKENS
+            assert other.load(tokens(3), np.arange(20, 23)).wait() == 3 * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(20, 23)) == blocks_of(src, np.arange(3))
+    assert s.stop() == 0
+
+
+def load_at_once(k: int, engine: KVClient, barrier: threading.Barrier, got: list) -> None:
+    """Load 2 blocks of tokens(2) into engine blocks 0-1 once every loader is ready."""
+    barrier.wait()
+    got[k] = engine.load(tokens(2), np.arange(2)).wait()
+
+
+def test_two_engines_loading_one_prefix_into_a_full_write_back_tier_both_get_it(write_back):
+    """Both stagings evict blocks whose write-backs hold the slots; the load
+    that finds the other one staging its blocks waits for that staging, not
+    for tries that unrelated write-backs use up."""
+    s = write_back.start()
+    src = kv(3)
+    with client(s.endpoint, src) as c:
+        c.save(tokens(2), np.arange(2)).wait()
+        dsts = [kv(None), kv(None)]
+        with client(s.endpoint, dsts[0]) as a, client(s.endpoint, dsts[1]) as b:
+            for r in range(8):
+                for i in range(40):  # until the tier is full and the prefix only on SSD
+                    save_settled(c, 20_000 + 1000 * r + 10 * i)
+                    cpu = c.stats()["tiers"]["cpu"]
+                    full = cpu["used_blocks"] == cpu["capacity_blocks"]
+                    if full and a.lookup_tiers(tokens(2)).cpu == 0:
+                        break
+                else:
+                    raise AssertionError("the CPU tier never filled up with the prefix out")
+                assert a.lookup(tokens(2)) == b.lookup(tokens(2)) == 2 * BLOCK_TOKENS
+                barrier = threading.Barrier(2)
+                got: list[object] = [None, None]
+                threads = [
+                    threading.Thread(target=load_at_once, args=(k, e, barrier, got))
+                    for k, e in enumerate((a, b))
+                ]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(30)
+                assert got == [2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS], f"round {r}"
+                for dst in dsts:
+                    assert blocks_of(dst, np.arange(2)) == blocks_of(src, np.arange(2))
+        wait_for(lambda: not c.stats()["plans_in_flight"])
+    assert s.stop() == 0
 
 
 def test_a_save_waiting_for_its_engine_copy_is_one_plan_in_flight(instance):
