@@ -111,7 +111,9 @@ class Server(Handlers):
         socket unread for at most half a lease: with heartbeats every third of
         a lease, a healthy engine's lease never runs out on a stall."""
         self._loop_mark = 0.0
-        """When the last round of the loop ended (monotonic seconds; 0: none yet)."""
+        """The clock reading of the last round, taken before its periodic work
+        (monotonic seconds; 0: none yet), so that work counts in the next
+        round's lapse."""
         self.num_lapses = 0
         self._busy_poll = min(config.busy_poll_us / 1e6, config.lease_seconds / 8)
         self._spin_until = 0.0
