@@ -214,7 +214,10 @@ class Engines:
         self, engine_id: str, session_id: str, kv: KVLayoutMsg, ns: Namespace, pid: int
     ) -> Session:
         """Add a rank's session (call `check_join` first). A new session for a
-        rank that has one replaces it: that rank's process restarted. A
+        rank that has one replaces it: that rank's process restarted, or
+        another process took the rank over. The old session's saves are
+        rolled back; while its process lives (or its pid is unknown here),
+        their slots stay held until it reports or goes (`orphans`). A
         session registering again as another engine or rank leaves its old
         place first, as if it had unregistered."""
         prior = self.sessions.get(session_id)
@@ -225,7 +228,7 @@ class Engines:
             group = self.groups[engine_id] = EngineGroup(engine_id, ns, kv)
         old = group.sessions.get(kv.tp_rank)
         if old is not None and old.session_id != session_id:
-            self.drop(old, "replaced by a new registration of its rank")
+            self.drop(old, "replaced by a new registration of its rank", may_write=True)
             group = self.groups.setdefault(engine_id, group)
         session = Session(session_id, group, kv.tp_rank, pid, time.monotonic())
         group.sessions[kv.tp_rank] = session
@@ -262,10 +265,10 @@ class Engines:
         back. Other ranks of a save may still be copying into its slots:
         then those slots are held until they report (`orphans`). A requester
         giving up before it reported its own copies has not handed the plan
-        to any other rank yet (KVClient.save returns it only after them)."""
+        to any other rank yet (KVClient.save returns it only after them);
+        once any rank has reported, the plan was handed out."""
         state = self.plans[plan_id]
-        reported = set().union(*state.reported.values())
-        if session.session_id == state.requester and session.rank not in reported:
+        if session.session_id == state.requester and not any(state.reported.values()):
             self.end(plan_id, cancel=True)
             return
         writers = self._writers(state, session, may_write=False)

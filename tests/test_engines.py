@@ -19,13 +19,13 @@ from sidecar.protocol import KVLayoutMsg
 SLOTS = np.array([4, 5, 6])
 
 
-def layout(rank: int) -> KVLayoutMsg:
+def layout(rank: int, tp_size: int = 2) -> KVLayoutMsg:
     return KVLayoutMsg(
         model_name="m",
         model_revision="r",
         layout="paged",
         dtype="float16",
-        tp_size=2,
+        tp_size=tp_size,
         tp_rank=rank,
         num_layers=2,
         num_kv_heads=2,
@@ -58,11 +58,13 @@ class Sidecar:
             self.pool.free(SLOTS)  # the plan's unready blocks are discarded
         self.pending = []
 
-    def ranks(self) -> list[Session]:
+    def ranks(self, tp_size: int = 2) -> list[Session]:
         pid = os.getpid()  # alive: a writer is only given up on when it reports
         return [
-            self.engines.join("tp", f"s{r}", layout(r), namespace_of(layout(r)), pid)
-            for r in range(2)
+            self.engines.join(
+                "tp", f"s{r}", layout(r, tp_size), namespace_of(layout(r, tp_size)), pid
+            )
+            for r in range(tp_size)
         ]
 
     def save_plan(self, requester: Session) -> int:
@@ -106,3 +108,30 @@ def test_the_requester_giving_up_before_its_own_copy_holds_nothing():
     plan_id = sidecar.save_plan(leader)
     sidecar.engines.give_up(leader, plan_id)
     assert not sidecar.engines.orphans and sidecar.pool.num_free == 3
+
+
+def test_a_requester_giving_up_after_another_rank_reported_keeps_the_unreported_ranks_slots():
+    """Another rank's report proves the plan was handed out: with three
+    ranks, the one that has not reported yet may still be copying."""
+    sidecar = Sidecar(deferred=False)
+    leader, middle, last = sidecar.ranks(tp_size=3)
+    plan_id = sidecar.save_plan(leader)
+    sidecar.engines.plans[plan_id].report(middle.rank, 0)
+    sidecar.engines.give_up(leader, plan_id)
+    assert set(sidecar.engines.orphans[plan_id].writers) == {last.session_id}
+    assert sidecar.pool.num_free == 0 and sidecar.pool.num_held == 3
+    sidecar.engines.writer_done(last.session_id, plan_id)
+    assert sidecar.pool.num_free == 3
+
+
+def test_a_new_session_for_a_rank_whose_old_process_lives_keeps_the_old_saves_slots():
+    """Two processes claiming one rank (a second client in a live process):
+    the old session's save is rolled back, but its slots stay held until it
+    reports or its process goes, as it may still be copying into them."""
+    sidecar = Sidecar(deferred=False)
+    leader, follower = sidecar.ranks()
+    plan_id = sidecar.save_plan(leader)
+    sidecar.engines.join("tp", "s0-again", layout(0), namespace_of(layout(0)), os.getpid())
+    assert plan_id not in sidecar.engines.plans
+    assert set(sidecar.engines.orphans[plan_id].writers) == {leader.session_id, follower.session_id}
+    assert sidecar.pool.num_free == 0 and sidecar.pool.num_held == 3

@@ -597,6 +597,21 @@ def test_delete_drops_the_blocks_from_every_tier_holding_them():
     assert_clean(g)
 
 
+@pytest.mark.parametrize("upto", [3, 1], ids=["the-whole-save", "its-first-block"])
+def test_delete_of_blocks_still_being_saved_raises_and_changes_nothing(upto):
+    """An invalidation racing a save must not report success and then see
+    the blocks land: they are busy until the save ends."""
+    g = make_global((), "write_through")
+    save = g.put(REQUEST[:3], GPU[:3])  # the engine has not reported its copy yet
+    before = state(g)
+    with pytest.raises(IndexConflict):
+        g.delete(REQUEST[:upto])
+    assert state(g) == before
+    finish(g, save)
+    assert g.delete(REQUEST[:upto]) == 4 - upto
+    assert_clean(g)
+
+
 def test_delete_of_blocks_in_use_raises_and_changes_nothing():
     g = make_global(("ssd",), "write_through")
     finish(g, g.put(REQUEST[:4], GPU[:4]))

@@ -36,7 +36,7 @@ from sidecar.control.admission import DoubleGetRule, PutQuota
 from sidecar.control.engine import CacheEngine
 from sidecar.control.graph import OpKind, TransferGraph
 from sidecar.control.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
-from sidecar.control.index import EvictedRun, MatchResult
+from sidecar.control.index import EvictedRun, IndexConflict, MatchResult
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import (
     Plan,
@@ -363,10 +363,17 @@ class GlobalCacheEngine(PlanTable):
     def delete(self, keys: BlockKeys) -> int:
         """Drop block keys[-1] and every block below it from every tier that
         holds all of `keys`; returns the blocks dropped. Raises IndexConflict
-        and changes nothing if any of them is locked or in flight."""
+        and changes nothing if any of them is locked or in flight (being
+        saved or written back: a delete must not report success and then
+        see them land)."""
         _check_request(keys, np.zeros(len(keys), dtype=np.int64))
-        tiers = [self.cpu, *self.lower.values()]
-        holding = [t for t in tiers if len(keys) and t.match(keys).num_blocks == len(keys)]
+        holding = []
+        for tier in [self.cpu, *self.lower.values()] if len(keys) else []:
+            m = tier.match(keys)
+            if m.num_blocks == len(keys):
+                holding.append(tier)
+            elif m.num_present == len(keys):
+                raise IndexConflict("the blocks are being written")
         for tier in holding:
             tier.index.check_removable(keys)
         return sum(tier.remove(keys) for tier in holding)
