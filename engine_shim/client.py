@@ -71,7 +71,9 @@ class PlanOps:
 
 class TransferHandle:
     """A load or save in flight. `wait()` returns once the sidecar has
-    acknowledged it: after a save's wait, any engine's lookup sees the blocks.
+    acknowledged it: after a save's wait, any engine's lookup sees the blocks
+    (those another engine was saving when this save was planned land with
+    that engine's save).
 
     A load into CUDA tensors returns while its copies are still queued on the
     copier's stream: `wait_layer(i)` lets the engine's stream start on layer
@@ -137,6 +139,7 @@ class KVClient:
         """The boot of the sidecar whose shm this client has mapped."""
         self._live_boot: str | None = None
         """The boot the heartbeat last heard from (set by its thread)."""
+        self._closed = False
         self.tp_rank = 0
         self._heartbeat: _Heartbeat | None = None
         self.registration = 0
@@ -182,6 +185,8 @@ class KVClient:
         tensors are registered when it does), SidecarError if it refuses
         (e.g. a layout another engine disagrees with): a client registered
         before then keeps its registration, as the sidecar does."""
+        if self._closed:
+            raise RuntimeError("this client is closed")
         planes = kv_planes(kv_layers, layout)  # TypeError / ValueError for bad tensors
         _check_geometry(kv_layers, planes.layout, tokens_per_block, num_kv_heads, head_dim)
         namespace = Namespace(
@@ -257,7 +262,7 @@ class KVClient:
             self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
         except (OSError, ShmPoolError) as err:  # that sidecar went away since it replied
             raise SidecarUnavailable(f"cannot map the sidecar's shared memory: {err}") from None
-        self._boot_id = reply["boot_id"]
+        self._boot_id = self._live_boot = reply["boot_id"]
 
     def _open_copier(self, reply: dict[str, Any]) -> None:
         """The copier between the registered tensors and the mapped pool."""
@@ -273,10 +278,12 @@ class KVClient:
     def _call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[dict, list[bytes]]:
         """A request on this session; re-registers once if the sidecar forgot us."""
         if self._register_args is None:
-            raise RuntimeError("register() first")
-        if self._copier is None:
-            # The last Register got no reply in time: the sidecar may know the
-            # session all the same, but the pool is not mapped here yet.
+            raise RuntimeError("this client is closed" if self._closed else "register() first")
+        if self._copier is None or self._live_boot not in (None, self._boot_id):
+            # The last Register got no reply in time (the sidecar may know the
+            # session all the same, but the pool is not mapped here yet), or
+            # the heartbeat met a restarted sidecar: map its pool now, and
+            # unmap the old one, whose RAM this mapping alone keeps.
             self._register()
         try:
             return self._channel.call(request, arrays)
@@ -385,7 +392,9 @@ class KVClient:
         return reply["stats"]  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        """Unregister (best effort), stop heartbeats, unmap the shm. Idempotent."""
+        """Unregister (best effort), stop heartbeats, unmap the shm. Idempotent.
+        Not while another thread uses this client (a client is one thread's)."""
+        self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -491,7 +500,10 @@ class KVClient:
         return self._channel.send(self._req(p.Complete, plan_id=plan.plan_id, op_ids=op_ids))
 
     def _check_boot(self, plan: PlanOps) -> None:
-        if plan.boot_id != self._boot_id:
+        """SidecarUnavailable if the sidecar that made `plan` has restarted
+        since (seen by this thread, or by the heartbeat): nothing is told a
+        sidecar that does not know the plan."""
+        if plan.boot_id != self._boot_id or self._live_boot not in (None, plan.boot_id):
             raise SidecarUnavailable(
                 f"plan {plan.plan_id} was made by a sidecar that has restarted since"
             )

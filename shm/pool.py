@@ -15,8 +15,9 @@ faster here than into scattered 4 KiB pages. Their names (`shm.names`) tell
 Lifetimes:
 - Mappings live as long as the pool object (or the last `slot_view` /
   `segment_view` array taken from it): `close()` unmaps at once when no such
-  array is alive, otherwise the mapping goes with the last of them. No fd is
-  kept open: each is closed right after its segment is mapped.
+  array is alive, otherwise the mapping goes with the last of them. Our fd
+  of each segment is closed right after it is mapped; Python's mmap keeps a
+  duplicate of it open until the mapping is closed.
 - Segments (names in /dev/shm, or files) outlive every process until unlinked. The
   creator unlinks them (`unlink()`, or leaving a `with` block of a created
   pool). Attached pools never unlink. A sidecar that died without unlinking

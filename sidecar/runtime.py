@@ -86,17 +86,25 @@ class InstanceLock:
     def __init__(self, paths: InstancePaths) -> None:
         ensure_runtime_dir(paths.runtime_dir)
         self.path = paths.lock_path
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(fd)
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                os.close(fd)
+                raise InstanceRunning(
+                    f"sidecar instance {paths.instance!r} is already running"
+                    + (f" (pid {holder})" if holder else "")
+                    + f"; stop it or pick another --instance (lock: {self.path})"
+                ) from None
+            if _same_file(fd, self.path):
+                break
+            # The owner released it between our open and our flock: we hold
+            # a lock on a removed file, which locks nobody out. Again.
             os.close(fd)
-            raise InstanceRunning(
-                f"sidecar instance {paths.instance!r} is already running"
-                + (f" (pid {holder})" if holder else "")
-                + f"; stop it or pick another --instance (lock: {self.path})"
-            ) from None
+        else:
+            raise InstanceRunning(f"could not lock {self.path}: it keeps being replaced")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd: int | None = fd
@@ -110,6 +118,16 @@ class InstanceLock:
         finally:
             os.close(self._fd)  # closing the fd drops the flock
             self._fd = None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open at `fd`."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
 def _read_pid(fd: int) -> int | None:

@@ -141,13 +141,13 @@ class Server(Handlers):
         CPU tier and bind. On failure, undo what was done and re-raise."""
         try:
             self.lock = InstanceLock(self.paths)
-            stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
-            if stale:
-                log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
             socket_file = self.endpoint.removeprefix("ipc://")
             if self.endpoint.startswith("ipc://") and not socket_file.startswith("@"):
                 _claim_socket_file(socket_file)  # the lock covers the default path only
                 self._socket_file = socket_file
+            stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
+            if stale:
+                log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
             self.pool = ShmPool.create(
                 self.paths.shm_prefix,
                 self.capacity,

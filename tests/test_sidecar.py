@@ -26,6 +26,7 @@ from bench.hugepages import HugePagesUnavailable, thp_tmpfs
 from engine_shim import SidecarError, SidecarUnavailable
 from engine_shim.channel import Channel
 from sidecar import protocol as p
+from sidecar import runtime
 from sidecar.cli import main as cli_main
 from sidecar.config import load_config
 from sidecar.server import Server
@@ -88,6 +89,34 @@ def test_a_second_sidecar_with_the_same_name_refuses_to_start(sidecar):
     with pytest.raises(RuntimeError, match="already running"):
         twin.start()
     assert sidecar.proc.poll() is None and stats_of(sidecar)["pid"] == sidecar.proc.pid
+
+
+def test_a_lock_file_released_between_open_and_flock_is_not_taken_as_ours(tmp_path, monkeypatch):
+    """A sidecar stopping (it unlinks its lock file, then drops the flock)
+    while a new one has opened that file but not yet locked it: the new one
+    must not own the instance through a lock on a removed file, or a third
+    would lock a fresh file too, take the live one's segments for a dead
+    sidecar's and remove them."""
+    paths = runtime.InstancePaths(tmp_path, f"t{os.getpid()}-lockrace")
+    first = runtime.InstanceLock(paths)
+    real_flock, calls = runtime.fcntl.flock, []
+
+    def flock_after_the_owner_released(fd: int, op: int) -> None:
+        if not calls:
+            first.release()  # the stopping owner: unlink, then close (unlock)
+        calls.append(fd)
+        real_flock(fd, op)
+
+    monkeypatch.setattr(runtime.fcntl, "flock", flock_after_the_owner_released)
+    second = runtime.InstanceLock(paths)
+    monkeypatch.undo()
+    try:
+        assert len(calls) == 2  # the removed file's lock was dropped and the path locked anew
+        assert paths.lock_path.read_text().strip() == str(os.getpid())
+        with pytest.raises(runtime.InstanceRunning):
+            runtime.InstanceLock(paths)
+    finally:
+        second.release()
 
 
 def test_same_name_in_another_runtime_dir_leaves_the_first_sidecar_alone(sidecar):
@@ -768,6 +797,70 @@ def test_a_plan_from_before_a_sidecar_restart_is_refused(sidecar):
     finally:
         follower.close()
         leader.close()
+
+
+def _mapped_segments() -> list[str]:
+    """'inode path' of each kvsidecar shm segment this process maps."""
+    with open("/proc/self/maps") as maps:
+        fields = [line.split(None, 5) for line in maps if "kvsidecar." in line]
+    return sorted({f"{f[4]} {f[5].strip()}" for f in fields})
+
+
+def test_an_engine_making_only_lookups_unmaps_a_restarted_sidecars_old_pool(tmp_path):
+    """After a restart the heartbeat registers with the new sidecar; the
+    engine's next call of any kind (a lookup here: every lookup misses, so
+    no load runs) maps the new pool and unmaps the old one, whose RAM the
+    engine's mapping alone would keep."""
+    s = Sidecar(lease=0.6).start()
+    client = connect(s.endpoint, make_kv(12))
+    try:
+        assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        old = _mapped_segments()
+        assert old and not any("(deleted)" in m for m in old)
+        s.kill()
+        s.start()
+        wait_for(lambda: len(stats_of(s)["engines"]) == 1)  # the heartbeat re-registered
+        assert client.lookup(tokens(2)) == 0
+        now = _mapped_segments()
+        assert not any("(deleted)" in m for m in now) and now != old
+    finally:
+        client.close()
+        s.stop()
+
+
+def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_error(sidecar):
+    """A load's copies still queued (a GPU load) when the sidecar restarts
+    and the heartbeat meets the new one: `wait()` must not report the plan
+    to a sidecar that never made it."""
+    with connect(sidecar.endpoint, make_kv(13), timeout=0.5) as client:
+        assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        handle = client.load(tokens(2), np.arange(2, 4))
+        assert handle.plan is not None
+        handle._ack, handle._copies = None, [_Landed()]  # as a GPU load before its wait
+        sidecar.kill()
+        sidecar.start()
+        wait_for(lambda: len(stats_of(sidecar)["engines"]) == 1)
+        with pytest.raises(SidecarUnavailable, match="restarted since"):
+            handle.wait()
+        assert "unknown_plan" not in stats_of(sidecar)["errors"]
+
+
+class _Landed:
+    """A queued copy that has landed."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_closed_client_says_so_and_registers_nothing(sidecar):
+    client = connect(sidecar.endpoint, make_kv(14))
+    client.close()
+    for call in (lambda: client.lookup(tokens(1)), lambda: client.save(tokens(1), [0])):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    with pytest.raises(RuntimeError, match="closed"):
+        client.register(make_kv(14), **sp.MODEL)
+    assert client._register_args is None and stats_of(sidecar)["engines"] == []
 
 
 def test_shm_gone_between_a_register_reply_and_its_mapping_is_unavailable(sidecar):
