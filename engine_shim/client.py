@@ -264,6 +264,11 @@ class KVClient:
             raise SidecarUnavailable(f"cannot map the sidecar's shared memory: {err}") from None
         self._boot_id = self._live_boot = reply["boot_id"]
 
+    def _pool_is_stale(self) -> bool:
+        """The heartbeat met a sidecar other than the one whose pool is mapped
+        here (it restarted): the next call or plan maps the new pool."""
+        return self._live_boot not in (None, self._boot_id)
+
     def _open_copier(self, reply: dict[str, Any]) -> None:
         """The copier between the registered tensors and the mapped pool."""
         kv = self._register_args["kv"]  # type: ignore[index]
@@ -279,7 +284,7 @@ class KVClient:
         """A request on this session; re-registers once if the sidecar forgot us."""
         if self._register_args is None:
             raise RuntimeError("this client is closed" if self._closed else "register() first")
-        if self._copier is None or self._live_boot not in (None, self._boot_id):
+        if self._copier is None or self._pool_is_stale():
             # The last Register got no reply in time (the sidecar may know the
             # session all the same, but the pool is not mapped here yet), or
             # the heartbeat met a restarted sidecar: map its pool now, and
@@ -462,7 +467,7 @@ class KVClient:
         copies have landed (at once for CPU tensors; GPU: `handle.wait()`)."""
         if plan is None:
             return TransferHandle(self, None, num_tokens, None)
-        if plan.boot_id != self._boot_id or self._live_boot not in (None, self._boot_id):
+        if plan.boot_id != self._boot_id or self._pool_is_stale():
             # The sidecar restarted since this client mapped its shm (the
             # heartbeat registered the session with the new one): map it now.
             self._register()

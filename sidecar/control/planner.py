@@ -367,8 +367,10 @@ class GlobalCacheEngine(PlanTable):
         saved or written back: a delete must not report success and then
         see them land)."""
         _check_request(keys, np.zeros(len(keys), dtype=np.int64))
+        if len(keys) == 0:
+            return 0
         holding = []
-        for tier in [self.cpu, *self.lower.values()] if len(keys) else []:
+        for tier in (self.cpu, *self.lower.values()):
             m = tier.match(keys)
             if m.num_blocks == len(keys):
                 holding.append(tier)
