@@ -16,7 +16,7 @@ import functools
 from pathlib import Path
 
 LIB_PATH = Path(__file__).resolve().parent / "libkvcopy.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # Errors meaning "no usable GPU here" rather than "this call was wrong".
 UNAVAILABLE_ERRORS = frozenset(
@@ -33,6 +33,7 @@ UNAVAILABLE_ERRORS = frozenset(
     }
 )
 HOST_ALREADY_REGISTERED = "cudaErrorHostMemoryAlreadyRegistered"
+NOT_READY = 600  # cudaErrorNotReady: what kv_event_query returns for pending work
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -51,7 +52,21 @@ _SIGNATURES: dict[str, tuple[type | None, tuple]] = {
     "kv_host_device_pointer": (_I, (_I, _P, ctypes.POINTER(_P))),
     "kv_host_unregister": (_I, (_P,)),
     "kv_stage_index": (_I, (_P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I, _P, _P)),
-    "kv_copy_sm": (_I, (_I, _P, _P, _I64, _I64, _I64, _I64, _I, _I, _P)),
+    "kv_ops_create": (
+        _I,
+        (_I, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, ctypes.POINTER(_P)),
+    ),
+    "kv_ops_destroy": (_I, (_P,)),
+    "kv_ops_run": (
+        _I,
+        (_P, _P, _P, _I64, _P, _I64, _I64, _P, _I, _P, _P, _I64, _P, ctypes.POINTER(_I)),
+    ),
+    "kv_index_ring": (_I, ()),
+    "kv_event_record_new": (_I, (_I, _P, ctypes.POINTER(_P))),
+    "kv_events_destroy": (_I, (_P, _I64)),
+    "kv_stream_wait_event": (_I, (_P, _P)),
+    "kv_event_synchronize": (_I, (_P,)),
+    "kv_event_query": (_I, (_P,)),
     "kv_copy_dma": (
         _I,
         (_I, _P, _P, _SZ, _SZ, _I, _P, ctypes.POINTER(_I), ctypes.POINTER(_I)),

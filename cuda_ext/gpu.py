@@ -43,8 +43,8 @@ from shm.layout import BlockLayout
 from shm.pool import ShmPool
 
 PATHS = ("auto", "sm", "dma")
-# Not yet measured on a GPU (docs/gpu.md): per-copy DMA setup costs a few
-# microseconds, so below ~1 MiB per chunk the kernel is expected to win.
+# Measured on an H100 (docs/gpu.md): alone, the kernel is faster for chunks
+# of 4 to 192 KiB, the copy engines for 2 MiB ones (a cross-layer block).
 DMA_MIN_CHUNK_BYTES = 1 << 20
 # The sm path's CTAs per launch (256 threads, 16 KiB in flight each), fewer
 # than the SMs on purpose: PCIe, not the SMs, limits the copy, and a CTA holds
@@ -95,99 +95,82 @@ class _Registrations:
 _REGISTRATIONS = _Registrations()
 
 
-class _IndexUploads:
-    """An sm op's block ids and slot addresses go to the GPU through a few
-    pinned host buffers used in turn and one device buffer, all kept for the
-    copier's life: a fresh pinned tensor and device tensor per op cost ~0.1 ms
-    of host time before the kernel could start (measured on an H100 host).
+# An sm op's index (block ids, then slot device addresses) goes through
+# pinned host buffers and one device buffer that libkvcopy keeps for the
+# copier's life (kv_ops_create), starting at this many int64s (2,048 blocks)
+# and growing as ops need: a fresh pinned and device tensor per op cost ~0.1
+# ms of host time before the kernel could start (measured on an H100 host).
+INDEX_MIN_ENTRIES = 4096
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    The device buffer is only ever written by a copy queued on the copier's
-    stream, so that copy runs after every kernel that read the previous
-    index. A host buffer may be rewritten once the copy that read it has run:
-    each has an event, waited for (almost always long past) before reuse."""
 
-    RING = 8
-    MIN_ENTRIES = 4096  # int64s per buffer at first: 2,048 blocks
-
-    def __init__(self, device: torch.device, stream: torch.cuda.Stream) -> None:
-        self._device, self._stream = device, stream
-        self._host: list[torch.Tensor] = []
-        self._host_np: list[np.ndarray] = []
-        self._copied: list[torch.cuda.Event] = []
-        self._turn = 0
-        self._dev = torch.empty(0, dtype=torch.int64, device=device)
-
-    def reserve(self, n: int) -> np.ndarray:
-        """The next pinned host buffer's first n int64s to fill, once no
-        queued copy reads that buffer any more."""
-        if n > self._dev.numel():
-            self._grow(n)
-        self._turn = (self._turn + 1) % self.RING
-        self._copied[self._turn].synchronize()
-        return self._host_np[self._turn][:n]
-
-    def send(self, n: int) -> torch.Tensor:
-        """Queue the copy of the reserved buffer's first n int64s to the
-        device array the kernel reads; call with the stream current."""
-        index = self._dev[:n]
-        index.copy_(self._host[self._turn][:n], non_blocking=True)
-        self._copied[self._turn].record(self._stream)
-        return index
-
-    def _grow(self, n: int) -> None:
-        for event in self._copied:  # no queued copy still reads the old buffers
-            event.synchronize()
-        size = max(n, 2 * self._dev.numel(), self.MIN_ENTRIES)
-        self._host = [
-            torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(self.RING)
-        ]
-        self._host_np = [host.numpy() for host in self._host]
-        self._copied = [torch.cuda.Event() for _ in range(self.RING)]
-        # Allocated on the copier's stream: the caching allocator hands the old
-        # buffer to nothing else until the kernels queued there have read it.
-        self._dev = torch.empty(size, dtype=torch.int64, device=self._device)
+def _current_stream(device: int) -> int:
+    """The raw cudaStream_t of the current stream of `device`."""
+    if _RAW_STREAM is not None:
+        return int(_RAW_STREAM(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
 class GpuCopyHandle:
-    """A copy queued on a copier's stream; one CUDA event per group of planes."""
+    """A copy queued on a copier's stream; one CUDA event per group of planes
+    (libkvcopy's, destroyed with the handle)."""
 
-    def __init__(
-        self, device: torch.device, events: list, event_of_layer: list[int], keep: list
-    ) -> None:
+    def __init__(self, device: torch.device, events: np.ndarray, event_of_layer: list[int]) -> None:
         self._device = device
-        self._events = events
+        self._index = device.index if device.index is not None else 0
+        self._lib = _lib.load()
+        self._events = events  # uint64 cudaEvent_t handles, in plane order
         self._event_of_layer = event_of_layer
-        self._keep = keep  # device index arrays and DMA address lists, alive until done
 
     def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current stream) wait until model layer
         `layer` has landed; returns at once. Layers land in order."""
-        self._stream(stream).wait_event(self._events[self._event(layer)])
+        self._wait(self._events[self._event(layer)], stream)
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: the current one) wait for the whole copy."""
-        self._stream(stream).wait_event(self._events[-1])
+        self._wait(self._events[-1], stream)
 
     def synchronize_layer(self, layer: int) -> None:
         """Block the host until layer `layer` has landed."""
-        self._events[self._event(layer)].synchronize()
+        event = self._events[self._event(layer)]
+        _lib.check(self._lib.kv_event_synchronize(int(event)), "cudaEventSynchronize")
 
     def synchronize(self) -> None:
         """Block the host until the whole copy is done."""
-        self._events[-1].synchronize()
-        self._keep = []
+        _lib.check(self._lib.kv_event_synchronize(int(self._events[-1])), "cudaEventSynchronize")
 
     def query(self) -> bool:
         """Whether the whole copy is done."""
-        return bool(self._events[-1].query())
+        return self._query(self._events[-1])
+
+    def query_layer(self, layer: int) -> bool:
+        """Whether model layer `layer` has landed."""
+        return self._query(self._events[self._event(layer)])
+
+    def _query(self, event: np.uint64) -> bool:
+        code = self._lib.kv_event_query(int(event))
+        if code == _lib.NOT_READY:
+            return False
+        _lib.check(code, "cudaEventQuery")
+        return True
+
+    def _wait(self, event: np.uint64, stream: torch.cuda.Stream | None) -> None:
+        raw = _current_stream(self._index) if stream is None else int(stream.cuda_stream)
+        _lib.check(self._lib.kv_stream_wait_event(raw, int(event)), "cudaStreamWaitEvent")
 
     def _event(self, layer: int) -> int:
         if isinstance(layer, bool) or not 0 <= layer < len(self._event_of_layer):
             raise ValueError(f"layer {layer} out of range 0..{len(self._event_of_layer) - 1}")
         return self._event_of_layer[layer]
 
-    def _stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self._device) if stream is None else stream
+    def __del__(self) -> None:
+        # Destroying an event still pending is allowed: CUDA frees it once it
+        # completes, and streams already waiting on it still wait.
+        events = getattr(self, "_events", None)
+        if events is not None and events.size:
+            self._events = events[:0]
+            self._lib.kv_events_destroy(events.ctypes.data, events.size)
 
 
 class GpuBlockCopier:
@@ -223,19 +206,13 @@ class GpuBlockCopier:
         self.device = planes.device
         self._index = self.device.index if self.device.index is not None else 0
         self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
-        self._ready = torch.cuda.Event()  # reused: where the caller's stream stood
+        self._stream_ptr = int(self.stream.cuda_stream)
+        self._ready = torch.cuda.Event()  # the dma path's: where the caller's stream stood
         # One op's upload and launches at a time: another thread's upload
         # between them would overwrite the index they read.
         self._enqueue = threading.Lock()
-        with torch.cuda.stream(self.stream):
-            self._indexes = _IndexUploads(self.device, self.stream)
         self._lib = _lib.load()
         self._plane_addrs = np.array([p.data_ptr() for p in planes.planes], dtype=np.uint64)
-        with torch.cuda.stream(self.stream):
-            self._plane_addrs_dev = torch.from_numpy(self._plane_addrs.view(np.int64)).to(
-                self.device
-            )
-        self.stream.synchronize()
         self.sm_capable = planes.chunk_bytes % 16 == 0 and not (self._plane_addrs % 16).any()
         if max_ctas is not None and (isinstance(max_ctas, bool) or max_ctas < 1):
             raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
@@ -250,6 +227,7 @@ class GpuBlockCopier:
         self.batch_error: str | None = None
         """Why cudaMemcpyBatchAsync was given up, if it was."""
         self.closed = False
+        self._ops = ctypes.c_void_p(0)  # libkvcopy's sm-path state (kv_ops_create)
         self._pins = [pool.segment_view(i) for i in range(len(pool.segment_sizes))]
         self._registered: list[tuple[int, int]] = []
         start = time.perf_counter()
@@ -259,14 +237,31 @@ class GpuBlockCopier:
                 for pin in self._pins:
                     devs.append(_REGISTRATIONS.acquire(self._index, pin.ctypes.data, pin.nbytes))
                     self._registered.append((pin.ctypes.data, pin.nbytes))
+            self.register_seconds = time.perf_counter() - start
+            """How long pinning and mapping the pool took (0 if done earlier in this process)."""
+            self._host_bases = np.array([pin.ctypes.data for pin in self._pins], dtype=np.uint64)
+            self._dev_bases = np.array(devs, dtype=np.uint64)
+            if self.sm_capable:
+                code = self._lib.kv_ops_create(
+                    self._index,
+                    self._stream_ptr,
+                    self._plane_addrs.ctypes.data,
+                    self._plane_addrs.size,
+                    planes.chunk_bytes,
+                    planes.num_blocks,
+                    self._dev_bases.ctypes.data,
+                    self._dev_bases.size,
+                    self._ctas[True],
+                    self._ctas[False],
+                    INDEX_MIN_ENTRIES,
+                    ctypes.byref(self._ops),
+                )
+                _lib.check(code, "the sm path's set-up (kv_ops_create)")
         except BaseException:
             self.close()
             raise
-        self.register_seconds = time.perf_counter() - start
-        """How long pinning and mapping the pool took (0 if done earlier in this process)."""
-        self._host_bases = np.array([pin.ctypes.data for pin in self._pins], dtype=np.uint64)
-        self._dev_bases = np.array(devs, dtype=np.uint64)
         self._slot_maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._group_cache: dict[tuple[bool, int, int], tuple[np.ndarray, list[int]]] = {}
 
     def save(
         self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, *, path: str | None = None
@@ -314,9 +309,15 @@ class GpuBlockCopier:
         self.closed = True
         try:
             self.stream.synchronize()
-        finally:  # unpinned even after a CUDA error, each in turn; the first error is raised
-            registered, self._registered, self._pins = self._registered, [], []
+        finally:  # freed and unpinned even after a CUDA error; the first error is raised
             errors = []
+            ops, self._ops = self._ops, ctypes.c_void_p(0)
+            if ops.value:
+                try:
+                    _lib.check(self._lib.kv_ops_destroy(ops), "kv_ops_destroy")
+                except _lib.CudaError as err:
+                    errors.append(err)
+            registered, self._registered, self._pins = self._registered, [], []
             with torch.cuda.device(self.device):
                 for address, nbytes in registered:
                     try:
@@ -343,90 +344,103 @@ class GpuBlockCopier:
         path: str | None,
         layer_events: bool,
     ) -> GpuCopyHandle:
+        """An sm op is one libkvcopy call that checks the ids, uploads the
+        index and queues the launches (kv_ops_run); whatever it refuses goes
+        through check_request, which says what is wrong. Bad arguments raise
+        before anything is queued."""
         if self.closed:
             raise RuntimeError("the copier is closed")
-        path = self.choose_path(path)
-        keep: list = []
-        caller = torch.cuda.current_stream(self.device)
-        # libkvcopy selects the device itself; being current already, it never
-        # switches the engine thread's context.
-        with self._enqueue, torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            # Bad arguments raise here, before anything is queued.
-            index, request = None, None
-            if path == "sm":
-                n = self._stage(block_ids, slots, layout, rank, save)
-                index = self._indexes.send(2 * n) if n else None
-            else:
-                request = check_request(
-                    self.planes, self.pool, block_ids, slots, layout, rank, save=save
-                )
-                n = int(request.blocks.size)
-            groups, event_of_layer = self._groups(layer_events, n)
-            events = [torch.cuda.Event() for _ in groups]
-            self._ready.record(caller)  # the op runs after what the caller queued
-            self.stream.wait_event(self._ready)
-            for (begin, end), event in zip(groups, events, strict=True):
-                if index is not None:
-                    self._launch_sm(index, n, begin, end, save)
-                elif request is not None and n:
-                    keep.append(self._launch_dma(request, begin, end, save))
-                event.record(self.stream)
-        keep.append(index)
-        return GpuCopyHandle(self.device, events, event_of_layer, keep)
-
-    def _groups(self, layer_events: bool, n: int) -> tuple[list[tuple[int, int]], list[int]]:
-        """Plane ranges launched one after another, and which range completes
-        each layer: whole layers, at least load_group_bytes of n blocks each."""
-        ends = self.planes.layer_ends
-        if not layer_events:
-            return [(0, len(self.planes.planes))], [0] * len(ends)
-        distinct = sorted(set(ends))
-        plane_bytes = n * self.planes.chunk_bytes
-        groups: list[tuple[int, int]] = []
-        begin = 0
-        for end in distinct:
-            if (end - begin) * plane_bytes >= self.load_group_bytes or end == distinct[-1]:
-                groups.append((begin, end))
-                begin = end
-        group_ends = [end for _, end in groups]
-        return groups, [next(i for i, g in enumerate(group_ends) if g >= e) for e in ends]
-
-    def _slot_addresses(self, request: CopyRequest, bases: np.ndarray) -> np.ndarray:
-        return bases[request.segments] + request.offsets.astype(np.uint64)
-
-    def _stage(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, save: bool) -> int:
-        """Check an sm op's arguments and write its index (block ids, then
-        slot device addresses) into the next pinned buffer; the block count.
-        One libkvcopy call does it for int64-able id arrays; anything it
-        refuses goes through check_request, which says what is wrong."""
+        if self.choose_path(path) == "dma":
+            request = check_request(
+                self.planes, self.pool, block_ids, slots, layout, rank, save=save
+            )
+            return self._run_dma(request, save, layer_events)
         check_layout(self.planes, layout, rank)
         blocks, slot_ids = _int64_ids(block_ids), _int64_ids(slots)
-        if blocks is not None and slot_ids is not None and blocks.size == slot_ids.size:
-            n = int(blocks.size)
-            out = self._indexes.reserve(2 * n)
-            seg_slots, seen = self._slot_map(layout.slot_stride)
-            code = self._lib.kv_stage_index(
+        if blocks is None or slot_ids is None or blocks.size != slot_ids.size:
+            check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
+            blocks = slot_ids = np.zeros(0, np.int64)  # it passed: no ids at all
+        n = int(blocks.size)
+        seg_slots, seen = self._slot_map(layout.slot_stride)
+        group_ends, event_of_layer = self._groups(layer_events, n)
+        events = np.zeros(group_ends.size, np.uint64)
+        refused = ctypes.c_int(0)
+        with self._enqueue:
+            code = self._lib.kv_ops_run(
+                self._ops,
                 blocks.ctypes.data,
                 slot_ids.ctypes.data,
                 n,
-                self.planes.num_blocks,
                 seg_slots.ctypes.data,
-                self._dev_bases.ctypes.data,
-                seg_slots.size,
                 layout.slot_stride,
                 rank * layout.shard_bytes,
-                2 if save else 1,
                 seen.ctypes.data,
-                out.ctypes.data,
+                int(save),
+                _current_stream(self._index),
+                group_ends.ctypes.data,
+                group_ends.size,
+                events.ctypes.data,
+                ctypes.byref(refused),
             )
-            if code == 0:
-                return n
-        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
-        n = int(request.blocks.size)  # valid after all: numpy writes the index
-        out = self._indexes.reserve(2 * n)
-        out[:n] = request.blocks
-        out[n:] = self._slot_addresses(request, self._dev_bases).view(np.int64)
-        return n
+        _lib.check(code, "copy_chunks op (kv_ops_run)")
+        if refused.value:
+            check_request(self.planes, self.pool, blocks, slot_ids, layout, rank, save=save)
+            raise RuntimeError(
+                f"libkvcopy refused ids that check_request accepts (code {refused.value})"
+            )
+        return GpuCopyHandle(self.device, events, event_of_layer)
+
+    def _run_dma(self, request: CopyRequest, save: bool, layer_events: bool) -> GpuCopyHandle:
+        n = int(request.blocks.size)
+        group_ends, event_of_layer = self._groups(layer_events, n)
+        events = np.zeros(group_ends.size, np.uint64)
+        caller = torch.cuda.current_stream(self.device)
+        with self._enqueue:
+            self._ready.record(caller)  # the op runs after what the caller queued
+            self.stream.wait_event(self._ready)
+            try:
+                begin = 0
+                for g, end in enumerate(group_ends.tolist()):
+                    if n:
+                        self._launch_dma(request, begin, end, save)
+                    event = ctypes.c_void_p(0)
+                    code = self._lib.kv_event_record_new(
+                        self._index, self._stream_ptr, ctypes.byref(event)
+                    )
+                    _lib.check(code, "cudaEventRecord")
+                    events[g], begin = event.value or 0, end
+            except BaseException:
+                self._lib.kv_events_destroy(events.ctypes.data, events.size)
+                raise
+        return GpuCopyHandle(self.device, events, event_of_layer)
+
+    def _groups(self, layer_events: bool, n: int) -> tuple[np.ndarray, list[int]]:
+        """Where each launch's plane range ends (int64), one range after
+        another from plane 0, and which range completes each layer: whole
+        layers, at least load_group_bytes of n blocks each."""
+        key = (layer_events, n, self.load_group_bytes)
+        found = self._group_cache.get(key)
+        if found is not None:
+            return found
+        ends = self.planes.layer_ends
+        if not layer_events:
+            group_ends, event_of_layer = [len(self.planes.planes)], [0] * len(ends)
+        else:
+            distinct = sorted(set(ends))
+            plane_bytes = n * self.planes.chunk_bytes
+            group_ends, begin = [], 0
+            for end in distinct:
+                if (end - begin) * plane_bytes >= self.load_group_bytes or end == distinct[-1]:
+                    group_ends.append(end)
+                    begin = end
+            event_of_layer = [next(i for i, g in enumerate(group_ends) if g >= e) for e in ends]
+        if len(self._group_cache) >= 64:
+            self._group_cache.clear()
+        found = self._group_cache[key] = (np.array(group_ends, np.int64), event_of_layer)
+        return found
+
+    def _slot_addresses(self, request: CopyRequest, bases: np.ndarray) -> np.ndarray:
+        return bases[request.segments] + request.offsets.astype(np.uint64)
 
     def _slot_map(self, stride: int) -> tuple[np.ndarray, np.ndarray]:
         """Per slot stride: slots in each pool segment, and a zeroed bitmap
@@ -438,23 +452,8 @@ class GpuBlockCopier:
             found = self._slot_maps[stride] = (seg_slots, np.zeros(bits // 8 + 1, np.uint8))
         return found
 
-    def _launch_sm(self, index: torch.Tensor, n: int, begin: int, end: int, save: bool) -> None:
-        code = self._lib.kv_copy_sm(
-            self._index,
-            self._plane_addrs_dev.data_ptr(),
-            index.data_ptr(),
-            n,
-            begin,
-            end,
-            self.planes.chunk_bytes,
-            int(save),
-            self._ctas[save],
-            self.stream.cuda_stream,
-        )
-        _lib.check(code, "copy_chunks kernel launch")
-
-    def _launch_dma(self, request: CopyRequest, begin: int, end: int, save: bool) -> list:
-        """One copy per (plane, block), plane-major; returns the address arrays."""
+    def _launch_dma(self, request: CopyRequest, begin: int, end: int, save: bool) -> None:
+        """One copy per (plane, block) of planes [begin, end), plane-major."""
         chunk = np.uint64(self.planes.chunk_bytes)
         blocks = request.blocks.astype(np.uint64)
         gpu = self._plane_addrs[begin:end, None] + blocks[None, :] * chunk
@@ -470,7 +469,7 @@ class GpuBlockCopier:
             self.planes.chunk_bytes,
             srcs.size,
             int(self._try_batch),
-            self.stream.cuda_stream,
+            self._stream_ptr,
             ctypes.byref(used),
             ctypes.byref(batch_error),
         )
@@ -479,7 +478,6 @@ class GpuBlockCopier:
             self._try_batch = False
             self.batch_error = _lib.error_name(batch_error.value)
         self.dma_kind = "batch" if used.value else "loop"
-        return [srcs, dsts]
 
 
 def _int64_ids(values: Any) -> np.ndarray | None:

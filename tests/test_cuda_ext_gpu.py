@@ -26,7 +26,7 @@ from kv_helpers import (  # noqa: E402
     why_no_gpu,
 )
 
-from cuda_ext import gpu  # noqa: E402
+from cuda_ext import _lib, gpu  # noqa: E402
 from cuda_ext.gpu import GpuBlockCopier  # noqa: E402
 from cuda_ext.layouts import LAYOUTS, kv_planes  # noqa: E402
 
@@ -86,8 +86,14 @@ def test_bad_ids_are_rejected_before_any_launch(pool):
                 copier.save(blocks, slots, layout, 0)
             with pytest.raises(ValueError, match="out of range"):
                 copier.load(blocks, slots, layout, 0)
+        with pytest.raises(ValueError, match="slots repeat"):
+            copier.save([0, 1], [2, 2], layout, 0)
+        with pytest.raises(ValueError, match="block_ids repeat"):
+            copier.load([3, 3], [0, 1], layout, 0)
         with pytest.raises(ValueError, match="rank"):
             copier.save([0], [0], layout, 1)
+        with pytest.raises(ValueError, match="1-D"):
+            copier.save([[0]], [[0]], layout, 0)
         assert copier.stream.query()
     assert (pool.segment_view(0) == SENTINEL).all()
 
@@ -125,7 +131,7 @@ def test_layer_events_complete_in_layer_order(pool):
         seen = []
         deadline = time.monotonic() + 30
         while not handle.query() and time.monotonic() < deadline:
-            seen.append([bool(e.query()) for e in handle._events])
+            seen.append([handle.query_layer(layer) for layer in range(layers)])
         assert len(handle._events) == layers
         for states in seen:  # done layers always form a prefix
             assert states == sorted(states, reverse=True), states
@@ -168,15 +174,37 @@ def test_a_save_waits_for_work_queued_on_the_engine_stream(pool):
         assert (pool.slot_view(0, layout.slot_stride)[: planes.chunk_bytes] == 7).all()
 
 
+def test_ops_follow_the_callers_current_stream_and_empty_ops_complete(pool):
+    """The op waits for what the engine queued on its own (non-default)
+    stream; an op of no blocks still gives a handle that completes."""
+    planes = gpu_planes("vllm_flash", logical_kv(torch.float16, seed=9))
+    layout = planes.block_layout()
+    engine = torch.cuda.Stream()
+    with GpuBlockCopier(planes, pool) as copier, torch.cuda.stream(engine):
+        torch.cuda._sleep(100_000_000)
+        planes.planes[1][4].fill_(5)
+        copier.save([4], [3], layout, 0).synchronize()
+        start = layout.offset(0, 1)
+        got = pool.slot_view(3, layout.slot_stride)[start : start + planes.chunk_bytes]
+        assert (got == 5).all()
+        for op in (copier.save, copier.load):
+            handle = op([], [], layout, 0)
+            handle.wait_layer(0)
+            handle.synchronize()
+            assert handle.query() and handle.query_layer(LAYERS - 1)
+            with pytest.raises(ValueError, match="layer"):
+                handle.query_layer(LAYERS)
+
+
 def test_ops_queued_back_to_back_each_copy_their_own_blocks(pool, monkeypatch):
     """More ops than the copier has pinned index buffers, all queued behind
     GPU work (so none has run when the buffers come round again), and one
     that outgrows them: every op copies the blocks it was given."""
-    monkeypatch.setattr(gpu._IndexUploads, "MIN_ENTRIES", 2)  # one block per buffer
+    monkeypatch.setattr(gpu, "INDEX_MIN_ENTRIES", 2)  # one block per buffer
     source = gpu_planes("flashinfer", logical_kv(torch.float16, seed=6))
     target = gpu_planes("flashinfer", logical_kv(torch.float16, seed=8))
     layout = source.block_layout()
-    saves = gpu._IndexUploads.RING * 2 + 3
+    saves = _lib.load().kv_index_ring() * 2 + 3
     assert saves + 3 <= pool.num_slots(layout.slot_stride)
     with GpuBlockCopier(source, pool) as copier:
         torch.cuda._sleep(50_000_000)

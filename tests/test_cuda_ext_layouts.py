@@ -167,15 +167,15 @@ def test_a_load_launches_once_per_group_of_whole_layers_of_enough_bytes():
     planes = kv_planes([torch.zeros(4, 2, 1024) for _ in range(5)], "block_major")
     assert planes.chunk_bytes == 8192 and planes.layer_ends == (1, 2, 3, 4, 5)
 
-    def groups(group_bytes: int, n: int, layer_events: bool = True):
-        copier = SimpleNamespace(planes=planes, load_group_bytes=group_bytes)
-        return GpuBlockCopier._groups(copier, layer_events, n)  # type: ignore[arg-type]
+    def groups(group_bytes: int, n: int, layer_events: bool = True, kv=planes):
+        copier = SimpleNamespace(planes=kv, load_group_bytes=group_bytes, _group_cache={})
+        ends, event_of_layer = GpuBlockCopier._groups(copier, layer_events, n)  # type: ignore[arg-type]
+        return ends.tolist(), event_of_layer  # where each launch's planes end
 
-    assert groups(0, 4) == ([(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)], [0, 1, 2, 3, 4])
-    assert groups(2 * 8192 * 4, 4) == ([(0, 2), (2, 4), (4, 5)], [0, 0, 1, 1, 2])
-    assert groups(3 * 8192 * 4, 4) == ([(0, 3), (3, 5)], [0, 0, 0, 1, 1])
-    assert groups(1 << 30, 4) == ([(0, 5)], [0] * 5)
-    assert groups(0, 4, layer_events=False) == ([(0, 5)], [0] * 5)
+    assert groups(0, 4) == ([1, 2, 3, 4, 5], [0, 1, 2, 3, 4])
+    assert groups(2 * 8192 * 4, 4) == ([2, 4, 5], [0, 0, 1, 1, 2])
+    assert groups(3 * 8192 * 4, 4) == ([3, 5], [0, 0, 0, 1, 1])
+    assert groups(1 << 30, 4) == ([5], [0] * 5)
+    assert groups(0, 4, layer_events=False) == ([5], [0] * 5)
     cross = kv_planes(torch.zeros(4, 3, 2, 256), "cross_layer")  # every layer in one plane
-    copier = SimpleNamespace(planes=cross, load_group_bytes=0)
-    assert GpuBlockCopier._groups(copier, True, 4) == ([(0, 1)], [0, 0, 0])  # type: ignore[arg-type]
+    assert groups(0, 4, kv=cross) == ([1], [0, 0, 0])

@@ -11,9 +11,9 @@
 // the rank's shard offset.
 //
 // Every function returns a cudaError_t (0: success) and leaves no pending
-// error behind. Those taking `device` select it (cudaSetDevice); callers make
-// it current first (cuda_ext/gpu.py does), so that never switches the engine
-// thread's context, and nothing here creates a context on another GPU.
+// error behind. Those taking a device make it current for the call only and
+// then restore the caller's (DeviceGuard), so they never switch the engine
+// thread's device.
 
 #include <cuda_runtime.h>
 
@@ -22,7 +22,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB per CTA step
@@ -80,11 +80,120 @@ int done(cudaError_t err) {
   return static_cast<int>(err);
 }
 
+// Makes `device` current for one call and restores the caller's device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    err_ = cudaGetDevice(&previous_);
+    if (err_ == cudaSuccess && previous_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  cudaError_t error() const { return err_; }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+  cudaError_t err_;
+};
+
+// Queues one copy_chunks launch over planes [plane_begin, plane_end).
+cudaError_t launch_copy(const uint64_t *planes, const int64_t *index, int64_t n,
+                        int64_t plane_begin, int64_t plane_end, int64_t chunk_bytes, bool to_host,
+                        int64_t max_ctas, cudaStream_t stream) {
+  const int64_t chunk_vecs = chunk_bytes / 16;
+  const int64_t total_vecs = (plane_end - plane_begin) * n * chunk_vecs;
+  const int64_t units = (total_vecs + kPieceVecs - 1) / kPieceVecs;
+  const int64_t ctas = units < max_ctas ? units : max_ctas;
+  const auto slots = reinterpret_cast<const uint64_t *>(index + n);
+  // The last step's base + kPieceVecs must fit as well as total_vecs.
+  if (total_vecs + ctas * kPieceVecs <= static_cast<int64_t>(UINT32_MAX)) {
+    copy_chunks<uint32_t><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
+        planes, index, slots, static_cast<uint32_t>(n), static_cast<uint32_t>(plane_begin),
+        static_cast<uint32_t>(chunk_vecs), static_cast<uint32_t>(total_vecs), to_host);
+  } else {
+    copy_chunks<int64_t><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
+        planes, index, slots, n, plane_begin, chunk_vecs, total_vecs, to_host);
+  }
+  return cudaGetLastError();
+}
+
+// A copier's sm-path state, made once (kv_ops_create) so that an op is one
+// call (kv_ops_run): the planes' base addresses on the device, the pool's
+// segments, and the buffers an op's index goes through. The index (n block
+// ids, then n slot device addresses) is written into one of kRing pinned
+// host buffers, used in turn, and copied on the copier's stream to one device
+// buffer that only launches queued after that copy read; a host buffer is
+// rewritten only once its `copied` event says the copy that read it has run.
+constexpr int kRing = 8;
+
+struct KvOps {
+  int device;
+  cudaStream_t stream;
+  uint64_t *planes;  // device array, one base address per plane
+  int64_t num_planes, chunk_bytes, num_blocks;
+  int64_t ctas[2];  // by direction: [load, save]
+  int64_t nseg;
+  uint64_t *seg_bases;  // host array: each segment's device address
+  int64_t min_entries, capacity;  // int64s per index buffer
+  int64_t *host[kRing];
+  cudaEvent_t copied[kRing];
+  int turn;
+  int64_t *dev;
+  cudaEvent_t ready;  // where the caller's stream stood when an op was queued
+};
+
+void free_index(KvOps *ops) {
+  for (int r = 0; r < kRing; ++r) {
+    if (ops->host[r] != nullptr) cudaFreeHost(ops->host[r]);
+    ops->host[r] = nullptr;
+  }
+  if (ops->dev != nullptr) cudaFree(ops->dev);
+  ops->dev = nullptr;
+  ops->capacity = 0;
+}
+
+// Index buffers of at least `entries` int64s, once nothing queued reads the
+// old ones.
+cudaError_t reserve_index(KvOps *ops, int64_t entries) {
+  if (entries <= ops->capacity) return cudaSuccess;
+  cudaError_t err = cudaStreamSynchronize(ops->stream);
+  if (err != cudaSuccess) return err;
+  int64_t size = 2 * ops->capacity;
+  if (size < entries) size = entries;
+  if (size < ops->min_entries) size = ops->min_entries;
+  free_index(ops);
+  const size_t bytes = static_cast<size_t>(size) * sizeof(int64_t);
+  for (int r = 0; r < kRing && err == cudaSuccess; ++r) {
+    err = cudaMallocHost(reinterpret_cast<void **>(&ops->host[r]), bytes);
+  }
+  if (err == cudaSuccess) err = cudaMalloc(reinterpret_cast<void **>(&ops->dev), bytes);
+  if (err != cudaSuccess) {
+    free_index(ops);
+    return err;
+  }
+  ops->capacity = size;
+  return cudaSuccess;
+}
+
+void destroy_events(void **events, int64_t count) {
+  for (int64_t g = 0; g < count; ++g) {
+    if (events[g] != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(events[g]));
+    events[g] = nullptr;
+  }
+}
+
 }  // namespace
 
 #define KV_EXPORT __attribute__((visibility("default")))
 
 extern "C" {
+
+KV_EXPORT int kv_ops_destroy(KvOps *ops);
 
 KV_EXPORT int kv_abi_version(void) { return kAbiVersion; }
 
@@ -115,7 +224,8 @@ KV_EXPORT int kv_sm_count(int device, int *count) {
 // space; *device_ptr is the address kernels use.
 KV_EXPORT int kv_host_register(int device, void *ptr, size_t bytes, void **device_ptr) {
   *device_ptr = nullptr;
-  cudaError_t err = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
   if (err == cudaSuccess) {
     err = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   }
@@ -129,7 +239,8 @@ KV_EXPORT int kv_host_register(int device, void *ptr, size_t bytes, void **devic
 // The device address of memory someone else registered (mapped) already.
 KV_EXPORT int kv_host_device_pointer(int device, void *ptr, void **device_ptr) {
   *device_ptr = nullptr;
-  cudaError_t err = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
   if (err == cudaSuccess) err = cudaHostGetDevicePointer(device_ptr, ptr, 0);
   return done(err);
 }
@@ -189,37 +300,166 @@ KV_EXPORT int kv_stage_index(const int64_t *blocks, const int64_t *slots, int64_
   return code;
 }
 
-// One kernel launch on `stream` copies chunk (p, i) for every plane p in
-// [plane_begin, plane_end) and every i < n. `planes` (device, uint64 per
-// plane) are the planes' base addresses; `index` (device, 2n int64) holds the
-// n block ids, then the n slots' device addresses. to_host: GPU -> slots.
-// chunk_bytes and every address must be multiples of 16 (checked by the caller).
-KV_EXPORT int kv_copy_sm(int device, const uint64_t *planes, const int64_t *index, int64_t n,
-               int64_t plane_begin, int64_t plane_end, int64_t chunk_bytes, int to_host,
-               int max_ctas, void *stream) {
-  if (n <= 0 || plane_begin < 0 || plane_end <= plane_begin || chunk_bytes <= 0 ||
-      chunk_bytes % 16 != 0 || max_ctas <= 0) {
+// A copier's sm-path state (KvOps above) for `num_planes` planes whose base
+// addresses are `plane_addrs` (host array), `num_blocks` blocks of
+// `chunk_bytes` each (a multiple of 16), copying to and from the `nseg` pool
+// segments mapped at device addresses `seg_bases`, on `stream`; launches use
+// at most ctas_save / ctas_load CTAs. Index buffers start at min_entries int64s
+// and grow as ops need.
+KV_EXPORT int kv_ops_create(int device, void *stream, const uint64_t *plane_addrs,
+                            int64_t num_planes, int64_t chunk_bytes, int64_t num_blocks,
+                            const uint64_t *seg_bases, int64_t nseg, int64_t ctas_save,
+                            int64_t ctas_load, int64_t min_entries, KvOps **out) {
+  *out = nullptr;
+  if (num_planes <= 0 || chunk_bytes <= 0 || chunk_bytes % 16 != 0 || num_blocks <= 0 ||
+      nseg <= 0 || ctas_save <= 0 || ctas_load <= 0 || min_entries <= 0) {
     return done(cudaErrorInvalidValue);
   }
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) return done(err);
-  cudaGetLastError();
-  const int64_t chunk_vecs = chunk_bytes / 16;
-  const int64_t total_vecs = (plane_end - plane_begin) * n * chunk_vecs;
-  const int64_t units = (total_vecs + kPieceVecs - 1) / kPieceVecs;
-  const int64_t ctas = units < max_ctas ? units : max_ctas;
-  const auto slots = reinterpret_cast<const uint64_t *>(index + n);
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // The last step's base + kPieceVecs must fit as well as total_vecs.
-  if (total_vecs + ctas * kPieceVecs <= static_cast<int64_t>(UINT32_MAX)) {
-    copy_chunks<uint32_t><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(
-        planes, index, slots, static_cast<uint32_t>(n), static_cast<uint32_t>(plane_begin),
-        static_cast<uint32_t>(chunk_vecs), static_cast<uint32_t>(total_vecs), to_host != 0);
-  } else {
-    copy_chunks<int64_t><<<static_cast<unsigned>(ctas), kThreads, 0, s>>>(
-        planes, index, slots, n, plane_begin, chunk_vecs, total_vecs, to_host != 0);
+  DeviceGuard guard(device);
+  if (guard.error() != cudaSuccess) return done(guard.error());
+  auto *ops = static_cast<KvOps *>(calloc(1, sizeof(KvOps)));
+  if (ops == nullptr) return done(cudaErrorMemoryAllocation);
+  ops->seg_bases = static_cast<uint64_t *>(malloc(nseg * sizeof(uint64_t)));
+  if (ops->seg_bases == nullptr) {
+    free(ops);
+    return done(cudaErrorMemoryAllocation);
   }
-  return done(cudaGetLastError());
+  for (int64_t s = 0; s < nseg; ++s) ops->seg_bases[s] = seg_bases[s];
+  ops->device = device;
+  ops->stream = static_cast<cudaStream_t>(stream);
+  ops->num_planes = num_planes;
+  ops->chunk_bytes = chunk_bytes;
+  ops->num_blocks = num_blocks;
+  ops->ctas[0] = ctas_load;
+  ops->ctas[1] = ctas_save;
+  ops->nseg = nseg;
+  ops->min_entries = min_entries;
+  const size_t plane_bytes = num_planes * sizeof(uint64_t);
+  cudaError_t err = cudaMalloc(reinterpret_cast<void **>(&ops->planes), plane_bytes);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(ops->planes, plane_addrs, plane_bytes, cudaMemcpyHostToDevice);
+  }
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ops->ready, cudaEventDisableTiming);
+  for (int r = 0; r < kRing && err == cudaSuccess; ++r) {
+    err = cudaEventCreateWithFlags(&ops->copied[r], cudaEventDisableTiming);
+  }
+  if (err != cudaSuccess) {
+    kv_ops_destroy(ops);
+    return done(err);
+  }
+  *out = ops;
+  return 0;
+}
+
+// Frees what kv_ops_create made, after the copier's stream has run dry.
+KV_EXPORT int kv_ops_destroy(KvOps *ops) {
+  if (ops == nullptr) return 0;
+  DeviceGuard guard(ops->device);
+  cudaError_t err = guard.error();
+  if (err == cudaSuccess) err = cudaStreamSynchronize(ops->stream);
+  free_index(ops);
+  if (ops->planes != nullptr) cudaFree(ops->planes);
+  if (ops->ready != nullptr) cudaEventDestroy(ops->ready);
+  for (int r = 0; r < kRing; ++r) {
+    if (ops->copied[r] != nullptr) cudaEventDestroy(ops->copied[r]);
+  }
+  free(ops->seg_bases);
+  free(ops);
+  return done(err);
+}
+
+KV_EXPORT int kv_index_ring(void) { return kRing; }
+
+// One whole sm op, queued on the copier's stream with no Python in between:
+// stage and check the index (kv_stage_index, with seg_slots: slots per pool
+// segment at `stride`), upload it, make the stream wait for the work queued
+// on `caller` so far, then one launch per group of planes, group g being
+// [group_ends[g-1], group_ends[g]) (from 0), each followed by a new event
+// written to events[g]; the caller destroys those (kv_events_destroy). With
+// n == 0 only the wait and the events are queued. If the ids are wrong,
+// *refused is kv_stage_index's code and nothing is queued or created.
+KV_EXPORT int kv_ops_run(KvOps *ops, const int64_t *blocks, const int64_t *slots, int64_t n,
+                         const int64_t *seg_slots, int64_t stride, int64_t shard_offset,
+                         uint8_t *seen, int to_host, void *caller, const int64_t *group_ends,
+                         int64_t ngroups, void **events, int *refused) {
+  *refused = 0;
+  for (int64_t g = 0; g < ngroups; ++g) events[g] = nullptr;
+  if (n < 0 || ngroups <= 0 || group_ends[ngroups - 1] > ops->num_planes) {
+    return done(cudaErrorInvalidValue);
+  }
+  for (int64_t g = 0, begin = 0; g < ngroups; begin = group_ends[g++]) {
+    if (group_ends[g] <= begin) return done(cudaErrorInvalidValue);
+  }
+  DeviceGuard guard(ops->device);
+  cudaError_t err = guard.error();
+  if (err != cudaSuccess) return done(err);
+  const cudaStream_t stream = ops->stream;
+  if (n > 0) {
+    err = reserve_index(ops, 2 * n);
+    if (err != cudaSuccess) return done(err);
+    const int turn = (ops->turn + 1) % kRing;
+    err = cudaEventSynchronize(ops->copied[turn]);
+    if (err != cudaSuccess) return done(err);
+    ops->turn = turn;
+    int64_t *host = ops->host[turn];
+    *refused = kv_stage_index(blocks, slots, n, ops->num_blocks, seg_slots, ops->seg_bases,
+                              ops->nseg, stride, shard_offset, to_host ? 2 : 1, seen, host);
+    if (*refused != 0) return 0;
+    err = cudaMemcpyAsync(ops->dev, host, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
+                          stream);
+    if (err == cudaSuccess) err = cudaEventRecord(ops->copied[turn], stream);
+  }
+  if (err == cudaSuccess) err = cudaEventRecord(ops->ready, static_cast<cudaStream_t>(caller));
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, ops->ready, 0);
+  for (int64_t g = 0, begin = 0; g < ngroups && err == cudaSuccess; begin = group_ends[g++]) {
+    if (n > 0) {
+      err = launch_copy(ops->planes, ops->dev, n, begin, group_ends[g], ops->chunk_bytes,
+                        to_host != 0, ops->ctas[to_host != 0], stream);
+    }
+    cudaEvent_t event = nullptr;
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+    if (err == cudaSuccess) {
+      events[g] = event;
+      err = cudaEventRecord(event, stream);
+    }
+  }
+  if (err != cudaSuccess) destroy_events(events, ngroups);
+  return done(err);
+}
+
+// A new event recorded on `stream` (the dma path's per-group events).
+KV_EXPORT int kv_event_record_new(int device, void *stream, void **event) {
+  *event = nullptr;
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
+  cudaEvent_t created = nullptr;
+  if (err == cudaSuccess) err = cudaEventCreateWithFlags(&created, cudaEventDisableTiming);
+  if (err == cudaSuccess) {
+    err = cudaEventRecord(created, static_cast<cudaStream_t>(stream));
+    if (err != cudaSuccess) cudaEventDestroy(created);
+  }
+  if (err == cudaSuccess) *event = created;
+  return done(err);
+}
+
+KV_EXPORT int kv_events_destroy(void **events, int64_t count) {
+  destroy_events(events, count);
+  return done(cudaSuccess);
+}
+
+// Makes `stream` wait for `event`; returns at once.
+KV_EXPORT int kv_stream_wait_event(void *stream, void *event) {
+  return done(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                  static_cast<cudaEvent_t>(event), 0));
+}
+
+KV_EXPORT int kv_event_synchronize(void *event) {
+  return done(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+}
+
+// 0 if the work before `event` is done, cudaErrorNotReady if not.
+KV_EXPORT int kv_event_query(void *event) {
+  return done(cudaEventQuery(static_cast<cudaEvent_t>(event)));
 }
 
 // `count` copies of `bytes` each, srcs[i] -> dsts[i] (host arrays of UVA
@@ -231,7 +471,8 @@ KV_EXPORT int kv_copy_dma(int device, void *const *dsts, const void *const *srcs
   *used_batch = 0;
   *batch_error = 0;
   if (count == 0) return 0;
-  cudaError_t err = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
   if (err != cudaSuccess) return done(err);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #if CUDART_VERSION >= 13000
@@ -263,7 +504,8 @@ KV_EXPORT int kv_copy_dma(int device, void *const *dsts, const void *const *srcs
 
 // One contiguous copy: the floor the benchmark compares with.
 KV_EXPORT int kv_memcpy(int device, void *dst, const void *src, size_t bytes, void *stream) {
-  cudaError_t err = cudaSetDevice(device);
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
   if (err == cudaSuccess) {
     err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
   }
