@@ -28,6 +28,7 @@ the pool stays mapped and pinned until `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
@@ -134,11 +135,13 @@ class GpuCopyHandle:
     def synchronize_layer(self, layer: int) -> None:
         """Block the host until layer `layer` has landed."""
         event = self._events[self._event(layer)]
-        _lib.check(self._lib.kv_event_synchronize(int(event)), "cudaEventSynchronize")
+        code = self._lib.kv_event_synchronize(self._index, int(event))
+        _lib.check(code, "cudaEventSynchronize")
 
     def synchronize(self) -> None:
         """Block the host until the whole copy is done."""
-        _lib.check(self._lib.kv_event_synchronize(int(self._events[-1])), "cudaEventSynchronize")
+        code = self._lib.kv_event_synchronize(self._index, int(self._events[-1]))
+        _lib.check(code, "cudaEventSynchronize")
 
     def query(self) -> bool:
         """Whether the whole copy is done."""
@@ -149,15 +152,21 @@ class GpuCopyHandle:
         return self._query(self._events[self._event(layer)])
 
     def _query(self, event: np.uint64) -> bool:
-        code = self._lib.kv_event_query(int(event))
+        code = self._lib.kv_event_query(self._index, int(event))
         if code == _lib.NOT_READY:
             return False
         _lib.check(code, "cudaEventQuery")
         return True
 
     def _wait(self, event: np.uint64, stream: torch.cuda.Stream | None) -> None:
-        raw = _current_stream(self._index) if stream is None else int(stream.cuda_stream)
-        _lib.check(self._lib.kv_stream_wait_event(raw, int(event)), "cudaStreamWaitEvent")
+        # A raw stream of 0 is the default stream of whichever device is
+        # current: libkvcopy makes the stream's own device current first.
+        if stream is None:
+            device, raw = self._index, _current_stream(self._index)
+        else:
+            device, raw = stream.device_index, int(stream.cuda_stream)
+        code = self._lib.kv_stream_wait_event(device, raw, int(event))
+        _lib.check(code, "cudaStreamWaitEvent")
 
     def _event(self, layer: int) -> int:
         if isinstance(layer, bool) or not 0 <= layer < len(self._event_of_layer):
@@ -170,7 +179,7 @@ class GpuCopyHandle:
         events = getattr(self, "_events", None)
         if events is not None and events.size:
             self._events = events[:0]
-            self._lib.kv_events_destroy(events.ctypes.data, events.size)
+            self._lib.kv_events_destroy(self._index, events.ctypes.data, events.size)
 
 
 class GpuBlockCopier:
@@ -303,10 +312,12 @@ class GpuBlockCopier:
         return path
 
     def close(self) -> None:
-        """Wait for queued copies, then unpin the pool. Idempotent."""
-        if self.closed:
-            return
-        self.closed = True
+        """Wait for queued copies, then unpin the pool. Idempotent. An op
+        another thread is queueing finishes first; a later one raises."""
+        with self._enqueue:
+            if self.closed:
+                return
+            self.closed = True
         try:
             self.stream.synchronize()
         finally:  # freed and unpinned even after a CUDA error; the first error is raised
@@ -326,6 +337,18 @@ class GpuBlockCopier:
                         errors.append(err)
             if errors:
                 raise errors[0]
+
+    def __del__(self) -> None:
+        # A copier dropped unclosed still frees libkvcopy's buffers and its
+        # pins; at interpreter exit CUDA may be gone already, and there is
+        # no one left to tell.
+        if not getattr(self, "closed", True):
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the copier is closed")
 
     def __enter__(self) -> GpuBlockCopier:
         return self
@@ -348,8 +371,7 @@ class GpuBlockCopier:
         index and queues the launches (kv_ops_run); whatever it refuses goes
         through check_request, which says what is wrong. Bad arguments raise
         before anything is queued."""
-        if self.closed:
-            raise RuntimeError("the copier is closed")
+        self._check_open()
         if self.choose_path(path) == "dma":
             request = check_request(
                 self.planes, self.pool, block_ids, slots, layout, rank, save=save
@@ -366,6 +388,7 @@ class GpuBlockCopier:
         events = np.zeros(group_ends.size, np.uint64)
         refused = ctypes.c_int(0)
         with self._enqueue:
+            self._check_open()
             code = self._lib.kv_ops_run(
                 self._ops,
                 blocks.ctypes.data,
@@ -396,6 +419,7 @@ class GpuBlockCopier:
         events = np.zeros(group_ends.size, np.uint64)
         caller = torch.cuda.current_stream(self.device)
         with self._enqueue:
+            self._check_open()
             self._ready.record(caller)  # the op runs after what the caller queued
             self.stream.wait_event(self._ready)
             try:
@@ -410,7 +434,7 @@ class GpuBlockCopier:
                     _lib.check(code, "cudaEventRecord")
                     events[g], begin = event.value or 0, end
             except BaseException:
-                self._lib.kv_events_destroy(events.ctypes.data, events.size)
+                self._lib.kv_events_destroy(self._index, events.ctypes.data, events.size)
                 raise
         return GpuCopyHandle(self.device, events, event_of_layer)
 

@@ -196,6 +196,86 @@ def test_ops_follow_the_callers_current_stream_and_empty_ops_complete(pool):
                 handle.query_layer(LAYERS)
 
 
+def test_refused_ids_wait_for_nothing_and_change_nothing(pool):
+    """Ids are checked before the op waits for a ring buffer or grows them
+    (growing pins memory, which waits for the whole GPU): a bad op behind
+    a long queued one is refused at once."""
+    planes = gpu_planes("vllm_flash", logical_kv(torch.float16, seed=2))
+    layout = planes.block_layout()
+    work = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with GpuBlockCopier(planes, pool) as copier:
+        for _ in range(100):  # ~0.1-0.2 s of GPU work before the save runs
+            work = work @ work.T / 8192
+        copier.save([1], [0], layout, 0)
+        bad = np.full(3 * gpu.INDEX_MIN_ENTRIES, BLOCKS)  # would grow the index buffers
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="out of range"):
+            copier.save(bad, np.arange(bad.size), layout, 0)
+        assert time.monotonic() - start < 0.05
+        assert not copier.stream.query()  # the good save is still queued
+    view = pool.slot_view(0, layout.slot_stride)
+    assert np.array_equal(view[: planes.chunk_bytes], raw(planes.planes[0][1]))
+
+
+def test_calls_leave_a_thread_without_a_cuda_context_without_one(pool):
+    """libkvcopy puts back the calling thread's CUDA context exactly, none
+    included, so it never starts a context on another GPU."""
+    import ctypes
+    import threading
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    planes = gpu_planes("vllm_flash", logical_kv(torch.float16, seed=3))
+    layout = planes.block_layout()
+    contexts = []
+
+    def current() -> int:
+        context = ctypes.c_void_p(0)
+        assert driver.cuCtxGetCurrent(ctypes.byref(context)) == 0
+        return context.value or 0
+
+    with GpuBlockCopier(planes, pool) as copier:
+        handle = copier.save([2], [1], layout, 0)
+
+        def probe() -> None:
+            contexts.append(current())
+            handle.synchronize()
+            contexts.append(int(handle.query()) and current())
+            copier.save([3], [2], layout, 0).synchronize()  # an op from this thread
+            contexts.append(current())
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+    assert contexts == [0, 0, 0]
+
+
+def test_close_while_another_thread_queues_ops_never_crashes(pool):
+    import threading
+
+    planes = gpu_planes("vllm_flash", logical_kv(torch.float16, seed=4))
+    layout = planes.block_layout()
+    copier = GpuBlockCopier(planes, pool)
+    outcomes: list[str] = []
+
+    def ops() -> None:
+        for i in range(500):
+            try:
+                copier.save([i % BLOCKS], [0], layout, 0)
+            except RuntimeError as err:
+                outcomes.append(str(err))
+                return
+        outcomes.append("all ran")
+
+    thread = threading.Thread(target=ops)
+    thread.start()
+    time.sleep(0.005)
+    copier.close()
+    thread.join()
+    assert outcomes in (["the copier is closed"], ["all ran"])
+    with pytest.raises(RuntimeError, match="closed"):
+        copier.save([0], [0], layout, 0)
+
+
 def test_ops_queued_back_to_back_each_copy_their_own_blocks(pool, monkeypatch):
     """More ops than the copier has pinned index buffers, all queued behind
     GPU work (so none has run when the buffers come round again), and one

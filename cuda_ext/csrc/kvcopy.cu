@@ -80,22 +80,64 @@ int done(cudaError_t err) {
   return static_cast<int>(err);
 }
 
-// Makes `device` current for one call and restores the caller's device.
+// The driver's cuCtxGetCurrent / cuCtxSetCurrent (CUresult f(CUcontext *) /
+// f(CUcontext)), found once; null where the driver lacks them.
+struct ContextCalls {
+  int (*get)(void **) = nullptr;
+  int (*set)(void *) = nullptr;
+};
+
+const ContextCalls &context_calls() {
+  static const ContextCalls calls = [] {
+    ContextCalls found;
+    void *get = nullptr, *set = nullptr;
+    cudaDriverEntryPointQueryResult status;
+#if CUDART_VERSION >= 12050
+    cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 4000, cudaEnableDefault, &status);
+    cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &set, 4000, cudaEnableDefault, &status);
+#else
+    cudaGetDriverEntryPoint("cuCtxGetCurrent", &get, cudaEnableDefault, &status);
+    cudaGetDriverEntryPoint("cuCtxSetCurrent", &set, cudaEnableDefault, &status);
+#endif
+    cudaGetLastError();
+    if (get != nullptr && set != nullptr) {
+      found.get = reinterpret_cast<int (*)(void **)>(get);
+      found.set = reinterpret_cast<int (*)(void *)>(set);
+    }
+    return found;
+  }();
+  return calls;
+}
+
+// Makes `device` current for one call, then puts back exactly the context
+// the calling thread had, none included: a thread that had no context gets
+// none (cudaSetDevice back to "device 0" would create one on GPU 0).
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
+    const ContextCalls &calls = context_calls();
+    exact_ = calls.get != nullptr && calls.get(&context_) == 0;
     err_ = cudaGetDevice(&previous_);
-    if (err_ == cudaSuccess && previous_ != device) {
+    if (err_ == cudaSuccess && (previous_ != device || (exact_ && context_ == nullptr))) {
       err_ = cudaSetDevice(device);
       switched_ = err_ == cudaSuccess;
     }
   }
   ~DeviceGuard() {
-    if (switched_) cudaSetDevice(previous_);
+    if (switched_) {
+      if (exact_) {
+        context_calls().set(context_);
+      } else {
+        cudaSetDevice(previous_);
+      }
+      cudaGetLastError();  // a failed restore leaves no error for a later call
+    }
   }
   cudaError_t error() const { return err_; }
 
  private:
+  void *context_ = nullptr;
+  bool exact_ = false;
   int previous_ = 0;
   bool switched_ = false;
   cudaError_t err_;
@@ -158,7 +200,8 @@ void free_index(KvOps *ops) {
 }
 
 // Index buffers of at least `entries` int64s, once nothing queued reads the
-// old ones.
+// old ones. Growing waits for the whole GPU: cudaMallocHost synchronizes
+// the device, and so does cudaFree.
 cudaError_t reserve_index(KvOps *ops, int64_t entries) {
   if (entries <= ops->capacity) return cudaSuccess;
   cudaError_t err = cudaStreamSynchronize(ops->stream);
@@ -255,9 +298,9 @@ KV_EXPORT int kv_host_unregister(void *ptr) { return done(cudaHostUnregister(ptr
 // seg_bases[s]; slots are numbered across segments in order. `unique` names
 // the ids that must not repeat: 1 block ids (a load), 2 slots (a save).
 // `seen` is a zeroed bitmap with a bit per possible id; it is zeroed again
-// on return. Returns 0, or what is wrong: 1 a block id out of
-// [0, num_blocks), 2 a slot out of range, 3 a repeated id (the caller's own
-// checks then say which in full); `out` is then incomplete.
+// on return. With out == NULL it only checks. Returns 0, or what is wrong:
+// 1 a block id out of [0, num_blocks), 2 a slot out of range, 3 a repeated id
+// (the caller's own checks then say which in full); `out` is then incomplete.
 KV_EXPORT int kv_stage_index(const int64_t *blocks, const int64_t *slots, int64_t n,
                              int64_t num_blocks, const int64_t *seg_slots,
                              const uint64_t *seg_bases, int64_t nseg, int64_t stride,
@@ -285,6 +328,7 @@ KV_EXPORT int kv_stage_index(const int64_t *blocks, const int64_t *slots, int64_
       }
       seen[id >> 3] |= bit;
     }
+    if (out == nullptr) continue;  // checks only
     int64_t segment = 0, first = 0;
     while (slot >= first + seg_slots[segment]) first += seg_slots[segment++];
     out[i] = block;
@@ -343,6 +387,8 @@ KV_EXPORT int kv_ops_create(int device, void *stream, const uint64_t *plane_addr
   for (int r = 0; r < kRing && err == cudaSuccess; ++r) {
     err = cudaEventCreateWithFlags(&ops->copied[r], cudaEventDisableTiming);
   }
+  // Now, not at the first op: pinning memory waits for all work on the GPU.
+  if (err == cudaSuccess) err = reserve_index(ops, min_entries);
   if (err != cudaSuccess) {
     kv_ops_destroy(ops);
     return done(err);
@@ -376,24 +422,33 @@ KV_EXPORT int kv_index_ring(void) { return kRing; }
 // on `caller` so far, then one launch per group of planes, group g being
 // [group_ends[g-1], group_ends[g]) (from 0), each followed by a new event
 // written to events[g]; the caller destroys those (kv_events_destroy). With
-// n == 0 only the wait and the events are queued. If the ids are wrong,
-// *refused is kv_stage_index's code and nothing is queued or created.
+// n == 0 only the wait and the events are queued. The ids are checked before
+// anything waits, frees or is queued: if they are wrong, *refused is
+// kv_stage_index's code and nothing changed. If a CUDA call fails once part
+// of the op is queued, the stream is drained before the error returns, so
+// nothing of a failed op runs later.
 KV_EXPORT int kv_ops_run(KvOps *ops, const int64_t *blocks, const int64_t *slots, int64_t n,
                          const int64_t *seg_slots, int64_t stride, int64_t shard_offset,
                          uint8_t *seen, int to_host, void *caller, const int64_t *group_ends,
                          int64_t ngroups, void **events, int *refused) {
   *refused = 0;
+  if (ops == nullptr || n < 0 || ngroups <= 0) return done(cudaErrorInvalidValue);
   for (int64_t g = 0; g < ngroups; ++g) events[g] = nullptr;
-  if (n < 0 || ngroups <= 0 || group_ends[ngroups - 1] > ops->num_planes) {
-    return done(cudaErrorInvalidValue);
-  }
   for (int64_t g = 0, begin = 0; g < ngroups; begin = group_ends[g++]) {
-    if (group_ends[g] <= begin) return done(cudaErrorInvalidValue);
+    if (group_ends[g] <= begin || group_ends[g] > ops->num_planes) {
+      return done(cudaErrorInvalidValue);
+    }
   }
+  const int unique = to_host ? 2 : 1;
+  // Checked before anything waits, frees or is queued: wrong ids change nothing.
+  *refused = kv_stage_index(blocks, slots, n, ops->num_blocks, seg_slots, ops->seg_bases,
+                            ops->nseg, stride, shard_offset, unique, seen, nullptr);
+  if (*refused != 0) return 0;
   DeviceGuard guard(ops->device);
   cudaError_t err = guard.error();
   if (err != cudaSuccess) return done(err);
   const cudaStream_t stream = ops->stream;
+  bool queued = false;
   if (n > 0) {
     err = reserve_index(ops, 2 * n);
     if (err != cudaSuccess) return done(err);
@@ -402,11 +457,11 @@ KV_EXPORT int kv_ops_run(KvOps *ops, const int64_t *blocks, const int64_t *slots
     if (err != cudaSuccess) return done(err);
     ops->turn = turn;
     int64_t *host = ops->host[turn];
-    *refused = kv_stage_index(blocks, slots, n, ops->num_blocks, seg_slots, ops->seg_bases,
-                              ops->nseg, stride, shard_offset, to_host ? 2 : 1, seen, host);
-    if (*refused != 0) return 0;
+    kv_stage_index(blocks, slots, n, ops->num_blocks, seg_slots, ops->seg_bases, ops->nseg,
+                   stride, shard_offset, unique, seen, host);  // checked above: cannot refuse
     err = cudaMemcpyAsync(ops->dev, host, 2 * n * sizeof(int64_t), cudaMemcpyHostToDevice,
                           stream);
+    queued = err == cudaSuccess;
     if (err == cudaSuccess) err = cudaEventRecord(ops->copied[turn], stream);
   }
   if (err == cudaSuccess) err = cudaEventRecord(ops->ready, static_cast<cudaStream_t>(caller));
@@ -415,6 +470,7 @@ KV_EXPORT int kv_ops_run(KvOps *ops, const int64_t *blocks, const int64_t *slots
     if (n > 0) {
       err = launch_copy(ops->planes, ops->dev, n, begin, group_ends[g], ops->chunk_bytes,
                         to_host != 0, ops->ctas[to_host != 0], stream);
+      queued = queued || err == cudaSuccess;
     }
     cudaEvent_t event = nullptr;
     if (err == cudaSuccess) err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
@@ -423,7 +479,11 @@ KV_EXPORT int kv_ops_run(KvOps *ops, const int64_t *blocks, const int64_t *slots
       err = cudaEventRecord(event, stream);
     }
   }
-  if (err != cudaSuccess) destroy_events(events, ngroups);
+  if (err != cudaSuccess) {
+    // The caller is told the op failed: none of it may still run afterwards.
+    if (queued) cudaStreamSynchronize(stream);
+    destroy_events(events, ngroups);
+  }
   return done(err);
 }
 
@@ -442,24 +502,37 @@ KV_EXPORT int kv_event_record_new(int device, void *stream, void **event) {
   return done(err);
 }
 
-KV_EXPORT int kv_events_destroy(void **events, int64_t count) {
+KV_EXPORT int kv_events_destroy(int device, void **events, int64_t count) {
+  DeviceGuard guard(device);
   destroy_events(events, count);
-  return done(cudaSuccess);
+  return done(guard.error());
 }
 
-// Makes `stream` wait for `event`; returns at once.
-KV_EXPORT int kv_stream_wait_event(void *stream, void *event) {
-  return done(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                  static_cast<cudaEvent_t>(event), 0));
+// Makes `stream` (of `device`; 0 is that device's default stream) wait for
+// `event`; returns at once.
+KV_EXPORT int kv_stream_wait_event(int device, void *stream, void *event) {
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
+  if (err == cudaSuccess) {
+    err = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event),
+                              0);
+  }
+  return done(err);
 }
 
-KV_EXPORT int kv_event_synchronize(void *event) {
-  return done(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+KV_EXPORT int kv_event_synchronize(int device, void *event) {
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
+  if (err == cudaSuccess) err = cudaEventSynchronize(static_cast<cudaEvent_t>(event));
+  return done(err);
 }
 
 // 0 if the work before `event` is done, cudaErrorNotReady if not.
-KV_EXPORT int kv_event_query(void *event) {
-  return done(cudaEventQuery(static_cast<cudaEvent_t>(event)));
+KV_EXPORT int kv_event_query(int device, void *event) {
+  DeviceGuard guard(device);
+  cudaError_t err = guard.error();
+  if (err == cudaSuccess) err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  return done(err);
 }
 
 // `count` copies of `bytes` each, srcs[i] -> dsts[i] (host arrays of UVA
