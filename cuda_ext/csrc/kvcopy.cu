@@ -12,8 +12,9 @@
 //
 // Every function returns a cudaError_t (0: success) and leaves no pending
 // error behind. Those taking a device make it current for the call only and
-// then restore the caller's (DeviceGuard), so they never switch the engine
-// thread's device.
+// then put back exactly the context the calling thread had (DeviceGuard), so
+// they never switch the engine thread's device nor start a context on
+// another GPU.
 
 #include <cuda_runtime.h>
 
