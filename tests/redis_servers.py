@@ -15,6 +15,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 from sidecar_proc import free_port
@@ -82,19 +83,36 @@ class RedisServer:
         return args
 
     def start(self, timeout: float = 20.0) -> RedisServer:
-        self.proc = subprocess.Popen(
-            self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        """Start the server (again, on the same port, after kill()). A first
+        start whose port another process took between free_port() and the
+        server's bind gets new ports, up to 5 times."""
+        first = self.proc is None
+        for _ in range(5):
+            if self._started(timeout):
+                return self
+            if not first or self.proc is None or self.proc.poll() is None:
+                break  # a restart keeps its port; a live server that never answered
+            self.port = free_port()
+            self.bus_port = free_port() if self.cluster else 0
+        self.kill()
+        log = Path(self.dir, "server.log")
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        raise RuntimeError(f"redis-server on port {self.port} did not start:\n{tail}")
+
+    def _started(self, timeout: float) -> bool:
+        with open(f"{self.dir}/server.log", "ab") as log:
+            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
-            try:
+            try:  # our process answering, not another server on the same port
                 with self.client() as r:
-                    r.ping()
-                return self
+                    if r.info("server")["process_id"] == self.proc.pid:
+                        return True
             except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
-                time.sleep(0.05)
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=5)

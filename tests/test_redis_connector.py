@@ -369,3 +369,18 @@ def test_a_moved_slot_is_found_again_after_one_failed_batch(redis_bin):
         c.close()
     finally:
         cluster.cleanup()
+
+
+def test_a_test_server_whose_port_was_taken_starts_on_another() -> None:
+    """The set-up's own retry: free_port() races other processes (xdist)."""
+    first = RedisServer().start()
+    second = RedisServer()
+    try:
+        second.port = first.port  # taken: this server exits at once
+        second.start()
+        assert second.port != first.port
+        with second.client() as r:
+            assert r.ping()
+    finally:
+        first.cleanup()
+        second.cleanup()
