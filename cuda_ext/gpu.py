@@ -117,7 +117,6 @@ class GpuCopyHandle:
     (libkvcopy's, destroyed with the handle)."""
 
     def __init__(self, device: torch.device, events: np.ndarray, event_of_layer: list[int]) -> None:
-        self._device = device
         self._index = device.index if device.index is not None else 0
         self._lib = _lib.load()
         self._events = events  # uint64 cudaEvent_t handles, in plane order
@@ -463,9 +462,6 @@ class GpuBlockCopier:
         found = self._group_cache[key] = (np.array(group_ends, np.int64), event_of_layer)
         return found
 
-    def _slot_addresses(self, request: CopyRequest, bases: np.ndarray) -> np.ndarray:
-        return bases[request.segments] + request.offsets.astype(np.uint64)
-
     def _slot_map(self, stride: int) -> tuple[np.ndarray, np.ndarray]:
         """Per slot stride: slots in each pool segment, and a zeroed bitmap
         with a bit per slot or engine block (kv_stage_index's `seen`)."""
@@ -481,7 +477,7 @@ class GpuBlockCopier:
         chunk = np.uint64(self.planes.chunk_bytes)
         blocks = request.blocks.astype(np.uint64)
         gpu = self._plane_addrs[begin:end, None] + blocks[None, :] * chunk
-        host = self._slot_addresses(request, self._host_bases)
+        host = self._host_bases[request.segments] + request.offsets.astype(np.uint64)
         host = host[None, :] + np.arange(begin, end, dtype=np.uint64)[:, None] * chunk
         srcs, dsts = (gpu, host) if save else (host, gpu)
         srcs, dsts = np.ascontiguousarray(srcs.ravel()), np.ascontiguousarray(dsts.ravel())

@@ -90,7 +90,8 @@ class RedisServer:
         for _ in range(5):
             if self._started(timeout):
                 return self
-            if not first or self.proc is None or self.proc.poll() is None:
+            assert self.proc is not None
+            if not first or self.proc.poll() is None:
                 break  # a restart keeps its port; a live server that never answered
             self.port = free_port()
             self.bus_port = free_port() if self.cluster else 0

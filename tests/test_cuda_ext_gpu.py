@@ -226,7 +226,8 @@ def test_calls_leave_a_thread_without_a_cuda_context_without_one(pool):
     driver = ctypes.CDLL("libcuda.so.1")
     planes = gpu_planes("vllm_flash", logical_kv(torch.float16, seed=3))
     layout = planes.block_layout()
-    contexts = []
+    contexts: list[int] = []
+    done: list[bool] = []
 
     def current() -> int:
         context = ctypes.c_void_p(0)
@@ -239,14 +240,15 @@ def test_calls_leave_a_thread_without_a_cuda_context_without_one(pool):
         def probe() -> None:
             contexts.append(current())
             handle.synchronize()
-            contexts.append(int(handle.query()) and current())
+            done.append(handle.query())
+            contexts.append(current())
             copier.save([3], [2], layout, 0).synchronize()  # an op from this thread
             contexts.append(current())
 
         thread = threading.Thread(target=probe)
         thread.start()
         thread.join()
-    assert contexts == [0, 0, 0]
+    assert contexts == [0, 0, 0] and done == [True]
 
 
 def test_close_while_another_thread_queues_ops_never_crashes(pool):
