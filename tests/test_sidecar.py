@@ -211,6 +211,26 @@ def test_only_full_blocks_are_cached_and_lookup_counts_tokens(sidecar):
         assert client.lookup(tokens(6)) == 4 * sp.TOKENS_PER_BLOCK
 
 
+def test_a_long_request_whose_frames_go_zero_copy_loads_byte_exact():
+    """8,192 blocks: 128 KiB of keys, 64 KiB id frames each way, so every
+    array frame of the save, the load and their plans is sent in place."""
+    n = 8192
+    assert n * p.ID_DTYPE.itemsize >= p.ZERO_COPY_BYTES
+    s = Sidecar(capacity="40MiB").start()
+    try:
+        kv, fresh = make_kv(5, num_blocks=n), make_kv(None, num_blocks=n)
+        with connect(s.endpoint, kv) as saver, connect(s.endpoint, fresh) as loader:
+            assert saver.save(tokens(n), np.arange(n)).wait() == n * sp.TOKENS_PER_BLOCK
+            assert loader.lookup(tokens(n)) == n * sp.TOKENS_PER_BLOCK
+            order = np.random.default_rng(0).permutation(n)  # blocks land out of order
+            assert loader.load(tokens(n), order).wait() == n * sp.TOKENS_PER_BLOCK
+        for mine, theirs in zip(fresh, kv, strict=True):
+            assert torch.equal(mine[order], theirs)
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
 def test_lookup_tiers_and_registering_again_with_other_tensors(sidecar):
     with connect(sidecar.endpoint, make_kv(3)) as client:
         assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
