@@ -7,11 +7,14 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   transport) against an echo ROUTER in its own process, with requests and
   replies of the sizes of a lookup (header + 16-byte keys -> small header)
   and of a load/save plan (header + keys + int64 ids -> header + source and
-  destination ids), for 1, 64 and 2,048 blocks, from 1 and from 4 client
-  processes; and for the full loads and saves, which take two round trips,
-  a plan-sized ping-pong followed by one of the sizes of a Complete and its
-  ack (`load_save_full`). `raw_rate_rps` is the closed-loop rate of the
-  64-block lookup-sized ping-pong.
+  destination ids), for 1, 64 and 2,048 blocks (and the longer requests
+  `--blocks` names), from 1 and from 4 client processes; and for the full
+  loads and saves, which take two round trips, a plan-sized ping-pong
+  followed by one of the sizes of a Complete and its ack
+  (`load_save_full`). Both ends send with `protocol.send_frames`, as the
+  sidecar and the shim do (frames of 64 KiB or more without a copy).
+  `raw_rate_rps` is the closed-loop rate of the 64-block lookup-sized
+  ping-pong.
 - The sidecar: a real `kvsidecar serve` subprocess; every client process
   registers a KVClient with a tiny KV layout (1 layer, 128 B per block), so
   the KV bytes a 2,048-block load or save copies through shm (256 KiB, ~20 µs
@@ -24,7 +27,8 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   `save_full_us` (KVClient.load / save(...).wait(): hashing, plan, the shm
   copies, Complete and its ack, i.e. two round trips; a saved prefix is
   deleted untimed so the next save stores it again). Lookups and loads hit a
-  pre-saved 2,048-block prefix; each client saves its own sequence.
+  pre-saved prefix of the longest request; each client saves its own
+  sequence. The CPU tier is sized to hold both.
 - Hashing: `hash_us`, KeyHasher.hash_tokens of the same token counts.
 - The lookup target's terms side by side: `lookup_paired_us`, one client
   timing a raw 2,048-block ping-pong, hashing 2,048 blocks and
@@ -78,13 +82,17 @@ from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from sidecar import protocol as p
 
 BLOCK_COUNTS = (1, 64, 2048)
+"""Request sizes of every run; `--blocks` adds longer ones."""
+TARGET_BLOCKS = 2048
+"""The request size of the lookup target."""
 CLIENT_COUNTS = (1, 4)
 RATE_BLOCKS = 64
 LOOKUP_SLACK_US = 100.0
 RATE_TARGET = 0.5
 ROUNDS = 3  # each case runs in this many slices, interleaved with the other cases
 RATE_ROUNDS = 20  # slices of each term of the rate target, side by side
-CAPACITY = "64MiB"  # 16,384 slots of 4 KiB: the lookup set plus 4 clients' saves
+SLOT_BYTES = 4096  # one tiny block, page-aligned
+MIN_CAPACITY = 64 << 20  # 16,384 slots: the lookup set plus 4 clients' saves of 2,048
 
 SIDECAR_FIGURES = {
     # figure: (client task, the floor_rtt_us shape with the same message sizes)
@@ -144,6 +152,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="timed seconds per case, in 3 interleaved rounds (default 1.5)",
     )
+    parser.add_argument(
+        "--blocks",
+        type=_block_counts,
+        default=(),
+        metavar="N[,N...]",
+        help="longer requests to measure in every case besides 1, 64 and 2,048 blocks, "
+        "e.g. 16384,65536 (256k and 1M tokens at 16 a block)",
+    )
     parser.add_argument("--quick", action="store_true", help="short cases, for the test suite")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.set_defaults(func=run)
@@ -151,7 +167,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def message_sizes() -> dict[str, int]:
     """Header bytes of the requests and replies the floor mimics (2,048 blocks)."""
-    session, rid, n = uuid.uuid4().hex, 100_000, max(BLOCK_COUNTS)
+    session, rid, n = uuid.uuid4().hex, 100_000, TARGET_BLOCKS
     v = p.PROTOCOL_VERSION
     plan = {"plan_id": rid, "ops": [{"op_id": 0, "kind": "H2D"}], "hit_blocks": n}
     return {
@@ -192,12 +208,18 @@ class EchoServer:
 
 
 def measure(
-    fleet: Fleet, echo: str, sidecar: str, timing: Timing, rounds: int, sizes: dict[str, int]
+    fleet: Fleet,
+    echo: str,
+    sidecar: str,
+    timing: Timing,
+    rounds: int,
+    sizes: dict[str, int],
+    block_counts: tuple[int, ...] = BLOCK_COUNTS,
 ) -> dict[str, Any]:
     """Every latency figure: {figure: {blocks: {clients: summary}}}, hash_us and
     the rates. Each case runs `rounds` times for `timing.seconds`, in turn with
     the other cases of the same blocks and clients."""
-    most = max(BLOCK_COUNTS)
+    most = max(block_counts)
     kwargs = [{"endpoint": sidecar, "index": i, "gpu_blocks": most} for i in range(fleet.size)]
     fleet.call("connect", fleet.size, kwargs)
     (saved,) = fleet.call("presave", 1, [{"blocks": most}])
@@ -205,7 +227,7 @@ def measure(
         raise RuntimeError(f"pre-saving {most} blocks cached {saved} tokens")
     hash_timing = timing._replace(seconds=timing.seconds * rounds)
     out: dict[str, Any] = {"hash_us": {}}
-    for n in BLOCK_COUNTS:
+    for n in block_counts:
         samples = fleet.call("hash", 1, [_args(n, hash_timing)], hash_timing.seconds + 60)
         out["hash_us"][str(n)] = _strip(summarize(samples))
     plan_sizes = {"endpoint": echo, "header_bytes": sizes["plan_request"], "with_ids": True}
@@ -221,9 +243,9 @@ def measure(
              "complete_bytes": sizes["complete_request"]},
         ),
     }  # fmt: skip
-    out["floor_rtt_us"] = {shape: {str(n): {} for n in BLOCK_COUNTS} for shape in floors}
+    out["floor_rtt_us"] = {shape: {str(n): {} for n in block_counts} for shape in floors}
     for figure in SIDECAR_FIGURES:
-        out[figure] = {str(n): {} for n in BLOCK_COUNTS}
+        out[figure] = {str(n): {} for n in block_counts}
     # (where the summaries go, task, its arguments, the rate figure it gives at RATE_BLOCKS)
     cases = [
         (out["floor_rtt_us"][shape], task, kw, "raw" if shape == "lookup" else None)
@@ -235,7 +257,7 @@ def measure(
     ]
     rates: dict[str, dict[str, float]] = {"raw": {}, "lookup": {}, "lookup_keys": {}}
     for clients in CLIENT_COUNTS:
-        for n in BLOCK_COUNTS:
+        for n in block_counts:
             print(f"{n:,} block(s), {clients} client(s) ...", file=sys.stderr, flush=True)
             tasks = [(task, {**_args(n, timing), **extra}) for _, task, extra, _ in cases]
             summaries = run_in_rounds(fleet, tasks, clients, rounds, timing.seconds + 60)
@@ -243,7 +265,7 @@ def measure(
                 table[str(n)][str(clients)] = _strip(summary)
                 if n == RATE_BLOCKS and rate is not None:
                     rates[rate][str(clients)] = summary["rate_rps"]
-    n = max(BLOCK_COUNTS)
+    n = TARGET_BLOCKS
     print(f"{n:,} blocks, 1 client: the lookup target's terms side by side ...", file=sys.stderr)
     kw = {"echo": echo, "header_bytes": sizes["lookup_request"], **_args(n, hash_timing)}
     (paired,) = fleet.call("lookup_paired", 1, [kw], hash_timing.seconds + 60)
@@ -285,6 +307,19 @@ def run_in_rounds(
     return [summarize([Samples.merge(p) for p in per_client]) for per_client in parts]
 
 
+def _block_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        msg = f"not a comma-separated list of integers: {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if any(not 1 <= n <= p.MAX_BLOCKS_PER_REQUEST for n in counts):
+        raise argparse.ArgumentTypeError(
+            f"block counts must be in [1, {p.MAX_BLOCKS_PER_REQUEST:,}], got {text!r}"
+        )
+    return counts
+
+
 def _args(blocks: int, timing: Timing) -> dict[str, Any]:
     return {"blocks": blocks, "timing": timing}
 
@@ -315,7 +350,7 @@ def derive(r: dict[str, Any]) -> None:
     r["lookup_keys_rate_vs_raw"] = {
         c: r["lookup_keys_rate_rps"][c] / r["raw_rate_rps"][c] for c in r["raw_rate_rps"]
     }
-    n, most = str(max(BLOCK_COUNTS)), str(max(CLIENT_COUNTS))
+    n, most = str(TARGET_BLOCKS), str(max(CLIENT_COUNTS))
     paired = {name: s["p50"] for name, s in r["lookup_paired_us"].items()}
     limit = paired["floor"] + paired["hash"] + LOOKUP_SLACK_US
     after_limit = paired["floor_after_hash"] + paired["hash"] + LOOKUP_SLACK_US
@@ -370,8 +405,12 @@ def run(args: argparse.Namespace) -> int:
     timing = Timing(seconds, 2, 3) if args.quick else Timing(seconds / rounds, 10, 20)
     sizes = message_sizes()
     workdir = Path(tempfile.mkdtemp(prefix="kvsbench-"))
+    block_counts = tuple(sorted({*BLOCK_COUNTS, *args.blocks}))
+    # The lookup set and each client's saves, with room to spare.
+    slots = (1 + max(CLIENT_COUNTS)) * max(block_counts) * 5 // 4
+    capacity = max(MIN_CAPACITY, slots * SLOT_BYTES)
     sidecar = LocalSidecar(
-        workdir, cpu_capacity=CAPACITY, settings=BENCH_SIDECAR_SETTINGS, tag="bench"
+        workdir, cpu_capacity=str(capacity), settings=BENCH_SIDECAR_SETTINGS, tag="bench"
     )
     fleet: Fleet | None = None
     echo: EchoServer | None = None
@@ -379,7 +418,9 @@ def run(args: argparse.Namespace) -> int:
         fleet = Fleet(ControlClient, max(CLIENT_COUNTS))
         echo = EchoServer(workdir / "echo.sock", sizes)
         sidecar.start()
-        result = measure(fleet, echo.endpoint, sidecar.endpoint, timing, rounds, sizes)
+        result = measure(
+            fleet, echo.endpoint, sidecar.endpoint, timing, rounds, sizes, block_counts
+        )
         fleet.close()  # unregisters every client while the sidecar still runs
     finally:
         if fleet is not None:
@@ -397,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
         {
             "message_header_bytes": sizes,
             "kv_block_bytes": BLOCK_BYTES,
-            "block_counts": list(BLOCK_COUNTS),
+            "block_counts": list(block_counts),
             "client_counts": list(CLIENT_COUNTS),
             "rate_blocks": RATE_BLOCKS,
             "seconds_per_case": seconds,

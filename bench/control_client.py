@@ -4,7 +4,9 @@
 DEALER for the ping-pong floor, and against the sidecar a registered
 `KVClient` plus a raw protocol `Channel` on the same session. `echo_main`
 is the floor's server: a ROUTER that answers each request, without decoding
-it, with a reply of the size the sidecar would send.
+it, with a reply of the size the sidecar would send. The floor's two ends
+send with `protocol.send_frames`, the sidecar's and the shim's own send, so
+the floor and the sidecar differ only in what the sidecar does.
 
 The KV layout is tiny on purpose (1 layer, 128 B per block), so the bytes a
 full load or save copies through shm are negligible next to the control path.
@@ -83,7 +85,7 @@ def echo_main(endpoint: str, lookup_reply: int, plan_reply: int, ready: Any) -> 
             ids = bytes(shape[1] // p.KEY_DTYPE.itemsize * p.ID_DTYPE.itemsize)
             reply = [bytes(plan_reply), ids, ids] if shape[0] == 4 else [bytes(lookup_reply)]
             replies[shape] = reply
-        sock.send_multipart([frames[0], *reply], copy=False)
+        p.send_frames(sock, [frames[0], *reply])
 
 
 class ControlClient:
@@ -127,7 +129,7 @@ class ControlClient:
 
         def step() -> None:
             plan()
-            sock.send_multipart(complete, copy=False)
+            p.send_frames(sock, complete)
             sock.recv_multipart()
 
         return timed_loop(step, timing, sync)
@@ -143,7 +145,7 @@ class ControlClient:
         frames = request_frames(header_bytes, blocks, with_ids)
 
         def step() -> None:
-            sock.send_multipart(frames, copy=False)
+            p.send_frames(sock, frames)
             sock.recv_multipart()
 
         return step

@@ -16,7 +16,7 @@ from sidecar.cli import main
 
 pytest.importorskip("torch")
 
-BLOCKS = ["1", "64", "2048"]
+BLOCKS = ["1", "64", "2048", "5000"]  # 5,000: a longer request added with --blocks
 CLIENTS = ["1", "4"]
 LATENCY_FIGURES = [
     "lookup_rtt_us",
@@ -44,8 +44,9 @@ def check_latencies(table: dict, name: str) -> None:
 
 def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
     out = tmp_path / "control.json"
-    assert main(["bench", "control", "--quick", "--json", str(out)]) == 0
+    assert main(["bench", "control", "--quick", "--blocks", "5000", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
+    assert r["block_counts"] == [1, 64, 2048, 5000]
 
     for shape in ("lookup", "load_save", "load_save_full"):
         check_latencies(r["floor_rtt_us"][shape], f"floor_rtt_us.{shape}")
@@ -100,6 +101,13 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
     assert r["sidecar_exit_code"] == 0
     assert r["shm_leftovers"] == []
     assert shm_entries(f"kvsidecar.{os.getuid()}.{r['sidecar_instance']}") == []
+
+
+@pytest.mark.parametrize("blocks", ["0", "64,x", "", str(1 << 21)])
+def test_control_refuses_block_counts_it_cannot_measure(blocks, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "control", "--quick", "--blocks", blocks])
+    assert info.value.code == 2 and "--blocks" in capsys.readouterr().err
 
 
 def test_timed_rotation_times_each_step_once_per_round_in_rotating_order():
