@@ -79,6 +79,7 @@ from bench.control_report import print_report
 from bench.fleet import Fleet, Samples, Timing, summarize
 from bench.report import write_json
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
+from shm.layout import BlockLayout
 from sidecar import protocol as p
 
 BLOCK_COUNTS = (1, 64, 2048)
@@ -91,7 +92,7 @@ LOOKUP_SLACK_US = 100.0
 RATE_TARGET = 0.5
 ROUNDS = 3  # each case runs in this many slices, interleaved with the other cases
 RATE_ROUNDS = 20  # slices of each term of the rate target, side by side
-SLOT_BYTES = 4096  # one tiny block, page-aligned
+SLOT_BYTES = BlockLayout(num_layers=1, layer_block_bytes=BLOCK_BYTES).slot_stride
 MIN_CAPACITY = 64 << 20  # 16,384 slots: the lookup set plus 4 clients' saves of 2,048
 
 SIDECAR_FIGURES = {
