@@ -161,15 +161,20 @@ class Handlers:
         self.layout = layout
 
     def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> p.Reply | None:
-        self._session(req)
+        # Every lookup of every engine runs this while the others wait: kept flat.
+        self.engines.session(req.session)
         keys = p.parse_keys(arrays[0])
         assert self.cache is not None
-        if not probed and self._probe(keys, req.id, lambda: self._lookup(req, arrays, True)):
+        if (
+            self.remote is not None  # else no probe: and no closure made for one
+            and not probed
+            and self._probe(keys, req.id, lambda: self._lookup(req, arrays, True))
+        ):
             return None
-        counts = self.cache.lookup(keys)
-        hits = split_hits(counts)
+        hits = split_hits(self.cache.lookup(keys))
         self.hits.record(len(keys), hits)
-        return p.ok(req.id, num_blocks=hits.total, cpu=hits.cpu, ssd=hits.ssd, remote=hits.remote)
+        cpu, ssd, remote = hits
+        return p.ok(req.id, num_blocks=cpu + ssd + remote, cpu=cpu, ssd=ssd, remote=remote)
 
     def _exists(self, req: p.Exists, arrays: list[bytes]) -> p.Reply:
         self._session(req)

@@ -46,6 +46,16 @@ def as_keys(data: bytes | bytearray | memoryview | np.ndarray) -> BlockKeys:
     return BlockKeys(arr.view(KEY_DTYPE))
 
 
+def key_bytes(keys: BlockKeys) -> bytes:
+    """The keys back to back: the bytes object they view, when they view all
+    of one in order (keys from a message frame or a KeyHasher: no copy), or
+    a copy."""
+    base = keys.base
+    if type(base) is bytes and len(base) == keys.nbytes and keys.flags.c_contiguous:
+        return base
+    return keys.tobytes()
+
+
 def keys_from_ints(values: np.ndarray | list[int], high: int = 0) -> BlockKeys:
     """Build keys from integers (< 2**64), with `high` as the upper 64 bits.
 

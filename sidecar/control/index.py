@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, SLOT_DTYPE, BlockKeys, SlotIds
+from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, SLOT_DTYPE, BlockKeys, SlotIds, key_bytes
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import EvictionPolicy
 
@@ -127,7 +127,7 @@ class RadixIndex:
             if not child.ready:
                 pending, num_present = child, pos + m
                 break
-            if m < len(child):
+            if m < len(child.slots):
                 if touch:  # split, so that the unmatched tail keeps its old recency
                     child = self._split(child, m)
                 runs.append(child.slots[:m])
@@ -404,10 +404,7 @@ class RadixIndex:
 def _key_bytes(keys: BlockKeys) -> bytes:
     if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
         raise TypeError(f"keys must be a 1-D numpy array of dtype {KEY_DTYPE}")
-    base = keys.base
-    if type(base) is bytes and len(base) == keys.nbytes and keys.flags.c_contiguous:
-        return base  # keys read straight from a message frame: all of it, in order
-    return keys.tobytes()
+    return key_bytes(keys)
 
 
 def _as_keys(key_bytes: bytes) -> BlockKeys:
