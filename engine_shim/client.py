@@ -303,20 +303,22 @@ class KVClient:
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Leading tokens of `token_ids` the sidecar can load (a multiple of
         tokens_per_block). 0 when the sidecar is down, slow or refuses."""
-        return sum(self.lookup_tiers(token_ids))
+        return sum(self._lookup(self._keys(token_ids)))
 
     def lookup_tiers(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> TierTokens:
         """`lookup`, split by the tier each leading block is in now (the
         fastest that holds it). All zero when the sidecar is down, slow or refuses."""
-        return self.lookup_keys_tiers(self._keys(token_ids))
+        return self._lookup(self._keys(token_ids))
 
     def lookup_keys(self, keys: BlockKeys) -> int:
         """`lookup` for precomputed keys (see `block_keys` / `digest_keys`)."""
-        return sum(self.lookup_keys_tiers(keys))
+        return sum(self._lookup(_checked_keys(keys)))
 
     def lookup_keys_tiers(self, keys: BlockKeys) -> TierTokens:
         """`lookup_tiers` for precomputed keys."""
-        keys = _checked_keys(keys)
+        return self._lookup(_checked_keys(keys))
+
+    def _lookup(self, keys: BlockKeys) -> TierTokens:
         if len(keys) == 0:
             return TierTokens(0, 0, 0)
         try:

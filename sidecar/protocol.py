@@ -27,7 +27,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
+from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, BlockKeys, key_bytes
 
 PROTOCOL_VERSION = 1
 MAX_BLOCKS_PER_REQUEST = 1 << 20
@@ -246,7 +246,7 @@ OP_NAMES = frozenset(t.__struct_config__.tag for t in Request.__args__)  # type:
 
 
 def keys_frame(keys: BlockKeys) -> bytes:
-    return np.ascontiguousarray(keys).tobytes()
+    return key_bytes(keys)  # a KeyHasher's keys go out as the bytes it made
 
 
 def parse_keys(frame: bytes) -> BlockKeys:

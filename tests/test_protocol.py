@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from helpers import chain
+from helpers import chain, key_ids
 
 from sidecar import protocol as p
+from sidecar.blocks import KeyHasher, Namespace
 from sidecar.protocol import ErrorCode, ProtocolError
 
 V = p.PROTOCOL_VERSION
@@ -55,6 +56,21 @@ def test_the_id_of_a_malformed_request_is_still_read_for_the_reply():
     assert p.request_id(raw({"v": V, "id": 41, "op": "nope"})) == 41
     assert p.request_id([b"\x00\x01garbage"]) == 0
     assert p.request_id([]) == 0
+
+
+def test_a_key_frame_is_the_bytes_the_keys_view_or_else_a_copy_in_their_order():
+    ns = Namespace("m", "r", "paged", "float32", 1, 1, 1, 8, 16)
+    hashed = KeyHasher(ns).hash_tokens(np.arange(64))
+    frame = p.keys_frame(hashed)
+    assert frame is hashed.base  # the hasher's own bytes, not a copy
+    assert p.parse_keys(frame).tobytes() == hashed.tobytes()
+    whole = chain(6)
+    for view in (whole[::-1], whole[1:4], whole[::2]):  # not all of, or not in order
+        assert p.keys_frame(view) == view.tobytes()
+        assert key_ids(p.keys_frame(view)) == key_ids(view.tobytes())
+    from_frame = p.parse_keys(whole.tobytes())
+    assert p.keys_frame(from_frame[::-1]) == from_frame[::-1].tobytes()  # views a whole bytes
+    assert key_ids(p.keys_frame(from_frame[::-1])) == [6, 5, 4, 3, 2, 1]
 
 
 def test_key_and_id_frames_are_checked():

@@ -1,0 +1,62 @@
+"""engine_shim.channel against a bare ROUTER socket: request ids and bounded waits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from engine_shim.channel import Channel, SidecarUnavailable
+from sidecar import protocol as p
+
+V = p.PROTOCOL_VERSION
+
+
+def test_each_wait_keeps_its_own_timeout_when_the_socket_reuses_the_last(tmp_path):
+    """The receive timeout is set on the socket only when it changes: a short
+    wait after long ones still ends on time, and a long one after it still
+    gets its late reply."""
+    endpoint = f"ipc://{tmp_path}/router"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    delays = iter([0.0, 0.0, None, 0.0, 0.5, None])  # None: never answer
+    stop = threading.Event()
+
+    def serve() -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        while not stop.is_set():
+            if not poller.poll(50):
+                continue
+            identity, header = router.recv_multipart()
+            delay = next(delays)
+            if delay is not None:
+                time.sleep(delay)
+                rid = msgspec.msgpack.decode(header)["id"]
+                router.send_multipart([identity, p.encode({"v": V, "id": rid, "ok": True})])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    channel = Channel(endpoint, timeout=5.0)
+    try:
+        assert channel.call(p.Stats(v=V, id=0))[0]["ok"]
+        assert channel.call(p.Stats(v=V, id=0))[0]["ok"]  # the same timeout, not set again
+        start = time.monotonic()
+        with pytest.raises(SidecarUnavailable, match=r"within 0\.2 s"):
+            channel.call(p.Stats(v=V, id=0), timeout=0.2)
+        assert time.monotonic() - start < 1.0
+        assert channel.call(p.Stats(v=V, id=0))[0]["ok"]
+        assert channel.call(p.Stats(v=V, id=0), timeout=2.0)[0]["ok"]  # answered in 0.5 s
+        start = time.monotonic()
+        with pytest.raises(SidecarUnavailable, match=r"within 0\.2 s"):
+            channel.call(p.Stats(v=V, id=0), timeout=0.2)
+        assert time.monotonic() - start < 1.0
+    finally:
+        stop.set()
+        thread.join(5)
+        channel.close()
+        router.close(0)
