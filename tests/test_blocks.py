@@ -78,10 +78,12 @@ def test_c_equals_python_on_random_inputs() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint64, np.uint32])
-@pytest.mark.parametrize("tpb", [1, 4, 16, 33])
+@pytest.mark.parametrize("tpb", [1, 4, 16, 28, 29, 33])
 def test_ids_hashed_as_they_are_give_the_int32_copys_keys(dtype: type, tpb: int) -> None:
     """The C chain reads int32/int64 ids in place; the Python impl hashes an
-    int32 copy. Same keys for every length (tails included) and parent."""
+    int32 copy. Same keys for every length (tails included) and parent, on
+    both C paths: up to 28 ids a block fit one compression with the parent
+    key (message words built from the ids), more take the byte-buffer path."""
     ns = dataclasses.replace(NS, tokens_per_block=tpb)
     direct, copied = KeyHasher(ns, impl="c"), KeyHasher(ns, impl="python")
     assert direct._token_chain is not None  # the path under test is taken
