@@ -171,37 +171,14 @@ static void chain_short_tokens(const uint8_t *src, Py_ssize_t n, Py_ssize_t item
     }
 }
 
-/* The keys of n blocks of src, each hashed as block_bytes bytes after its parent key.
- * itemsize 0: a block is block_bytes bytes of src as they are; 4 or 8: a block is
- * block_bytes / 4 native integers of that size, hashed as little-endian int32. */
-static PyObject *hash_chain(const uint8_t *src, Py_ssize_t n, Py_ssize_t itemsize,
-                            Py_ssize_t block_bytes, const Py_buffer *key,
-                            const Py_buffer *parent) {
-    if (key->len > MAXKEYBYTES) {
-        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes", MAXKEYBYTES);
-        return NULL;
-    }
-    if (parent->len != OUTBYTES) {
-        PyErr_Format(PyExc_ValueError, "parent must be %d bytes", OUTBYTES);
-        return NULL;
-    }
-    PyObject *result = PyBytes_FromStringAndSize(NULL, n * OUTBYTES);
-    uint8_t *msg = PyMem_Malloc((size_t)(OUTBYTES + block_bytes));
-    if (result == NULL || msg == NULL) {
-        Py_CLEAR(result);
-        PyMem_Free(msg);
-        return msg == NULL ? PyErr_NoMemory() : NULL;
-    }
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+/* hash_chain's loop for every other case: raw bytes (itemsize 0), or blocks of ids too
+ * long for one compression. msg holds OUTBYTES + block_bytes: the parent key, then the
+ * block as bytes. */
+static void chain_blocks(const uint8_t *src, Py_ssize_t n, Py_ssize_t itemsize,
+                         Py_ssize_t block_bytes, const uint64_t h0[8], uint64_t t0,
+                         const uint8_t parent[OUTBYTES], uint8_t *msg, uint8_t *out) {
     Py_ssize_t per_block = block_bytes / 4;
-    Py_BEGIN_ALLOW_THREADS
-    uint64_t h0[8];
-    uint64_t t0 = keyed_state(h0, key->buf, (size_t)key->len);
-    memcpy(msg, parent->buf, OUTBYTES);
-    if (itemsize != 0 && OUTBYTES + block_bytes <= BLOCKBYTES) {
-        chain_short_tokens(src, n, itemsize, per_block, h0, t0, parent->buf, out);
-        n = 0;  /* done */
-    }
+    memcpy(msg, parent, OUTBYTES);
     for (Py_ssize_t b = 0; b < n; b++) {
         uint8_t *dst = msg + OUTBYTES;
         if (itemsize == 0) {
@@ -216,6 +193,41 @@ static PyObject *hash_chain(const uint8_t *src, Py_ssize_t n, Py_ssize_t itemsiz
         finish(h0, t0, msg, (size_t)(OUTBYTES + block_bytes), out + b * OUTBYTES);
         memcpy(msg, out + b * OUTBYTES, OUTBYTES);
     }
+}
+
+/* The keys of n blocks of src, each hashed as block_bytes bytes after its parent key.
+ * itemsize 0: a block is block_bytes bytes of src as they are; 4 or 8: a block is
+ * block_bytes / 4 native integers of that size, hashed as little-endian int32. */
+static PyObject *hash_chain(const uint8_t *src, Py_ssize_t n, Py_ssize_t itemsize,
+                            Py_ssize_t block_bytes, const Py_buffer *key,
+                            const Py_buffer *parent) {
+    if (key->len > MAXKEYBYTES) {
+        PyErr_Format(PyExc_ValueError, "key must be at most %d bytes", MAXKEYBYTES);
+        return NULL;
+    }
+    if (parent->len != OUTBYTES) {
+        PyErr_Format(PyExc_ValueError, "parent must be %d bytes", OUTBYTES);
+        return NULL;
+    }
+    int short_tokens = itemsize != 0 && OUTBYTES + block_bytes <= BLOCKBYTES;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, n * OUTBYTES);
+    uint8_t *msg = short_tokens ? NULL : PyMem_Malloc((size_t)(OUTBYTES + block_bytes));
+    if (msg == NULL && !short_tokens) {
+        Py_XDECREF(result);
+        return PyErr_NoMemory();
+    }
+    if (result == NULL) {
+        PyMem_Free(msg);
+        return NULL;
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t h0[8];
+    uint64_t t0 = keyed_state(h0, key->buf, (size_t)key->len);
+    if (short_tokens)
+        chain_short_tokens(src, n, itemsize, block_bytes / 4, h0, t0, parent->buf, out);
+    else
+        chain_blocks(src, n, itemsize, block_bytes, h0, t0, parent->buf, msg, out);
     Py_END_ALLOW_THREADS
     PyMem_Free(msg);
     return result;
