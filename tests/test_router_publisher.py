@@ -384,8 +384,8 @@ def test_a_rejected_dump_is_not_retried_on_every_batch(loopback: Loopback) -> No
         while not stop.is_set():
             if resync.poll(20):
                 frames = resync.recv_multipart()
+                answered.append(1)  # before the reply: the router may act on it first
                 resync.send_multipart([*frames[:-1], dump])
-                answered.append(1)
 
     answerer = threading.Thread(target=answer)
     answerer.start()
