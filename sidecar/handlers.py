@@ -28,7 +28,7 @@ from sidecar import protocol as p
 from sidecar.config import Config
 from sidecar.control.ids import GpuBlockIds
 from sidecar.control.index import IndexConflict
-from sidecar.control.plan import PlanError
+from sidecar.control.plan import PlanError, TierCounts
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.dataplane import DataPlane, TierOps
 from sidecar.engines import Engines, Session, namespace_of, pid_namespace
@@ -163,18 +163,23 @@ class Handlers:
     def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> p.Reply | None:
         # Every lookup of every engine runs this while the others wait: kept flat.
         self.engines.session(req.session)
-        keys = p.parse_keys(arrays[0])
-        assert self.cache is not None
-        if (
-            self.remote is not None  # else no probe: and no closure made for one
-            and not probed
-            and self._probe(keys, req.id, lambda: self._lookup(req, arrays, True))
-        ):
-            return None
-        hits = split_hits(self.cache.lookup(keys))
-        self.hits.record(len(keys), hits)
-        cpu, ssd, remote = hits
-        return p.ok(req.id, num_blocks=cpu + ssd + remote, cpu=cpu, ssd=ssd, remote=remote)
+        frame = arrays[0]
+        num = p.num_keys(frame)
+        cache = self.cache
+        assert cache is not None
+        if not cache.lower:  # a CPU-only cache: counted from the frame's bytes
+            hits = TierCounts(cache.cpu.index.ready_blocks(frame))
+        else:
+            keys = p.parse_keys(frame)
+            if (
+                self.remote is not None  # else no probe: and no closure made for one
+                and not probed
+                and self._probe(keys, req.id, lambda: self._lookup(req, arrays, True))
+            ):
+                return None
+            hits = split_hits(cache.lookup(keys))
+        self.hits.record(num, hits)
+        return p.lookup_reply(req.id, *hits)
 
     def _exists(self, req: p.Exists, arrays: list[bytes]) -> p.Reply:
         self._session(req)

@@ -249,16 +249,23 @@ def keys_frame(keys: BlockKeys) -> bytes:
     return key_bytes(keys)  # a KeyHasher's keys go out as the bytes it made
 
 
-def parse_keys(frame: bytes) -> BlockKeys:
-    """Block keys from a raw frame, or ProtocolError."""
-    if len(frame) % KEY_BYTES:
+def num_keys(frame: bytes) -> int:
+    """How many block keys a raw keys frame holds, or ProtocolError."""
+    n, rest = divmod(len(frame), KEY_BYTES)
+    if rest:
         raise ProtocolError(
             ErrorCode.BAD_MESSAGE, f"keys frame of {len(frame)} bytes is not 16-byte keys"
         )
-    if len(frame) // KEY_BYTES > MAX_BLOCKS_PER_REQUEST:
+    if n > MAX_BLOCKS_PER_REQUEST:
         raise ProtocolError(
             ErrorCode.BAD_VALUE, f"more than {MAX_BLOCKS_PER_REQUEST} blocks in one request"
         )
+    return n
+
+
+def parse_keys(frame: bytes) -> BlockKeys:
+    """Block keys from a raw frame, or ProtocolError."""
+    num_keys(frame)
     return BlockKeys(np.frombuffer(frame, dtype=KEY_DTYPE))
 
 
@@ -318,6 +325,20 @@ class Reply(NamedTuple):
 
 def ok(request_id: int, arrays: list[bytes] | None = None, **fields: Any) -> Reply:
     return Reply({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}, arrays or [])
+
+
+def lookup_reply(request_id: int, cpu: int, ssd: int, remote: int) -> Reply:
+    """A lookup's answer: blocks each tier would serve, and their sum."""
+    header = {
+        "v": PROTOCOL_VERSION,
+        "id": request_id,
+        "ok": True,
+        "num_blocks": cpu + ssd + remote,
+        "cpu": cpu,
+        "ssd": ssd,
+        "remote": remote,
+    }
+    return Reply(header, [])
 
 
 def error(request_id: int, code: ErrorCode, message: str) -> Reply:

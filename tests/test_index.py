@@ -77,7 +77,7 @@ def test_divergence_at_every_position(policy, at):
     index.insert(RUN, SLOTS, ready=True)
     other = cat(RUN[:at], chain(3, start=100))
     m = index.match(other)
-    assert m.num_blocks == m.num_present == at
+    assert m.num_blocks == m.num_present == index.ready_blocks(other.tobytes()) == at
     assert m.slots.tolist() == SLOTS[:at].tolist()
 
     new = index.insert(other, np.array([20, 21, 22]), ready=True).node
@@ -206,6 +206,7 @@ def test_pending_node_is_reported_but_not_served(policy):
     pending = index.insert(RUN, SLOTS[2:]).node
     m = index.match(RUN)
     assert (m.num_blocks, m.num_present, m.pending) == (2, 5, pending)
+    assert index.ready_blocks(RUN.tobytes()) == 2
     assert m.slots.tolist() == SLOTS[:2].tolist()
     assert index.match(RUN[:4]).num_present == 4
     only_pending = make_index(policy)
@@ -213,8 +214,9 @@ def test_pending_node_is_reported_but_not_served(policy):
     m = only_pending.match(RUN[:3], touch=True)
     assert (m.num_blocks, m.num_present, m.node, m.pending) == (0, 3, None, node)
     assert node.hit_count == 0
+    assert only_pending.ready_blocks(RUN.tobytes()) == 0
     index.set_ready(pending)
-    assert index.match(RUN).num_blocks == 5
+    assert index.match(RUN).num_blocks == index.ready_blocks(RUN.tobytes()) == 5
 
 
 def test_set_ready_twice_conflicts(policy):

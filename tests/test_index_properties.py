@@ -7,7 +7,7 @@ index, under every policy. The model is a dict from each block's whole prefix
 After every step:
 
 - the index holds exactly the model's blocks, slots and readiness;
-- match() of every sequence is the model's longest ready prefix;
+- match() and ready_blocks() of every sequence give the model's longest ready prefix;
 - each node's lock count is the number of held locks at or below it;
 - the policy's candidates are exactly the ready, unlocked leaves;
 and every evict(n) removes exactly min(n, evictable) blocks, each of them
@@ -108,8 +108,9 @@ class IndexMachine(RuleBasedStateMachine):
     def match(self, seq, touch):
         seq = sequence(*seq)
         self.clock.set(self.clock.now + 1.0)
-        m = self.index.match(keys(*seq), touch=touch)
         n = self.ready_prefix(seq)
+        assert self.index.ready_blocks(keys(*seq).tobytes()) == n  # what lookups count
+        m = self.index.match(keys(*seq), touch=touch)
         assert m.num_blocks == n
         assert m.slots.tolist() == [self.blocks[seq[: i + 1]][0] for i in range(n)]
 

@@ -107,6 +107,24 @@ class RadixIndex:
 
     # ---- lookup -----------------------------------------------------------
 
+    def ready_blocks(self, kb: bytes) -> int:
+        """`match(keys).num_blocks` for the keys' raw bytes (a multiple of
+        KEY_BYTES): the ready prefix, counted without gathering its slots or
+        making an array of the keys; changes nothing. Every lookup of every
+        engine runs it on the sidecar's one loop."""
+        children = self.root.children
+        pos, total = 0, len(kb) // KEY_BYTES
+        while pos < total:
+            child = children.get(kb[pos * KEY_BYTES : (pos + 1) * KEY_BYTES])
+            if child is None or not child.ready:
+                break
+            m = _common_prefix(child.key_bytes, kb, pos)
+            pos += m
+            if m < len(child.slots):
+                break
+            children = child.children
+        return pos
+
     def match(self, keys: BlockKeys, *, touch: bool = False) -> MatchResult:
         """Longest ready prefix of `keys`. With `touch`, counts a hit on every
         matched node (recency, hit count), first splitting a node the match
