@@ -129,6 +129,8 @@ class KVClient:
         self._channel = Channel(endpoint, timeout)
         self._channel.on_stray_plan = self._give_back
         self.session = uuid.uuid4().hex
+        self._lookup_request = p.Lookup(v=p.PROTOCOL_VERSION, id=0, session=self.session)
+        """Every lookup sends this one (the channel numbers it as it goes)."""
         self._register_args: dict[str, Any] | None = None
         self._planes: KVPlanes | None = None
         self._copier: CpuBlockCopier | GpuBlockCopier | StagedBlockCopier | None = None
@@ -322,7 +324,7 @@ class KVClient:
         if len(keys) == 0:
             return TierTokens(0, 0, 0)
         try:
-            reply, _ = self._call(self._req(p.Lookup), [p.keys_frame(keys)])
+            reply, _ = self._call(self._lookup_request, [p.keys_frame(keys)])
         except (SidecarUnavailable, SidecarError):
             return TierTokens(0, 0, 0)
         t = self._tokens_per_block
