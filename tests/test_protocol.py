@@ -73,6 +73,16 @@ def test_a_key_frame_is_the_bytes_the_keys_view_or_else_a_copy_in_their_order():
     assert key_ids(p.keys_frame(from_frame[::-1])) == [6, 5, 4, 3, 2, 1]
 
 
+def test_a_keys_frame_is_counted_or_refused():
+    assert p.num_keys(b"") == 0 and p.num_keys(bytes(16 * 3)) == 3
+    with pytest.raises(ProtocolError) as info:
+        p.num_keys(b"x" * 17)
+    assert info.value.code == ErrorCode.BAD_MESSAGE
+    with pytest.raises(ProtocolError) as info:
+        p.num_keys(bytes(16 * (p.MAX_BLOCKS_PER_REQUEST + 1)))
+    assert info.value.code == ErrorCode.BAD_VALUE
+
+
 def test_key_and_id_frames_are_checked():
     with pytest.raises(ProtocolError, match="16-byte"):
         p.parse_keys(b"x" * 17)
