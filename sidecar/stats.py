@@ -78,8 +78,6 @@ class HitStats:
 
 def split_hits(counts: TierCounts) -> TierCounts:
     """Ready-prefix lengths per tier -> blocks each tier would serve."""
-    if not (counts.ssd or counts.remote):  # all from the CPU tier, as counted
-        return counts
     cpu = counts.cpu
     ssd = max(0, counts.ssd - cpu)
     remote = max(0, counts.remote - max(cpu, counts.ssd))

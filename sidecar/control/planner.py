@@ -103,10 +103,8 @@ class GlobalCacheEngine(PlanTable):
 
     def lookup(self, keys: BlockKeys) -> TierCounts:
         """Ready prefix length in each tier a GET would read; changes nothing."""
-        cpu = self.cpu.match(keys).num_blocks
-        if not self.lower:  # a CPU-only cache: the common case, on every lookup
-            return TierCounts(cpu)
         lower = {name: tier.match(keys).num_blocks for name, tier in self._online()}
+        cpu = self.cpu.match(keys).num_blocks
         remote = lower.get("remote", 0)
         local = max(cpu, lower.get("ssd", 0))
         if not self.remote_rule.allows(len(keys) - local, len(keys)):
