@@ -74,14 +74,14 @@ setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension(
-            "sidecar._blake2chain",
-            sources=["sidecar/_blake2chain.c"],
+            "contract._blake2chain",
+            sources=["contract/_blake2chain.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
-            "sidecar._nodeheap",
-            sources=["sidecar/_nodeheap.c"],
+            "sidecar.control._nodeheap",
+            sources=["sidecar/control/_nodeheap.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

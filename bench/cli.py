@@ -9,7 +9,7 @@ import importlib
 # and sets `func` on the parsed namespace.
 BENCH_MODULES = (
     "bench.index",
-    "bench.replay",
+    "cachesim.replay",
     "bench.shm",
     "bench.control",
     "bench.gpu",

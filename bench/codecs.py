@@ -3,7 +3,7 @@
 Called by `kvsidecar bench control`. Each figure is the median µs of one
 encode plus one decode of the same value, in this process:
 - request headers (a Lookup, a Load with a field, a Complete with op ids) as
-  the typed msgspec Structs of `sidecar.protocol` (what the sidecar decodes),
+  the typed msgspec Structs of `contract.protocol` (what the sidecar decodes),
   as plain dicts through msgspec, and as plain dicts through the msgpack
   package;
 - 2,048 block keys as one raw frame (`protocol.keys_frame` / `parse_keys`,
@@ -24,7 +24,7 @@ import msgpack
 import msgspec
 import numpy as np
 
-from sidecar import protocol as p
+from contract import protocol as p
 
 HEADER_CODECS = ("msgspec_struct", "msgspec_dict", "msgpack_dict")
 KEYS_FORMATS = ("raw_frame", "msgpack_list", "msgspec_list")

@@ -77,10 +77,10 @@ from bench.codecs import measure_codecs
 from bench.control_client import BLOCK_BYTES, ControlClient, echo_main
 from bench.control_report import print_report
 from bench.fleet import Fleet, Samples, Timing, summarize
-from bench.report import write_json
+from cachesim.report import write_json
+from contract import protocol as p
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from shm.layout import BlockLayout
-from sidecar import protocol as p
 
 BLOCK_COUNTS = (1, 64, 2048)
 """Request sizes of every run; `--blocks` adds longer ones."""

@@ -23,9 +23,9 @@ import numpy as np
 import zmq
 
 from bench.fleet import Samples, Timing, timed_loop, timed_rotation
+from contract import protocol as p
+from contract.blocks import KeyHasher, Namespace
 from engine_shim.channel import Channel
-from sidecar import protocol as p
-from sidecar.blocks import KeyHasher, Namespace
 
 TOKENS_PER_BLOCK = 16
 BLOCK_SHAPE = (2, TOKENS_PER_BLOCK, 1, 1)  # K/V x tokens x heads x head_dim, fp32

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from bench.report import positive_int_list, print_table, time_interleaved, write_json
+from cachesim.report import positive_int_list, print_table, time_interleaved, write_json
 
 TARGET_VS_FLOOR = 0.85
 TARGET_BLOCKS = 1024

@@ -41,9 +41,9 @@ import numpy as np
 import psutil
 
 from bench.keys import measure_hashing
-from bench.report import positive_int_list, print_table, write_json
-from bench.trace import expand_ids
-from sidecar.control.ids import keys_from_ints
+from cachesim.report import positive_int_list, print_table, write_json
+from cachesim.trace import expand_ids
+from contract.ids import keys_from_ints
 from sidecar.control.index import RadixIndex
 from sidecar.control.policies import make_policy
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from sidecar.blocks import BLAKE2B_IMPL, KeyHasher, Namespace
+from contract.blocks import BLAKE2B_IMPL, KeyHasher, Namespace
 
 NUM_TOKENS = 32_768
 TOKENS_PER_BLOCK = 16

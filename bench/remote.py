@@ -51,13 +51,13 @@ import numpy as np
 import redis
 from redis.connection import Encoder, PythonRespSerializer
 
-from bench.report import print_table, time_interleaved, write_json
+from cachesim.report import print_table, time_interleaved, write_json
 from shm.pool import ShmPool
 from sidecar.config import Config
-from sidecar.dataplane import split
-from sidecar.redis_connector import RedisConnector, send_buffers
-from sidecar.remote import ReadResult, RemoteStore
-from sidecar.workers import IoPool
+from sidecar.tiers.dataplane import split
+from sidecar.tiers.io_pool import IoPool
+from sidecar.tiers.remote.redis import RedisConnector, send_buffers
+from sidecar.tiers.remote.store import ReadResult, RemoteStore
 
 TARGET_VS_FLOOR = 0.8
 

@@ -31,15 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.replay import DEFAULT_TRACE, _finish
-from bench.report import positive_int_list, print_table, write_json
-from bench.trace import Trace, infinite_hit_ratio, load_mooncake
+from cachesim.replay import DEFAULT_TRACE, _finish
+from cachesim.report import positive_int_list, print_table, write_json
+from cachesim.trace import Trace, infinite_hit_ratio, load_mooncake
+from contract.events import Cleared, Removed, RouterEvent, Stored
+from contract.ids import BlockKeys, keys_from_ints
 from router.keys import BlockKey, Worker, split_keys, worker
 from router.router import Router
-from router.wire import Cleared, Removed, RouterEvent, Stored
-from sidecar.control.engine import CacheEngine
+from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, KVEvent
-from sidecar.control.ids import BlockKeys, keys_from_ints
 from sidecar.control.planner import GlobalCacheEngine
 
 INDEXES = ("radix", "flat")

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.report import print_table, time_interleaved, write_json
+from cachesim.report import print_table, time_interleaved, write_json
 from shm import copy as shm_copy
 from shm.layout import BlockLayout
 from shm.pool import ShmPool

@@ -45,15 +45,15 @@ from typing import Any
 import numpy as np
 
 from bench.hugepages import HugePagesUnavailable, physical_runs, thp_tmpfs
-from bench.report import positive_int_list, write_json
 from bench.ssd_e2e import check_block_bytes, measure_get
 from bench.ssd_io import Floor, Tier, drop_page_cache, fio_rates, key, run_batch
 from bench.ssd_report import TARGET_VS_FLOOR, case_name, figures, print_report
+from cachesim.report import positive_int_list, write_json
 from shm.pages import statfs
 from shm.pool import ShmPool
 from sidecar.config import Config
-from sidecar.ssd import checksum
-from sidecar.workers import IoPool
+from sidecar.tiers.io_pool import IoPool
+from sidecar.tiers.ssd.store import checksum
 
 BLOCK_KIB = [2048, 256]
 COUNTS = [16, 256]

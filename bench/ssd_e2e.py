@@ -35,7 +35,7 @@ from bench.ssd_io import Floor, drop_page_cache, run_batch
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from shm.names import SHM_DIR
 from shm.pool import ShmPool
-from sidecar.workers import IoPool
+from sidecar.tiers.io_pool import IoPool
 
 LAYERS = 16
 TOKENS_PER_BLOCK = 16

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar.ssd import SsdStore
-from sidecar.workers import IoPool
+from sidecar.tiers.io_pool import IoPool
+from sidecar.tiers.ssd.store import SsdStore
 
 Job = Callable[[int, int], None]
 """Moves blocks lo..hi-1 of a batch."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.report import print_table
+from cachesim.report import print_table
 
 TARGET_VS_FLOOR = 0.8
 

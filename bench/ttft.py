@@ -63,8 +63,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import positive_int_list, write_json
-from bench.trace import MOONCAKE_BLOCK_TOKENS
 from bench.ttft_workload import (
     MIN_REUSE,
     TOKENS_PER_BLOCK,
@@ -73,8 +71,10 @@ from bench.ttft_workload import (
     sweep_cases,
     trace_cases,
 )
+from cachesim.replay import DEFAULT_TRACE
+from cachesim.report import positive_int_list, write_json
+from cachesim.trace import MOONCAKE_BLOCK_TOKENS
 
-DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
 # Whole blocks plus one token: a hit loads every block and computes one token.
 SWEEP = (17, 33, 49, 65, 97, 129, 193, 257, 385, 513)
 QUICK_SWEEP = (17, 33, 65, 129)

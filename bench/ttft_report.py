@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import print_table
+from cachesim.report import print_table
 
 
 def print_report(r: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.trace import MOONCAKE_BLOCK_TOKENS, load_mooncake
+from cachesim.trace import MOONCAKE_BLOCK_TOKENS, load_mooncake
 
 MIN_REUSE = 0.5  # a follow-up shares at least this share of its hash ids
 TOKENS_PER_BLOCK = 16

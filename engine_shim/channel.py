@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from sidecar import protocol as p
+from contract import protocol as p
 
 # Plain ints: zmq's IntFlag members cost ~2 us per operation in a hot loop.
 _NOBLOCK, _RCVTIMEO = int(zmq.NOBLOCK), int(zmq.RCVTIMEO)

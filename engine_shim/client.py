@@ -32,17 +32,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from contract import protocol as p
+from contract.blocks import KeyHasher, Namespace
+from contract.endpoint import default_endpoint
+from contract.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
 from cuda_ext.layouts import KVPlanes, kv_planes
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
-from sidecar import protocol as p
-from sidecar.blocks import KeyHasher, Namespace
-from sidecar.config import load_config
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
-from sidecar.runtime import endpoint_of
 
 __all__ = ["KVClient", "PlanOps", "SidecarError", "SidecarUnavailable", "TransferHandle"]
 
@@ -153,7 +152,7 @@ class KVClient:
         """A client of the sidecar at `endpoint` (default: where `kvsidecar serve`
         listens with this environment's configuration). Connecting never
         blocks: a sidecar that is not up yet is found when it comes."""
-        return cls(endpoint or endpoint_of(load_config()), timeout)
+        return cls(endpoint or default_endpoint(), timeout)
 
     # ---- registration -------------------------------------------------------------
 

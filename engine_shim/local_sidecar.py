@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from contract.endpoint import InstancePaths
 from shm.names import SHM_DIR, remove_stale_segments
-from sidecar.runtime import InstancePaths
 
 IPC_PATH_MAX = 107
 """Bytes of an ipc:// socket path Linux takes (sockaddr_un.sun_path, NUL ended)."""
@@ -81,7 +81,7 @@ class LocalSidecar:
         """Start it and wait for its "serving on" line; RuntimeError if it does not come."""
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sidecar", "serve", *self.args],
+                [sys.executable, "-m", "kvsidecar", "serve", *self.args],
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,

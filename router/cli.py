@@ -1,4 +1,4 @@
-"""`kvsidecar router serve` and `kvsidecar analyze`."""
+"""`kvsidecar router serve`."""
 
 from __future__ import annotations
 
@@ -68,14 +68,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=_serve)
 
-    a = sub.add_parser(
-        "analyze",
-        help="prefix-reuse analysis of a Mooncake trace, with a hit ratio vs cache size plot",
-    )
-    from router.analyze import add_arguments
-
-    add_arguments(a)
-
 
 def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:
     sources = []
@@ -99,9 +91,9 @@ def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from contract.blocks import KeyHasher, Namespace
     from router.router import Router
     from router.serve import RouterServer
-    from sidecar.blocks import KeyHasher, Namespace
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:

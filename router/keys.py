@@ -1,7 +1,7 @@
 """Typed ids of the router: block keys and workers.
 
 The router compares the same 16-byte chained keys the sidecar stores
-(`sidecar.control.ids.BlockKey`). Hashes published by vLLM engines (ints or
+(`contract.ids.BlockKey`). Hashes published by vLLM engines (ints or
 bytes, depending on the vLLM version) are mapped into that key type by
 `vllm_key`, under their own personalisation so they never equal a sidecar key.
 """
@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import NamedTuple, NewType
 
-from sidecar.control.ids import KEY_BYTES, BlockKey
+from contract.ids import KEY_BYTES, BlockKey, split_keys
 
 __all__ = [
     "KEY_BYTES",
@@ -41,14 +41,6 @@ class Worker(NamedTuple):
 
 def worker(worker_id: int, dp_rank: int = 0) -> Worker:
     return Worker(WorkerId(int(worker_id)), int(dp_rank))
-
-
-def split_keys(raw: bytes) -> list[BlockKey]:
-    """Concatenated 16-byte keys -> one BlockKey each. Raises ValueError on a
-    length that is not a multiple of 16."""
-    if len(raw) % KEY_BYTES:
-        raise ValueError(f"key bytes must be a multiple of {KEY_BYTES}, got {len(raw)}")
-    return [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
 
 
 _VLLM_PERSON = b"kvs-vllm-hash"

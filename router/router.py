@@ -12,12 +12,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from contract.blocks import KeyHasher
+from contract.events import Cleared, Removed, RouterEvent, Stored
 from router.choice import Choice, WorkerSelector
 from router.index import KvIndex, OverlapScores, make_index
 from router.keys import BlockKey, Worker, split_keys
 from router.stats import RouterStats
-from router.wire import Cleared, Removed, RouterEvent, Stored
-from sidecar.blocks import KeyHasher
 
 
 class Router:

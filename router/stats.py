@@ -9,8 +9,8 @@ blocks counts n requested and h hit. The sliding window is the sidecar's
 from __future__ import annotations
 
 from router.keys import Worker
+from sidecar.control.hits import HitStats
 from sidecar.control.plan import TierCounts
-from sidecar.stats import HitStats
 
 
 class RouterStats:

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from router import wire
+from contract import events as wire
+from contract.events import Cleared, RouterEvent, WireError
 from router.index import RouterIndexError
 from router.keys import Worker, worker
 from router.router import Router
 from router.vllm_events import decode_vllm
-from router.wire import Cleared, RouterEvent, WireError
 
 log = logging.getLogger("kvsidecar.router")
 

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from contract.events import Cleared, Removed, RouterEvent, Stored, WireError
 from router.keys import vllm_key, vllm_keys
-from router.wire import Cleared, Removed, RouterEvent, Stored, WireError
 
 _FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash"),

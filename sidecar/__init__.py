@@ -1,1 +1,1 @@
-"""kvsidecar daemon: configuration, control plane, server loop, worker pools, CLI."""
+"""kvsidecar daemon: configuration, runtime directory, control plane, server, tiers, metrics."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from contract.endpoint import DEFAULT_INSTANCE, ENDPOINT_PREFIXES, INSTANCE_PATTERN
 from sidecar.config_spec import (
     SPEC,
     ConfigError,
@@ -214,10 +215,10 @@ class Config:
         1000, "int", "Number of recent requests in the sliding-window hit ratio.", low=1
     )
     instance: str = config_key(
-        "default",
+        DEFAULT_INSTANCE,
         "str",
         "Instance name: one sidecar per name and user; names its socket, lock and shm segments.",
-        pattern=r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
+        pattern=INSTANCE_PATTERN,
     )
     runtime_dir: str | None = config_key(
         None,
@@ -230,7 +231,7 @@ class Config:
         None,
         "str",
         "ZeroMQ endpoint to serve; None = ipc://<runtime_dir>/<instance>.sock.",
-        prefixes=("ipc://", "tcp://"),
+        prefixes=ENDPOINT_PREFIXES,
         optional=True,
     )
     lease_seconds: float = config_key(

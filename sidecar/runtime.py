@@ -1,25 +1,22 @@
-"""Where a sidecar instance lives on the host: runtime directory, socket,
-instance lock and shared-memory names, all derived from (user, runtime
-directory, instance).
+"""The runtime directory and the instance lock of a running sidecar. The
+names (socket, lock, shm prefix) are `contract.endpoint.InstancePaths`.
 
 The instance lock is an `flock` on `<runtime_dir>/<instance>.lock`, held for
 the process's whole life. The kernel drops it when the process dies, even by
 SIGKILL, so a starting sidecar that gets the lock knows that any socket or
 shm segment with its names was left by a dead predecessor and removes them.
 That holds only because the shm names include a digest of the runtime
-directory: two sidecars of one instance name with different runtime
-directories (one started with XDG_RUNTIME_DIR set, one without) hold
-different locks, and must not take each other's segments for leftovers.
+directory (see `contract.endpoint`).
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
+from contract import endpoint
+from contract.endpoint import InstancePaths
 from sidecar.config import Config
 
 
@@ -27,41 +24,8 @@ class InstanceRunning(RuntimeError):
     """Another live sidecar already serves this instance name."""
 
 
-@dataclass(frozen=True)
-class InstancePaths:
-    runtime_dir: Path
-    instance: str
-
-    @property
-    def lock_path(self) -> Path:
-        return self.runtime_dir / f"{self.instance}.lock"
-
-    @property
-    def socket_path(self) -> Path:
-        return self.runtime_dir / f"{self.instance}.sock"
-
-    @property
-    def default_endpoint(self) -> str:
-        return f"ipc://{self.socket_path}"
-
-    @property
-    def shm_prefix(self) -> str:
-        """Prefix of this instance's shm segment names: unique per user,
-        instance name and runtime directory (the scope of the lock)."""
-        where = hashlib.blake2b(os.path.realpath(self.runtime_dir).encode(), digest_size=4)
-        return f"kvsidecar.{os.getuid()}.{self.instance}.{where.hexdigest()}"
-
-
-def default_runtime_dir() -> Path:
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg) / "kvsidecar"
-    return Path(f"/tmp/kvsidecar-{os.getuid()}")
-
-
 def instance_paths(config: Config) -> InstancePaths:
-    runtime = Path(config.runtime_dir) if config.runtime_dir else default_runtime_dir()
-    return InstancePaths(runtime, config.instance)
+    return endpoint.instance_paths(config.runtime_dir, config.instance)
 
 
 def endpoint_of(config: Config) -> str:

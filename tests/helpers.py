@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.control.engine import CacheEngine
+from contract.ids import BlockKeys, GpuBlockIds, as_gpu_blocks, keys_from_ints
+from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.graph import OpKind
-from sidecar.control.ids import BlockKeys, GpuBlockIds, as_gpu_blocks, keys_from_ints
 from sidecar.control.index import RadixIndex
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import Plan

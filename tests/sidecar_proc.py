@@ -72,7 +72,7 @@ class Sidecar:
 
     def start(self, timeout: float = 30.0) -> Sidecar:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "serve", *self.args],
+            [sys.executable, "-m", "kvsidecar", "serve", *self.args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -184,8 +184,8 @@ def expected_blocks(seed: int, n_blocks: int) -> list[bytes]:
 
 def hang_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
     """Gets a save plan, copies nothing, tells the parent, then waits to be killed."""
+    from contract import protocol as p
     from engine_shim.channel import Channel
-    from sidecar import protocol as p
 
     client = connect(endpoint, make_kv(1))
     keys = client._keys(tokens(n_blocks))

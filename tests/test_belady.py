@@ -1,4 +1,4 @@
-"""bench.belady against simple references on small random prefix-addressed traces."""
+"""cachesim.belady against simple references on small random prefix-addressed traces."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from functools import cache
 import numpy as np
 import pytest
 
-from bench.belady import belady_hits, belady_hits_grouped, next_use_priorities
-from bench.trace import expand_ids, infinite_hits
+from cachesim.belady import belady_hits, belady_hits_grouped, next_use_priorities
+from cachesim.trace import expand_ids, infinite_hits
 
 
 def random_trace(rng: random.Random, num_requests: int, max_new: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ import pytest
 from shm_helpers import shm_entries
 
 from bench.fleet import Timing, timed_rotation
-from sidecar.cli import main
+from kvsidecar.cli import main
 
 pytest.importorskip("torch")
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench.gpu import unavailable_reason
-from sidecar.cli import main
+from kvsidecar.cli import main
 
 pytest.importorskip("torch")
 

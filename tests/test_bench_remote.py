@@ -10,7 +10,7 @@ from redis_servers import ensure_redis
 from shm_helpers import shm_entries
 from sidecar_proc import free_port
 
-from sidecar.cli import main
+from kvsidecar.cli import main
 
 
 def test_remote_cli_quick_writes_figures_and_cleans_up(tmp_path):

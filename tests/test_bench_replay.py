@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from bench.belady import belady_hits
-from bench.replay import replay
-from bench.report import Progress, format_table, write_json
-from bench.trace import infinite_hits, load_mooncake
-from sidecar.cli import main
-from sidecar.control.ids import keys_from_ints
+from cachesim.belady import belady_hits
+from cachesim.replay import replay
+from cachesim.report import Progress, format_table, write_json
+from cachesim.trace import infinite_hits, load_mooncake
+from contract.ids import keys_from_ints
+from kvsidecar.cli import main
 from sidecar.control.policies import POLICY_NAMES
 
 

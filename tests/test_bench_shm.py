@@ -9,8 +9,8 @@ import os
 import pytest
 from shm_helpers import shm_entries
 
+from kvsidecar.cli import main
 from shm import copy as shm_copy
-from sidecar.cli import main
 
 pytest.importorskip("torch")
 

@@ -10,8 +10,8 @@ import os
 import pytest
 from shm_helpers import shm_entries
 
+from kvsidecar.cli import main
 from shm.pages import PAGE_KINDS
-from sidecar.cli import main
 
 pytest.importorskip("torch")
 

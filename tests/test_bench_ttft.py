@@ -17,7 +17,7 @@ from hf_helpers import one_torch_thread  # noqa: F401
 
 from bench.ttft_measure import fidelity
 from bench.ttft_workload import follow_ups, prompt_tokens
-from sidecar.cli import main
+from kvsidecar.cli import main
 
 
 def positive(value) -> bool:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar import blocks
-from sidecar.blocks import MAX_TOKEN_ID, KeyHasher, Namespace
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, as_keys, key_at
+from contract import blocks
+from contract.blocks import MAX_TOKEN_ID, KeyHasher, Namespace
+from contract.ids import KEY_BYTES, KEY_DTYPE, as_keys, key_at
 
 TPB = 4
 NS = Namespace(

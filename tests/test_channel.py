@@ -9,8 +9,8 @@ import msgspec
 import pytest
 import zmq
 
+from contract import protocol as p
 from engine_shim.channel import Channel, SidecarUnavailable
-from sidecar import protocol as p
 
 V = p.PROTOCOL_VERSION
 

@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from sidecar.control.engine import CacheEngine
+from contract.ids import keys_from_ints
+from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.graph import OpKind
-from sidecar.control.ids import keys_from_ints
 from sidecar.control.node import RadixNode
 from sidecar.control.planner import GlobalCacheEngine, WritePolicy
 from sidecar.control.policies import POLICY_NAMES

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 import pytest
 from helpers import assert_clean, chain, gpu, make_engine, put_ready
 
-from sidecar.control.engine import CacheEngine
+from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.graph import OpKind, TransferOp
 from sidecar.control.node import RadixNode
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.dataplane import DataPlane, Job, split
-from sidecar.workers import IoPool
+from sidecar.tiers.dataplane import DataPlane, Job, split
+from sidecar.tiers.io_pool import IoPool
 
 REQUEST = chain(4)
 

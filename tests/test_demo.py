@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from hf_helpers import one_torch_thread  # noqa: F401
 
-from engine_shim import demo
+from kvsidecar import demo
 
 
 def test_demo_runs_the_chats_bit_exact_and_cleans_up(capsys):

@@ -1,4 +1,4 @@
-"""sidecar.engines.Engines on its own: which ranks may still write into a
+"""sidecar.server.sessions.Engines on its own: which ranks may still write into a
 save plan's CPU slots when a rank gives the plan up, and that those slots
 stay out of reuse until the writers stop, however late the plan's rollback
 frees them."""
@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 
+from contract.protocol import KVLayoutMsg
 from sidecar.control.graph import OpKind, TransferGraph
 from sidecar.control.mempool import Mempool
 from sidecar.control.plan import Plan, PlanKind
-from sidecar.engines import Engines, Session, namespace_of
-from sidecar.protocol import KVLayoutMsg
+from sidecar.server.sessions import Engines, Session, namespace_of
 
 SLOTS = np.array([4, 5, 6])
 

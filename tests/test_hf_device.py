@@ -25,7 +25,7 @@ from sidecar_proc import Sidecar
 
 from engine_shim import KVClient
 from engine_shim.hf import CachedLM, TierTokens, tiny_llama
-from sidecar.cli import main
+from kvsidecar.cli import main
 
 pytestmark = pytest.mark.skipif(why_no_gpu() is not None, reason=str(why_no_gpu()))
 TPB = 16

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import FakeClock, cat, chain, key_ids, keys, make_index, walk
 
+from contract.ids import KEY_DTYPE
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored
-from sidecar.control.ids import KEY_DTYPE
 from sidecar.control.index import IndexConflict
 from sidecar.control.policies import POLICY_NAMES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sidecar.control.ids import SLOT_DTYPE
+from contract.ids import SLOT_DTYPE
 from sidecar.control.mempool import Mempool, MempoolError, OutOfSlots
 
 

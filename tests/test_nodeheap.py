@@ -15,7 +15,7 @@ from sidecar.control.policies import LazyHeap
 def test_the_c_heap_is_built():
     """setup.py builds it wherever a C compiler is (CI included); without it
     eviction stays correct but slows down on large indexes."""
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 
     assert policies.NodeHeap is NodeHeap
 
@@ -43,7 +43,7 @@ OPS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(OPS)
 def test_c_heap_matches_the_reference(ops):
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 
     ref_nodes, c_nodes = nodes(8), nodes(8)
     ref, c = LazyHeap(), NodeHeap()
@@ -66,7 +66,7 @@ def test_c_heap_matches_the_reference(ops):
 
 
 def test_c_heap_compacts_stale_entries():
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 
     heap = NodeHeap()
     (node,) = nodes(1)
@@ -78,7 +78,7 @@ def test_c_heap_compacts_stale_entries():
 
 @pytest.mark.parametrize("bad", [("x", 0.0, 0), (0.0, 0.0, 1.5), (0.0, 0.0, 2**70)])
 def test_c_heap_rejects_bad_keys_and_changes_nothing(bad):
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 
     heap = NodeHeap()
     (node,) = nodes(1)
@@ -112,7 +112,7 @@ def test_every_policy_evicts_in_the_same_order_on_either_heap(name, monkeypatch)
                 order += [r.slots.tolist() for r in index.evict(3).runs]
         return order
 
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 
     monkeypatch.setattr(policies, "NodeHeap", NodeHeap)
     from_c = victims()
@@ -145,7 +145,7 @@ class _Bomb:
 def test_a_failed_compaction_releases_each_stale_node_once():
     import sys
 
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 
     heap, stale = NodeHeap(), []
     for i in range(1100):  # stale entries pile up until push compacts the array
@@ -174,8 +174,8 @@ def test_a_failed_compaction_releases_each_stale_node_once():
 
 
 REENTRANT_PUSH = """
-from sidecar import _nodeheap
-from sidecar._nodeheap import NodeHeap
+from sidecar.control import _nodeheap
+from sidecar.control._nodeheap import NodeHeap
 print(_nodeheap.__file__)
 heap = NodeHeap()
 class Plain:
@@ -218,13 +218,14 @@ def test_a_push_from_a_token_setter_stays_inside_the_array(tmp_path):
     if not Path(libasan).is_file():
         pytest.skip("no libasan")
     root = Path(__file__).resolve().parent.parent
-    package = tmp_path / "sidecar"
-    package.mkdir()
+    package = tmp_path / "sidecar" / "control"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
     (package / "__init__.py").write_text("")
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     subprocess.run(
         [gcc, "-shared", "-fPIC", "-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer",
-         f"-I{sysconfig.get_paths()['include']}", str(root / "sidecar" / "_nodeheap.c"),
+         f"-I{sysconfig.get_paths()['include']}", str(root / "sidecar" / "control" / "_nodeheap.c"),
          "-o", str(package / f"_nodeheap{suffix}")],
         check=True,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""sidecar.protocol: typed decoding, raw array frames, structured errors."""
+"""contract.protocol: typed decoding, raw array frames, structured errors."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from helpers import chain, key_ids
 
-from sidecar import protocol as p
-from sidecar.blocks import KeyHasher, Namespace
-from sidecar.protocol import ErrorCode, ProtocolError
+from contract import protocol as p
+from contract.blocks import KeyHasher, Namespace
+from contract.protocol import ErrorCode, ProtocolError
 
 V = p.PROTOCOL_VERSION
 

@@ -15,9 +15,9 @@ from redis.cluster import key_slot
 from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
 from sidecar_proc import free_port
 
-from sidecar.connector import Connector, RemoteUnavailable
-from sidecar.redis_connector import RedisConnector
-from sidecar.remote import HEADER_BYTES, ReadResult, RemoteStore
+from sidecar.tiers.remote.connector import Connector, RemoteUnavailable
+from sidecar.tiers.remote.redis import RedisConnector
+from sidecar.tiers.remote.store import HEADER_BYTES, ReadResult, RemoteStore
 
 BLOCK = 64 << 10
 

@@ -10,7 +10,7 @@ from sidecar.control.admission import DoubleGetRule, PutQuota
 from sidecar.control.graph import OpKind
 from sidecar.control.plan import PlanError, TierCounts
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.remote_tier import Backoff
+from sidecar.tiers.remote.tier import Backoff
 
 H2REMOTE, REMOTE2H = OpKind.H2REMOTE, OpKind.REMOTE2H
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.replay import DEFAULT_TRACE
-from bench.trace import infinite_hits, load_mooncake
-from router.analyze import prefix_hits, reuse_distribution
+from cachesim.analyze import prefix_hits, reuse_distribution
+from cachesim.replay import DEFAULT_TRACE
+from cachesim.trace import infinite_hits, load_mooncake
 from sidecar.control.policies import POLICY_NAMES
 from tests.sidecar_proc import ROOT
 
@@ -34,7 +34,7 @@ def test_prefix_hits_add_up_to_the_unlimited_cache_hits(tmp_path: Path) -> None:
 
 def test_analyze_prints_figures_and_draws_a_png(tmp_path: Path) -> None:
     png, out = tmp_path / "curve.png", tmp_path / "a.json"
-    cmd = [sys.executable, "-m", "sidecar", "analyze", str(_slice(tmp_path, 150))]
+    cmd = [sys.executable, "-m", "kvsidecar", "analyze", str(_slice(tmp_path, 150))]
     cmd += ["--png", str(png), "--json", str(out), "--tokens-per-block", "128"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -49,7 +49,7 @@ def test_analyze_prints_figures_and_draws_a_png(tmp_path: Path) -> None:
 
 
 def test_analyze_reports_a_missing_trace(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "sidecar", "analyze", str(tmp_path / "none.jsonl")]
+    cmd = [sys.executable, "-m", "kvsidecar", "analyze", str(tmp_path / "none.jsonl")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "not found" in proc.stderr
 
@@ -58,7 +58,7 @@ def test_analyze_reports_hash_ids_that_are_not_a_list_of_int64(tmp_path: Path) -
     for n, line in enumerate(['{"hash_ids": 5}', '{"hash_ids": [99999999999999999999999]}']):
         path = tmp_path / f"bad{n}.jsonl"
         path.write_text(line + "\n")
-        cmd = [sys.executable, "-m", "sidecar", "analyze", str(path)]
+        cmd = [sys.executable, "-m", "kvsidecar", "analyze", str(path)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and f"bad{n}.jsonl:1" in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr

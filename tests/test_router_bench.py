@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.replay import DEFAULT_TRACE
 from bench.router import replay_routed
-from bench.trace import load_mooncake
-from sidecar.control.ids import keys_from_ints
+from cachesim.replay import DEFAULT_TRACE
+from cachesim.trace import load_mooncake
+from contract.ids import keys_from_ints
 from tests.sidecar_proc import ROOT
 
 
@@ -29,7 +29,7 @@ def test_overlap_routing_beats_round_robin_and_indexes_agree() -> None:
 
 def test_bench_router_command_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "sidecar", "bench", "router", "--limit", "40"]
+    cmd = [sys.executable, "-m", "kvsidecar", "bench", "router", "--limit", "40"]
     cmd += ["--workers", "2,3", "--tokens-per-block", "128", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 
+from contract.events import Cleared, Removed, Stored
 from router.choice import NoWorkers, WorkerSelector
 from router.index import OverlapScores
 from router.keys import BlockKey, worker
 from router.router import Router
-from router.wire import Cleared, Removed, Stored
 
 W0, W1, W2 = worker(0), worker(1), worker(2)
 
@@ -93,7 +93,7 @@ def test_router_applies_events_routes_and_counts_hits(index: str) -> None:
 
 
 def test_router_routes_by_tokens_with_a_hasher() -> None:
-    from sidecar.blocks import KeyHasher, Namespace
+    from contract.blocks import KeyHasher, Namespace
 
     ns = Namespace("m", "r", "layers", "float32", 1, 2, 2, 8, 4)
     router = Router(hasher=KeyHasher(ns))

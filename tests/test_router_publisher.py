@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from router import wire
+from contract import events as wire
 from router.keys import split_keys, worker
 from router.router import Router
 from router.subscriber import Source, Subscriptions

@@ -39,7 +39,7 @@ def sidecar() -> Iterator[Sidecar]:
 class RouterProc:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "router", "serve", *args],
+            [sys.executable, "-m", "kvsidecar", "router", "serve", *args],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -160,7 +160,7 @@ def test_malformed_requests_get_an_error_reply_and_change_nothing() -> None:
 )
 def test_bad_command_line_exits_2(args: list[str], message: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sidecar", "router", "serve", *args],
+        [sys.executable, "-m", "kvsidecar", "router", "serve", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

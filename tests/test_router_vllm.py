@@ -10,11 +10,11 @@ import msgspec
 import pytest
 import zmq
 
+from contract.events import Cleared, Removed, Stored, WireError
 from router.keys import vllm_key, worker
 from router.router import Router
 from router.subscriber import Source, Subscriptions
 from router.vllm_events import decode_vllm
-from router.wire import Cleared, Removed, Stored, WireError
 from tests.helpers import wait_until
 
 

@@ -23,13 +23,13 @@ import torch
 from sidecar_proc import Sidecar, connect, expected_blocks, make_kv, tokens
 
 from bench.hugepages import HugePagesUnavailable, thp_tmpfs
+from contract import protocol as p
 from engine_shim import SidecarError, SidecarUnavailable
 from engine_shim.channel import Channel
-from sidecar import protocol as p
+from kvsidecar.cli import main as cli_main
 from sidecar import runtime
-from sidecar.cli import main as cli_main
 from sidecar.config import load_config
-from sidecar.server import Server
+from sidecar.server.server import Server
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -175,7 +175,7 @@ def test_parent_pid_that_is_not_the_parent_is_refused():
     try:
         args = ["--parent-pid", str(stranger.pid), "--cpu-capacity", "4MiB"]
         out = subprocess.run(
-            [sys.executable, "-m", "sidecar", "serve", *args],
+            [sys.executable, "-m", "kvsidecar", "serve", *args],
             capture_output=True,
             text=True,
             timeout=60,
@@ -1088,7 +1088,7 @@ def test_a_start_up_failure_is_one_line_not_a_traceback():
         port = taken.getsockname()[1]
         args = ["--cpu-capacity", "4MiB", "--instance", f"t{os.getpid()}-port"]
         out = subprocess.run(
-            [sys.executable, "-m", "sidecar", "serve", *args, "--metrics-port", str(port)],
+            [sys.executable, "-m", "kvsidecar", "serve", *args, "--metrics-port", str(port)],
             capture_output=True,
             text=True,
             timeout=60,

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sidecar_proc import Sidecar, connect, expected_blocks, make_kv, tokens
 
-from sidecar import protocol as p
+from contract import protocol as p
 
 OPS = [*sorted(p.OP_NAMES), "nope", ""]
 SCALARS = st.one_of(

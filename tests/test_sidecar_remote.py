@@ -17,11 +17,11 @@ from engine_shim import KVClient
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.control.graph import OpKind, TransferOp
-from sidecar.metrics import StatsCollector
-from sidecar.redis_connector import RedisConnector
-from sidecar.remote import RemoteStore
-from sidecar.remote_ops import RemoteOps
-from sidecar.workers import IoPool
+from sidecar.metrics.prometheus import StatsCollector
+from sidecar.tiers.io_pool import IoPool
+from sidecar.tiers.remote.ops import RemoteOps
+from sidecar.tiers.remote.redis import RedisConnector
+from sidecar.tiers.remote.store import RemoteStore
 
 # 128 KiB blocks (2 layers of 64 KiB).
 SHAPE = (32, 2, 16, 8, 64)

@@ -17,10 +17,10 @@ import pytest
 import torch
 from sidecar_proc import MODEL, Sidecar, tokens
 
+from contract import protocol as p
 from engine_shim import KVClient
 from engine_shim.channel import Channel
-from sidecar import protocol as p
-from sidecar.metrics import StatsCollector
+from sidecar.metrics.prometheus import StatsCollector
 
 # 128 KiB blocks: a 1 MiB CPU tier holds 8 of them.
 SHAPE = (64, 2, 16, 8, 64)

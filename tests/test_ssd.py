@@ -1,4 +1,4 @@
-"""sidecar.ssd (slots, journal, checksums) and sidecar.tiers.recover."""
+"""sidecar.tiers.ssd.store (slots, journal, checksums) and sidecar.tiers.build.recover."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import xxhash
 from helpers import chain, make_engine
 
-from sidecar.ssd import Record, SsdError, SsdStore, checksum
-from sidecar.tiers import recover
+from sidecar.tiers.build import recover
+from sidecar.tiers.ssd.store import Record, SsdError, SsdStore, checksum
 
 SLOT = 8192
 

@@ -1,4 +1,4 @@
-"""bench.trace: Mooncake JSONL loading, expansion to small blocks, infinite-cache hits."""
+"""cachesim.trace: Mooncake JSONL loading, expansion to small blocks, infinite-cache hits."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.trace import expand_ids, infinite_hit_ratio, infinite_hits, load_mooncake
+from cachesim.trace import expand_ids, infinite_hit_ratio, infinite_hits, load_mooncake
 
 ROWS = [
     {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [0, 1, 2]},

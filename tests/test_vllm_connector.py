@@ -335,7 +335,7 @@ def test_the_glue_imports_without_vllm_and_reads_vllm_config(monkeypatch):
 
 
 def _keys(n: int):
-    from sidecar.control.ids import keys_from_ints
+    from contract.ids import keys_from_ints
 
     return keys_from_ints(list(range(n)))
 

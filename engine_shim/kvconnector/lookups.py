@@ -15,8 +15,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
+from contract.ids import BlockKeys
 from engine_shim.client import KVClient
-from sidecar.control.ids import BlockKeys
 
 
 class _InFlight(NamedTuple):

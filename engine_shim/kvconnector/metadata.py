@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sidecar.control.ids import BlockKeys
+from contract.ids import BlockKeys
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from contract.ids import BlockKeys
 from engine_shim.channel import SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.lookups import Lookups
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
 from engine_shim.kvconnector.settings import ConnectorSettings
-from sidecar.control.ids import BlockKeys
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.control.ids import BlockKey, BlockKeys
+from contract.ids import BlockKey, BlockKeys
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from contract.ids import KEY_BYTES, KEY_DTYPE, SLOT_DTYPE, BlockKeys, SlotIds, key_bytes
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, SLOT_DTYPE, BlockKeys, SlotIds, key_bytes
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import EvictionPolicy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.control.ids import SLOT_DTYPE, SlotIds
+from contract.ids import SLOT_DTYPE, SlotIds
 
 
 class MempoolError(ValueError):
@@ -25,7 +25,7 @@ class Mempool:
 
     `hold(slots)` keeps used slots from being handed out again until
     `release(slots)`, however they are freed meanwhile: a writer may still
-    be copying into them (sidecar/engines.py, orphans).
+    be copying into them (sidecar/server/sessions.py, orphans).
     """
 
     def __init__(self, num_slots: int) -> None:

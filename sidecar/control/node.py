@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.control.ids import KEY_BYTES, KEY_DTYPE, BlockKey, BlockKeys, SlotIds
+from contract.ids import KEY_BYTES, KEY_DTYPE, BlockKey, BlockKeys, SlotIds
 
 
 class RadixNode:

@@ -11,7 +11,7 @@ import numpy as np
 from sidecar.control.graph import TransferGraph
 
 if TYPE_CHECKING:
-    from sidecar.control.engine import CacheEngine
+    from sidecar.control.cache_engine import CacheEngine
     from sidecar.control.node import RadixNode
 
 

@@ -32,10 +32,10 @@ import enum
 
 import numpy as np
 
+from contract.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
 from sidecar.control.admission import DoubleGetRule, PutQuota
-from sidecar.control.engine import CacheEngine
+from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.graph import OpKind, TransferGraph
-from sidecar.control.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
 from sidecar.control.index import EvictedRun, IndexConflict, MatchResult
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import (
@@ -45,7 +45,7 @@ from sidecar.control.plan import (
     RunningPlan,
     TierCounts,
 )
-from sidecar.control.plans import PlanTable
+from sidecar.control.plan_table import PlanTable
 
 
 class WritePolicy(enum.Enum):

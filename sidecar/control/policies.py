@@ -84,7 +84,7 @@ class LazyHeap:
     pop in push order.
 
     This is the pure-Python reference; `NodeHeap` (from the optional C
-    extension `sidecar._nodeheap`, same contract) keeps the entries in one
+    extension `sidecar.control._nodeheap`, same contract) keeps the entries in one
     contiguous array, which keeps a pop cheap when the heap outgrows the CPU
     caches.
     """
@@ -124,7 +124,7 @@ class LazyHeap:
 
 
 try:
-    from sidecar._nodeheap import NodeHeap
+    from sidecar.control._nodeheap import NodeHeap
 except ImportError:  # the C extension is optional; the reference is exact, only slower
     NodeHeap = LazyHeap  # type: ignore[assignment,misc]
 

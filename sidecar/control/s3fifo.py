@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from sidecar.control.ids import KEY_BYTES
+from contract.ids import KEY_BYTES
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import EvictionPolicy, NodeHeap
 

@@ -1,0 +1,215 @@
+"""`kvsidecar` command line. Subcommands register themselves here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar.config import Config, ConfigError, format_size, load_config, parse_overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsidecar",
+        description="Per-host KV-cache offloading sidecar for LLM inference engines.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    _add_serve(sub)
+    for name, help_text in (
+        ("status", "one-line summary of a running sidecar"),
+        ("stats", "every figure a running sidecar reports"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _config_args(p)
+        p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait (default 2)")
+        if name == "stats":
+            p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=_status if name == "status" else _stats)
+    from bench.cli import add_bench_parser
+    from cachesim.analyze import add_arguments as add_analyze_arguments
+    from kvsidecar.demo import add_parser as add_demo_parser
+    from router.cli import add_parsers as add_router_parsers
+
+    add_demo_parser(sub)
+    add_bench_parser(sub)
+    add_router_parsers(sub)
+    add_analyze_arguments(
+        sub.add_parser(
+            "analyze",
+            help="prefix-reuse analysis of a Mooncake trace, with a hit ratio vs cache size plot",
+        )
+    )
+    return parser
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON configuration file")
+    p.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one configuration key (repeatable); see docs/configuration.md",
+    )
+    p.add_argument("--instance", help="instance name (default 'default')")
+    p.add_argument("--endpoint", help="ipc://PATH or tcp://127.0.0.1:PORT")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the sidecar daemon (until SIGTERM or Ctrl-C)",
+        description="Run the sidecar: defaults < --config FILE < KVSIDECAR_* env < flags.",
+    )
+    _config_args(p)
+    p.add_argument("--cpu-capacity", metavar="SIZE", help="CPU tier size, e.g. 8GiB")
+    p.add_argument("--metrics-port", metavar="PORT", help="Prometheus endpoint port")
+    p.add_argument(
+        "--parent-pid",
+        metavar="PID",
+        type=int,
+        help="stop (as on SIGTERM) once process PID, this sidecar's parent, has exited: "
+        "for a sidecar owned by the program that starts it",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log every engine event")
+    p.set_defaults(func=_serve)
+
+
+def _load(args: argparse.Namespace) -> Config:
+    overrides = parse_overrides(args.set)
+    for key in ("instance", "endpoint", "cpu_capacity", "metrics_port"):
+        value = getattr(args, key, None)
+        if value is not None:
+            flag = "--" + key.replace("_", "-")
+            overrides.update(parse_overrides([f"{key}={value}"], source=flag))
+    return load_config(args.config, overrides=overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import zmq
+
+    from shm.segments import ShmPoolError
+    from sidecar.runtime import InstanceRunning
+    from sidecar.server.server import Server
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s kvsidecar %(levelname)s %(message)s",
+    )
+    if args.parent_pid is not None and args.parent_pid != os.getppid():
+        print(
+            f"kvsidecar: --parent-pid {args.parent_pid} is not this process's parent "
+            f"(pid {os.getppid()}); has it exited already?",
+            file=sys.stderr,
+        )
+        return 2
+    server = Server(_load(args), parent_pid=args.parent_pid)
+    server.handle_signals()
+    try:
+        server.start()  # undoes what it did before raising
+    except InstanceRunning as err:
+        print(f"kvsidecar: {err}", file=sys.stderr)
+        return 1
+    except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...
+        print(f"kvsidecar: cannot start: {err}", file=sys.stderr)
+        return 1
+    assert server.pool is not None
+    metrics = (
+        f"; metrics on http://127.0.0.1:{server.config.metrics_port}/metrics"
+        if server.config.metrics_port
+        else ""
+    )
+    print(
+        f"kvsidecar: instance {server.config.instance!r} (pid {server.stats()['pid']}) "
+        f"serving on {server.endpoint}; CPU tier {format_size(server.capacity)} in "
+        f"{len(server.pool.segment_names)} shm segment(s) ({server.pool.page_kind} pages), "
+        f"prefaulted in "
+        f"{server.pool.prefault_seconds:.2f} s; policy {server.config.eviction_policy}{metrics}",
+        flush=True,
+    )
+    server.serve_forever()
+    try:
+        print("kvsidecar: stopped", flush=True)
+    except BrokenPipeError:  # whoever read our stdout is gone (--parent-pid)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> dict[str, Any] | None:
+    from contract import protocol as p
+    from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
+    from sidecar.runtime import endpoint_of
+
+    endpoint = endpoint_of(_load(args))
+    channel = Channel(endpoint, args.timeout)
+    try:
+        reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        return reply["stats"]  # type: ignore[no-any-return]
+    except (SidecarUnavailable, SidecarError) as err:
+        print(f"kvsidecar: no sidecar answered at {endpoint}: {err}", file=sys.stderr)
+        return None
+    finally:
+        channel.close()
+
+
+def _status(args: argparse.Namespace) -> int:
+    s = _fetch(args)
+    if s is None:
+        return 1
+    cpu, hits = s["tiers"]["cpu"], s["hits"]
+    used = cpu.get("used_blocks", 0)
+    cap = cpu.get("capacity_blocks")
+    use = f"{used}/{cap} blocks" if cap else "no engine registered yet"
+    print(
+        f"kvsidecar {s['instance']!r} pid {s['pid']} on {s['endpoint']}: cpu {use} "
+        f"({format_size(cpu['capacity_bytes'])}); hit ratio {hits['hit_ratio']:.3f} "
+        f"(last {hits['window_requests']}: {hits['window_hit_ratio']:.3f}); "
+        f"{len(s['engines'])} engine(s), {s['plans_in_flight']} plan(s) in flight"
+    )
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    s = _fetch(args)
+    if s is None:
+        return 1
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    for key, value in _flatten(s):
+        print(f"{key:44} {value}")
+    return 0
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        out = []
+        for k, v in value.items():
+            out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        out = []
+        for i, v in enumerate(value):
+            out += _flatten(v, f"{prefix}[{i}]")
+        return out
+    return [(prefix, value)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"kvsidecar: configuration error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""CacheEngine: one tier's index, slot pool and eviction thresholds."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from contract.ids import BlockKeys, SlotIds
+from sidecar.control.index import EvictedRun, InsertResult, MatchResult, RadixIndex
+from sidecar.control.mempool import Mempool
+from sidecar.control.node import RadixNode
+from sidecar.control.policies import make_policy
+
+EvictHook = Callable[[EvictedRun], np.ndarray]
+"""Called with each run of blocks as it is evicted (its parent still in the
+index); returns the slots it keeps (write-back in flight). The engine frees
+the rest; the hook's owner frees what it kept."""
+
+
+class CacheEngine:
+    """One tier (CPU, SSD or remote): RadixIndex + Mempool + eviction policy.
+
+    Eviction follows FlexKV's rule. It starts when utilisation is at least
+    `evict_start_threshold`, or when fewer slots are free than asked for, and
+    then evicts the largest of: what the request lacks, what brings
+    utilisation back under the threshold, and `evict_ratio` x capacity.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        num_slots: int,
+        policy: str = "lru",
+        evict_start_threshold: float = 0.95,
+        evict_ratio: float = 0.01,
+        hit_reward_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        record_events: bool = False,
+    ) -> None:
+        if not 0.0 < evict_start_threshold <= 1.0:
+            raise ValueError(
+                f"evict_start_threshold must be in (0, 1], got {evict_start_threshold}"
+            )
+        if not 0.0 <= evict_ratio <= 1.0:
+            raise ValueError(f"evict_ratio must be in [0, 1], got {evict_ratio}")
+        self.name = name
+        self.index = RadixIndex(make_policy(policy, hit_reward_seconds), clock, record_events)
+        self.mempool = Mempool(num_slots)
+        self.evict_start_threshold = evict_start_threshold
+        self.evict_ratio = evict_ratio
+        self.evict_hook: EvictHook | None = None
+        self.remove_hook: Callable[[np.ndarray], None] | None = None
+        """Called with the slots `remove` frees (the SSD tier clears their
+        journal records, so that a restart does not bring the blocks back)."""
+        self.num_evicted_blocks = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.mempool.num_slots
+
+    @property
+    def utilisation(self) -> float:
+        return self.mempool.num_used / self.capacity if self.capacity else 1.0
+
+    def match(self, keys: BlockKeys, *, touch: bool = False) -> MatchResult:
+        return self.index.match(keys, touch=touch)
+
+    def allocate(self, n: int) -> SlotIds:
+        """Up to n free slots, evicting as the thresholds say; fewer when the
+        rest of the tier is locked, in flight or being written back. Lock
+        what must survive (the prefix being extended) before calling."""
+        if n <= 0 or self.capacity == 0:
+            return SlotIds(np.empty(0, dtype=np.int64))
+        free, used = self.mempool.num_free, self.mempool.num_used
+        threshold = self.evict_start_threshold * self.capacity
+        if used >= threshold or free < n:
+            want = max(
+                n - free,
+                used + n - math.floor(threshold),
+                math.ceil(self.evict_ratio * self.capacity),
+            )
+            self._evict(want)
+        return self.mempool.allocate(min(n, self.mempool.num_free))
+
+    def _evict(self, num_blocks: int) -> None:
+        hook = self.evict_hook
+        kept: list[np.ndarray] = []
+        if hook is None:
+            result = self.index.evict(num_blocks)
+        else:
+            result = self.index.evict(num_blocks, lambda run: kept.append(hook(run)))
+        if not result.runs:
+            return
+        self.num_evicted_blocks += result.num_blocks
+        slots = result.slots
+        if kept:
+            slots = np.setdiff1d(slots, np.concatenate(kept), assume_unique=True)
+        self.mempool.free(slots)
+
+    def insert(self, keys: BlockKeys, slots: SlotIds, *, ready: bool = False) -> InsertResult:
+        return self.index.insert(keys, slots, ready=ready)
+
+    def set_ready(self, node: RadixNode) -> None:
+        self.index.set_ready(node)
+
+    def discard(self, node: RadixNode) -> None:
+        """Drop an unready node whose data never landed, and free its slots
+        (held ones once released: Mempool.hold)."""
+        self.mempool.free(self.index.discard(node))
+
+    def remove(self, keys: BlockKeys) -> int:
+        """Drop block keys[-1] and everything below it (see RadixIndex.remove);
+        returns the number of blocks dropped."""
+        slots = self.index.remove(keys)
+        if self.remove_hook is not None:
+            self.remove_hook(slots)
+        self.mempool.free(slots)
+        return int(slots.size)
+
+    def free(self, slots: np.ndarray) -> None:
+        self.mempool.free(slots)
+
+    def lock(self, node: RadixNode) -> None:
+        self.index.lock(node)
+
+    def unlock(self, node: RadixNode) -> None:
+        self.index.unlock(node)

@@ -1,0 +1,2 @@
+"""What a running sidecar reports: the figures of `kvsidecar stats` and the
+Prometheus endpoint."""

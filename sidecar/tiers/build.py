@@ -1,0 +1,203 @@
+"""Building the lower tiers when the block layout is known, and rebuilding the
+SSD index from its journals after a restart."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import defaultdict
+from typing import NamedTuple
+
+import numpy as np
+import redis
+
+from contract.ids import KEY_DTYPE, BlockKeys, SlotIds
+from contract.protocol import ErrorCode, ProtocolError
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+from sidecar.config import Config
+from sidecar.control.admission import DoubleGetRule
+from sidecar.control.cache_engine import CacheEngine
+from sidecar.control.planner import GlobalCacheEngine
+from sidecar.tiers.io_pool import IoPool
+from sidecar.tiers.remote.redis import RedisConnector
+from sidecar.tiers.remote.store import RemoteStore
+from sidecar.tiers.remote.tier import Backoff, RemoteTier
+from sidecar.tiers.ssd.store import Record, SsdError, SsdStore
+
+log = logging.getLogger("kvsidecar")
+
+
+REMOTE_INDEX_MAX_BLOCKS = 1 << 20
+"""The remote index is a cache of what this sidecar knows the store holds;
+past this many blocks it forgets (evicts) the coldest."""
+
+
+class Tiers(NamedTuple):
+    cache: GlobalCacheEngine
+    ssd: SsdStore | None
+    io: IoPool | None
+    remote: RemoteTier | None
+
+
+def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
+    """Every tier, once the first engine fixed the block layout. Raises
+    ProtocolError (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
+    num_slots = pool.num_slots(layout.slot_stride)
+    if num_slots == 0:
+        raise ProtocolError(
+            ErrorCode.LAYOUT_MISMATCH,
+            f"a block of {layout.block_bytes} bytes does not fit the CPU tier "
+            f"({pool.nbytes} bytes)",
+        )
+    c = config
+    cpu = CacheEngine(
+        "cpu",
+        num_slots,
+        c.eviction_policy,
+        c.evict_start_threshold,
+        c.evict_ratio,
+        c.hit_reward_seconds,
+        record_events=c.events_endpoint is not None,
+    )
+    log.info("CPU tier: %d slots of %d bytes", num_slots, layout.slot_stride)
+    ssd = open_ssd_tier(c, layout)
+    ssd_engine, store, io = None, None, None
+    if ssd is not None:
+        ssd_engine, store = ssd
+        ssd_engine.remove_hook = store.drop_slots
+        io = IoPool("ssd", c.ssd_io_threads)
+    remote_engine = None
+    if c.remote_url is not None:
+        num = min(c.remote_capacity // layout.slot_stride, REMOTE_INDEX_MAX_BLOCKS)
+        remote_engine = CacheEngine(
+            "remote", num, c.eviction_policy, c.evict_start_threshold, c.evict_ratio
+        )
+    cache = GlobalCacheEngine(
+        cpu,
+        ssd_engine,
+        remote_engine,
+        c.write_policy,
+        c.write_through_min_hits,
+        DoubleGetRule(c.remote_double_get_min_blocks, c.remote_double_get_min_share),
+        c.remote_put_quota_blocks,
+        # Plan ids start anywhere in 62 bits: an id held by an engine from
+        # before a restart names no plan of this boot.
+        first_plan_id=1 + secrets.randbits(62),
+    )
+    remote = open_remote_tier(c, cache, pool, layout) if remote_engine is not None else None
+    if remote_engine is not None and remote is None:
+        cache.set_online("remote", False)
+    return Tiers(cache, store, io, remote)
+
+
+def open_remote_tier(
+    config: Config, cache: GlobalCacheEngine, pool: ShmPool, layout: BlockLayout
+) -> RemoteTier | None:
+    """The remote tier's store and worker pool; None (logged) when its URL
+    cannot be used. Connections are made on first use: a store that is down
+    at start only marks the tier unavailable."""
+    assert config.remote_url is not None
+    try:
+        connector = RedisConnector(
+            config.remote_url,
+            timeout=config.remote_timeout_seconds,
+            cluster=config.remote_cluster,
+            max_connections=4 * config.remote_io_threads,
+        )
+    except (ValueError, redis.RedisError) as err:
+        log.error("remote tier disabled: remote_url cannot be used: %s", err)
+        return None
+    store = RemoteStore(connector, config.remote_namespace, layout.block_bytes)
+    backoff = Backoff(config.remote_retry_seconds, config.remote_retry_max_seconds)
+    tier = RemoteTier(
+        cache,
+        store,
+        config.remote_io_threads,
+        pool,
+        layout,
+        backoff,
+        write_streams=config.remote_write_streams,
+    )
+    log.info(
+        "remote tier: %s, namespace %r, index of %d blocks",
+        connector.describe(),
+        config.remote_namespace,
+        cache.lower["remote"].capacity,
+    )
+    return tier
+
+
+def open_ssd_tier(config: Config, layout: BlockLayout) -> tuple[CacheEngine, SsdStore] | None:
+    """The SSD tier's engine and store, its index rebuilt from disk; None when
+    no directory is configured or none can be used (logged)."""
+    if not config.ssd_dirs:
+        return None
+    try:
+        store = SsdStore(
+            list(config.ssd_dirs),
+            config.ssd_capacity_per_dir,
+            layout.slot_stride,
+            layout.block_bytes,
+            tag=f"kvsidecar-{config.instance}",
+        )
+    except (SsdError, ValueError) as err:
+        log.error("SSD tier disabled: %s", err)
+        return None
+    engine = CacheEngine(
+        "ssd",
+        store.num_slots,
+        config.eviction_policy,
+        config.evict_start_threshold,
+        config.evict_ratio,
+        config.hit_reward_seconds,
+    )
+    recovered, orphans = recover(engine, store.records())
+    for slot in orphans:
+        store.drop(slot)
+    log.info(
+        "SSD tier: %d slots of %d bytes in %d dir(s)%s; %d blocks recovered, %d orphans dropped",
+        store.num_slots,
+        layout.slot_stride,
+        len(config.ssd_dirs),
+        "" if store.direct else " (buffered: no O_DIRECT)",
+        recovered,
+        len(orphans),
+    )
+    return engine, store
+
+
+def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]:
+    """Insert every chain the records describe into the engine's index, ready.
+
+    A record whose parent key is not itself recorded (and that does not start
+    a sequence) is an orphan: unreachable by any prefix match, so its slot is
+    returned to be cleared. Returns (blocks recovered, orphan slots).
+    """
+    by_key: dict[bytes, Record] = {}
+    for r in records:  # a key recorded twice (a crash between writes): keep one
+        by_key.setdefault(r.key, r)
+    children: dict[bytes, list[Record]] = defaultdict(list)
+    roots = []
+    for r in by_key.values():
+        if r.first:
+            roots.append(r)
+        elif r.parent in by_key:
+            children[r.parent].append(r)
+    runs: list[tuple[bytes, np.ndarray]] = []  # parents before children
+    stack: list[tuple[bytes, Record]] = [(b"", r) for r in roots]
+    while stack:
+        prefix, head = stack.pop()
+        run = [head]  # follow single-child links into one run
+        while len(children[run[-1].key]) == 1:
+            run.append(children[run[-1].key][0])
+        keys = prefix + b"".join(r.key for r in run)
+        runs.append((keys, np.array([r.slot for r in run], dtype=np.int64)))
+        stack += [(keys, child) for child in children[run[-1].key]]
+    placed = [int(s) for _, slots in runs for s in slots]
+    engine.mempool.take(np.array(placed, dtype=np.int64))  # once: take is O(num_slots)
+    for keys, slots in runs:
+        engine.insert(BlockKeys(np.frombuffer(keys, dtype=KEY_DTYPE)), SlotIds(slots), ready=True)
+    placed_set = set(placed)
+    orphans = [r.slot for r in records if r.slot not in placed_set]
+    return len(placed), orphans
