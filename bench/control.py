@@ -79,6 +79,8 @@ from bench.control_report import print_report
 from bench.fleet import Fleet, Samples, Timing, summarize
 from cachesim.report import write_json
 from contract import protocol as p
+from contract import replies
+from contract.ops import OpKind
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from shm.layout import BlockLayout
 
@@ -170,12 +172,22 @@ def message_sizes() -> dict[str, int]:
     """Header bytes of the requests and replies the floor mimics (2,048 blocks)."""
     session, rid, n = uuid.uuid4().hex, 100_000, TARGET_BLOCKS
     v = p.PROTOCOL_VERSION
-    plan = {"plan_id": rid, "ops": [{"op_id": 0, "kind": "H2D"}], "hit_blocks": n}
+    lookup = replies.LookupReply(id=rid, num_blocks=n, cpu=n, ssd=0, remote=0)
+    plan = replies.LoadReply(
+        id=rid,
+        plan_id=rid,
+        boot_id=uuid.uuid4().hex,
+        ops=[replies.PlanOp(0, OpKind.H2D)],
+        hit_blocks=n,
+        cpu=n,
+        ssd=0,
+        remote=0,
+    )
     return {
         "lookup_request": len(p.encode(p.Lookup(v=v, id=rid, session=session))),
-        "lookup_reply": len(p.encode(p.ok(rid, num_blocks=n, cpu=n, ssd=0, remote=0).header)),
+        "lookup_reply": len(p.encode(lookup)),
         "plan_request": len(p.encode(p.Load(v=v, id=rid, session=session, skip=0))),
-        "plan_reply": len(p.encode(p.ok(rid, **plan, cpu=n, ssd=0, remote=0).header)),
+        "plan_reply": len(p.encode(plan)),
         "complete_request": len(
             p.encode(p.Complete(v=v, id=rid, session=session, plan_id=rid, op_ids=[0]))
         ),

@@ -202,10 +202,10 @@ class ControlClient:
         """A Lookup of pre-hashed keys over the raw protocol."""
         keys = self.hasher.hash_tokens(token_ids(blocks, LOOKUP_SET))
 
-        def step() -> dict:
+        def step() -> Any:
             return self._call(p.Lookup, [p.keys_frame(keys)])
 
-        _expect("lookup of pre-hashed keys", step()["num_blocks"], blocks)
+        _expect("lookup of pre-hashed keys", step().num_blocks, blocks)
         return timed_loop(step, timing, sync)
 
     def load_plan(self, sync, blocks: int, timing: Timing) -> Samples:
@@ -247,7 +247,8 @@ class ControlClient:
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _call(self, kind: type, arrays: list[bytes], **fields: Any) -> dict:
+    def _call(self, kind: type, arrays: list[bytes], **fields: Any) -> Any:
+        """The typed reply (`contract.replies`) to one raw request."""
         assert self.channel is not None
         request = kind(v=p.PROTOCOL_VERSION, id=0, session=self.session, **fields)
         return self.channel.call(request, arrays)[0]
@@ -255,14 +256,14 @@ class ControlClient:
     def _plan(self, kind: type, keys: np.ndarray, field: str, blocks: int, timing, sync):
         ids = np.arange(blocks)
 
-        def step() -> dict:
+        def step() -> Any:
             return self._call(kind, [p.keys_frame(keys), p.ids_frame(ids)])
 
-        def cancel(reply: dict) -> None:
-            self._call(p.Cancel, [], plan_id=reply["plan_id"])
+        def cancel(reply: Any) -> None:
+            self._call(p.Cancel, [], plan_id=reply.plan_id)
 
         reply = step()
-        _expect(f"{kind.__name__.lower()} plan", reply[field], blocks)
+        _expect(f"{kind.__name__.lower()} plan", getattr(reply, field), blocks)
         cancel(reply)
         return timed_loop(step, timing, sync, after=cancel)
 

@@ -6,6 +6,8 @@ A message is one header frame and zero or more array frames:
     reply:    [header, *arrays]     header = {"v", "id", "ok": true, ...}
     error:    [header]              header = {"v", "id", "ok": false, "code", "message"}
 
+Replies are typed too: `contract.replies`.
+
 Headers are msgpack, decoded with msgspec into one typed struct per op (the
 `op` field is the tag), so a missing field or a wrong type is a decode error
 that names the field. Arrays (block keys, slot ids, engine block ids) travel
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -178,7 +180,7 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def encode(header: Any) -> bytes:
-    """A request struct or a reply dict as msgpack."""
+    """A request or reply struct as msgpack."""
     return _encoder.encode(header)
 
 
@@ -313,51 +315,3 @@ def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> No
     for i, frame in enumerate(frames):
         more = flags | _SNDMORE if i < last else flags
         sock.send(frame, more, copy=len(frame) < ZERO_COPY_BYTES)
-
-
-# ---- replies -------------------------------------------------------------------------
-
-
-class Reply(NamedTuple):
-    header: dict[str, Any]
-    arrays: list[bytes]
-
-
-def ok(request_id: int, arrays: list[bytes] | None = None, **fields: Any) -> Reply:
-    return Reply({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, **fields}, arrays or [])
-
-
-def lookup_reply(request_id: int, cpu: int, ssd: int, remote: int) -> Reply:
-    """A lookup's answer: blocks each tier would serve, and their sum."""
-    header = {
-        "v": PROTOCOL_VERSION,
-        "id": request_id,
-        "ok": True,
-        "num_blocks": cpu + ssd + remote,
-        "cpu": cpu,
-        "ssd": ssd,
-        "remote": remote,
-    }
-    return Reply(header, [])
-
-
-def error(request_id: int, code: ErrorCode, message: str) -> Reply:
-    header = {
-        "v": PROTOCOL_VERSION,
-        "id": request_id,
-        "ok": False,
-        "code": code.value,
-        "message": message,
-    }
-    return Reply(header, [])
-
-
-def decode_reply(frames: list[bytes]) -> tuple[dict[str, Any], list[bytes]]:
-    """A reply header (a dict) and its array frames; ValueError if malformed."""
-    try:
-        header = _any_decoder.decode(frames[0])
-    except (IndexError, msgspec.DecodeError) as err:
-        raise ValueError(f"malformed reply from the sidecar: {err}") from None
-    if not isinstance(header, dict) or "ok" not in header or "id" not in header:
-        raise ValueError(f"malformed reply from the sidecar: {header!r}")
-    return header, frames[1:]

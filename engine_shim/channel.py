@@ -17,6 +17,8 @@ from typing import Any
 import zmq
 
 from contract import protocol as p
+from contract import replies as r
+from contract.protocol import ErrorCode
 
 # Plain ints: zmq's IntFlag members cost ~2 us per operation in a hot loop.
 _NOBLOCK, _RCVTIMEO = int(zmq.NOBLOCK), int(zmq.RCVTIMEO)
@@ -27,10 +29,10 @@ class SidecarUnavailable(ConnectionError):
 
 
 class SidecarError(RuntimeError):
-    """The sidecar refused a request; `code` is a protocol ErrorCode value."""
+    """The sidecar refused a request, for the reason `code` says."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
         self.code = code
         self.message = message
 
@@ -50,8 +52,9 @@ class Channel:
         self._next_id = 1
         self._first_send = True
         self._rcvtimeo = -1  # the socket's receive timeout (ms) as last set
-        self._awaited: set[int] = set()
-        self._early: dict[int, tuple[dict[str, Any], list[bytes]]] = {}
+        self._awaited: dict[int, type[r.Ok]] = {}
+        """Request id -> the reply type its request expects."""
+        self._early: dict[int, list[bytes]] = {}
         self.on_stray_plan: Callable[[int], None] | None = None
 
     def send(self, request: Any, arrays: Sequence[bytes] = (), *, reply: bool = True) -> int:
@@ -75,12 +78,14 @@ class Channel:
             p.send_frames(self._sock, frames, _NOBLOCK)
         self._first_send = False
         if reply:
-            self._awaited.add(rid)
+            self._awaited[rid] = r.REPLY_OF[type(request)]
         return rid
 
-    def wait_reply(self, rid: int, timeout: float | None = None) -> tuple[dict, list[bytes]]:
-        """The reply to request `rid`; SidecarError if it is an error reply,
-        SidecarUnavailable if none came within `timeout` seconds."""
+    def wait_reply(self, rid: int, timeout: float | None = None) -> tuple[Any, list[bytes]]:
+        """The reply to request `rid`, of the type its request expects
+        (`contract.replies.REPLY_OF`), and its array frames; SidecarError if
+        the sidecar refused, SidecarUnavailable if no reply came within
+        `timeout` seconds or it was malformed."""
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         sock = self._sock
@@ -102,16 +107,21 @@ class Channel:
                 except zmq.Again:
                     raise self._no_answer(wait) from None
                 self._accept(frames)
-            header, arrays = self._early.pop(rid)
+            frames = self._early.pop(rid)
+            reply_type = self._awaited[rid]
         finally:
-            self._awaited.discard(rid)
-        if not header["ok"]:
-            raise SidecarError(str(header.get("code")), str(header.get("message")))
-        return header, arrays
+            self._awaited.pop(rid, None)
+        try:
+            reply = r.decode_reply(frames[0], reply_type)
+        except ValueError as err:
+            raise SidecarUnavailable(f"the sidecar at {self.endpoint}: {err}") from None
+        if type(reply) is r.ErrorReply:
+            raise SidecarError(reply.code, reply.message)
+        return reply, frames[1:]
 
     def call(
         self, request: Any, arrays: Sequence[bytes] = (), timeout: float | None = None
-    ) -> tuple[dict, list[bytes]]:
+    ) -> tuple[Any, list[bytes]]:
         return self.wait_reply(self.send(request, arrays), timeout)
 
     def _no_answer(self, wait: float) -> SidecarUnavailable:
@@ -122,14 +132,18 @@ class Channel:
     def _accept(self, frames: list[bytes]) -> None:
         """Keep a reply someone waits for; drop anything else."""
         try:
-            header, arrays = p.decode_reply(frames)
-        except ValueError:
+            head: r.ReplyHead = r.decode_as(frames[0], r.ReplyHead)
+        except (ValueError, IndexError):
             return  # not from a sidecar we understand
-        rid = header["id"]
-        if rid in self._awaited:
-            self._early[rid] = (header, arrays)
-        elif header.get("ops") and self.on_stray_plan is not None:
-            self.on_stray_plan(int(header["plan_id"]))
+        if head.id in self._awaited:
+            self._early[head.id] = frames
+        elif head.ok and self.on_stray_plan is not None:
+            try:
+                stray: r.StrayPlan = r.decode_as(frames[0], r.StrayPlan)
+            except ValueError:
+                return
+            if stray.ops:
+                self.on_stray_plan(stray.plan_id)
 
     def close(self) -> None:
         self._sock.close(0)

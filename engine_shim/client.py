@@ -33,9 +33,12 @@ import numpy as np
 import torch
 
 from contract import protocol as p
+from contract import replies as r
 from contract.blocks import KeyHasher, Namespace
 from contract.endpoint import default_endpoint
 from contract.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
+from contract.ops import OpKind
+from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
 from cuda_ext.layouts import KVPlanes, kv_planes
@@ -62,8 +65,8 @@ class PlanOps:
     plan_id: int
     kind: str
     """"load" or "save"."""
-    ops: tuple[tuple[int, str, np.ndarray, np.ndarray], ...]
-    """(op id, "H2D" | "D2H", source ids, destination ids)."""
+    ops: tuple[tuple[int, OpKind, np.ndarray, np.ndarray], ...]
+    """(op id, H2D or D2H, source ids, destination ids)."""
     boot_id: str
     """The sidecar boot that made the plan: its slots mean nothing to another."""
 
@@ -235,15 +238,15 @@ class KVClient:
         reply, _ = self._channel.call(self._register_request())
         self._registered(reply)
 
-    def _registered(self, reply: dict[str, Any]) -> None:
+    def _registered(self, reply: r.RegisterReply) -> None:
         """Map the sidecar's shm and open the copier as a Register reply says;
         the heartbeat starts with the first success, which may be a later
         call's re-registration."""
-        if reply["boot_id"] != self._boot_id or self._pool is None:
+        if reply.boot_id != self._boot_id or self._pool is None:
             self._attach(reply)
         if self._copier is None:
             self._open_copier(reply)
-        self.lease_seconds = float(reply["lease_seconds"])
+        self.lease_seconds = reply.lease_seconds
         if self._heartbeat is None:
             self._heartbeat = _Heartbeat(self)
 
@@ -251,7 +254,7 @@ class KVClient:
         assert self._register_args is not None
         return p.Register(v=p.PROTOCOL_VERSION, id=0, session=self.session, **self._register_args)
 
-    def _attach(self, reply: dict[str, Any]) -> None:
+    def _attach(self, reply: r.RegisterReply) -> None:
         """Map the (new) sidecar's segments."""
         if self._copier is not None:
             self._copier.close()
@@ -260,24 +263,26 @@ class KVClient:
             self._pool.close()
             self._pool = None
         try:
-            self._pool = ShmPool.attach(reply["segments"], reply["segment_sizes"])
+            self._pool = ShmPool.attach(reply.segments, reply.segment_sizes)
         except (OSError, ShmPoolError) as err:  # that sidecar went away since it replied
             raise SidecarUnavailable(f"cannot map the sidecar's shared memory: {err}") from None
-        self._boot_id = self._live_boot = reply["boot_id"]
+        self._boot_id = self._live_boot = reply.boot_id
 
     def _pool_is_stale(self) -> bool:
         """The heartbeat met a sidecar other than the one whose pool is mapped
         here (it restarted): the next call or plan maps the new pool."""
         return self._live_boot not in (None, self._boot_id)
 
-    def _open_copier(self, reply: dict[str, Any]) -> None:
+    def _open_copier(self, reply: r.RegisterReply) -> None:
         """The copier between the registered tensors and the mapped pool."""
         kv = self._register_args["kv"]  # type: ignore[index]
         self._layout = BlockLayout(
             num_layers=kv.num_layers, layer_block_bytes=kv.layer_block_bytes, tp_size=kv.tp_size
         )
-        if self._layout.slot_stride != reply["slot_stride"]:
-            raise SidecarError("layout_mismatch", "the sidecar's slot stride differs from ours")
+        if self._layout.slot_stride != reply.slot_stride:
+            raise SidecarError(
+                ErrorCode.LAYOUT_MISMATCH, "the sidecar's slot stride differs from ours"
+            )
         assert self._planes is not None and self._pool is not None
         self._copier = open_copier(self._planes, self._pool)  # pins the pool once (GPU)
 
@@ -294,7 +299,7 @@ class KVClient:
         try:
             return self._channel.call(request, arrays)
         except SidecarError as err:
-            if err.code != p.ErrorCode.NOT_REGISTERED.value:
+            if err.code is not ErrorCode.NOT_REGISTERED:
                 raise
         self._register()
         return self._channel.call(request, arrays)
@@ -327,7 +332,7 @@ class KVClient:
         except (SidecarUnavailable, SidecarError):
             return TierTokens(0, 0, 0)
         t = self._tokens_per_block
-        return TierTokens(int(reply["cpu"]) * t, int(reply["ssd"]) * t, int(reply["remote"]) * t)
+        return TierTokens(reply.cpu * t, reply.ssd * t, reply.remote * t)
 
     def load(
         self,
@@ -353,7 +358,7 @@ class KVClient:
         request = self._req(p.Load, skip=skip_tokens // tpb)
         reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "load")
-        num_tokens = skip_tokens + int(reply["hit_blocks"]) * tpb
+        num_tokens = skip_tokens + reply.hit_blocks * tpb
         return self._run(plan, num_tokens)
 
     def save(
@@ -373,7 +378,7 @@ class KVClient:
         reply, arrays = self._call(self._req(p.Save), [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "save")
         # Blocks another engine is saving right now count: they land with its save.
-        stored = sum(int(reply[k]) for k in ("skipped_blocks", "stored_blocks", "in_flight_blocks"))
+        stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
         return self._run(plan, stored * self._tokens_per_block)
 
     def execute(self, plan: PlanOps) -> TransferHandle:
@@ -386,18 +391,18 @@ class KVClient:
         """Whether every full block of `token_ids` is cached."""
         keys = self._keys(token_ids)
         reply, _ = self._call(self._req(p.Exists), [p.keys_frame(keys)])
-        return bool(reply["exists"])
+        return bool(reply.exists)
 
     def delete(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Drop the last full block of `token_ids` and every cached block that
-        extends it; returns blocks dropped. SidecarError("busy") if in use."""
+        extends it; returns blocks dropped. SidecarError(BUSY) if in use."""
         keys = self._keys(token_ids)
         reply, _ = self._call(self._req(p.Delete), [p.keys_frame(keys)])
-        return int(reply["deleted_blocks"])
+        return int(reply.deleted_blocks)
 
     def stats(self) -> dict[str, Any]:
         reply, _ = self._channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
-        return reply["stats"]  # type: ignore[no-any-return]
+        return reply.stats  # type: ignore[no-any-return]
 
     def close(self) -> None:
         """Unregister (best effort), stop heartbeats, unmap the shm. Idempotent.
@@ -480,7 +485,7 @@ class KVClient:
         copies: list[Any] = []
         try:
             for _, kind, src, dst in plan.ops:
-                if kind == "H2D":
+                if kind is OpKind.H2D:
                     copies.append(copier.load(dst, src, layout, rank))
                 else:
                     copies.append(copier.save(src, dst, layout, rank))
@@ -566,16 +571,15 @@ def _checked_keys(keys: Any) -> BlockKeys:
     return BlockKeys(keys)
 
 
-def _plan_ops(reply: dict[str, Any], arrays: list[bytes], kind: str) -> PlanOps | None:
-    ops = reply.get("ops") or []
-    if not ops:
+def _plan_ops(reply: r.PlanReply, arrays: list[bytes], kind: str) -> PlanOps | None:
+    if not reply.ops:
         return None
     out = []
-    for i, op in enumerate(ops):
+    for i, op in enumerate(reply.ops):
         src = np.frombuffer(arrays[2 * i], dtype=p.ID_DTYPE)
         dst = np.frombuffer(arrays[2 * i + 1], dtype=p.ID_DTYPE)
-        out.append((int(op["op_id"]), str(op["kind"]), src, dst))
-    return PlanOps(int(reply["plan_id"]), kind, tuple(out), str(reply["boot_id"]))
+        out.append((op.op_id, op.kind, src, dst))
+    return PlanOps(reply.plan_id, kind, tuple(out), reply.boot_id)
 
 
 def _pid_namespace() -> str:
@@ -613,10 +617,10 @@ class _Heartbeat:
         try:
             reply, _ = channel.call(client._req(p.Heartbeat))
         except SidecarError as err:
-            if err.code != p.ErrorCode.NOT_REGISTERED.value:
+            if err.code is not ErrorCode.NOT_REGISTERED:
                 raise
             reply, _ = channel.call(client._register_request())
-        client._live_boot = str(reply["boot_id"])
+        client._live_boot = reply.boot_id
 
     def stop(self) -> None:
         self._stop.set()

@@ -119,7 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...
         print(f"kvsidecar: cannot start: {err}", file=sys.stderr)
         return 1
-    assert server.pool is not None
+    pool = server.parts.pool
     metrics = (
         f"; metrics on http://127.0.0.1:{server.config.metrics_port}/metrics"
         if server.config.metrics_port
@@ -128,9 +128,9 @@ def _serve(args: argparse.Namespace) -> int:
     print(
         f"kvsidecar: instance {server.config.instance!r} (pid {server.stats()['pid']}) "
         f"serving on {server.endpoint}; CPU tier {format_size(server.capacity)} in "
-        f"{len(server.pool.segment_names)} shm segment(s) ({server.pool.page_kind} pages), "
+        f"{len(pool.segment_names)} shm segment(s) ({pool.page_kind} pages), "
         f"prefaulted in "
-        f"{server.pool.prefault_seconds:.2f} s; policy {server.config.eviction_policy}{metrics}",
+        f"{pool.prefault_seconds:.2f} s; policy {server.config.eviction_policy}{metrics}",
         flush=True,
     )
     server.serve_forever()
@@ -150,7 +150,7 @@ def _fetch(args: argparse.Namespace) -> dict[str, Any] | None:
     channel = Channel(endpoint, args.timeout)
     try:
         reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
-        return reply["stats"]  # type: ignore[no-any-return]
+        return reply.stats  # type: ignore[attr-defined,no-any-return]
     except (SidecarUnavailable, SidecarError) as err:
         print(f"kvsidecar: no sidecar answered at {endpoint}: {err}", file=sys.stderr)
         return None

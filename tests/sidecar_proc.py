@@ -194,7 +194,7 @@ def hang_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
         p.Save(v=p.PROTOCOL_VERSION, id=0, session=client.session),
         [p.keys_frame(keys), p.ids_frame(np.arange(n_blocks))],
     )
-    conn.send(reply["stored_blocks"])
+    conn.send(reply.stored_blocks)
     time.sleep(60)
 
 

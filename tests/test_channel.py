@@ -37,20 +37,22 @@ def test_each_wait_keeps_its_own_timeout_when_the_socket_reuses_the_last(tmp_pat
             if delay is not None:
                 time.sleep(delay)
                 rid = msgspec.msgpack.decode(header)["id"]
-                router.send_multipart([identity, p.encode({"v": V, "id": rid, "ok": True})])
+                router.send_multipart(
+                    [identity, p.encode({"v": V, "id": rid, "ok": True, "stats": {}})]
+                )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     channel = Channel(endpoint, timeout=5.0)
     try:
-        assert channel.call(p.Stats(v=V, id=0))[0]["ok"]
-        assert channel.call(p.Stats(v=V, id=0))[0]["ok"]  # the same timeout, not set again
+        assert channel.call(p.Stats(v=V, id=0))[0].ok
+        assert channel.call(p.Stats(v=V, id=0))[0].ok  # the same timeout, not set again
         start = time.monotonic()
         with pytest.raises(SidecarUnavailable, match=r"within 0\.2 s"):
             channel.call(p.Stats(v=V, id=0), timeout=0.2)
         assert time.monotonic() - start < 1.0
-        assert channel.call(p.Stats(v=V, id=0))[0]["ok"]
-        assert channel.call(p.Stats(v=V, id=0), timeout=2.0)[0]["ok"]  # answered in 0.5 s
+        assert channel.call(p.Stats(v=V, id=0))[0].ok
+        assert channel.call(p.Stats(v=V, id=0), timeout=2.0)[0].ok  # answered in 0.5 s
         start = time.monotonic()
         with pytest.raises(SidecarUnavailable, match=r"within 0\.2 s"):
             channel.call(p.Stats(v=V, id=0), timeout=0.2)

@@ -96,14 +96,3 @@ def test_key_and_id_frames_are_checked():
     assert info.value.code == ErrorCode.BAD_MESSAGE
     with pytest.raises(ProtocolError):
         p.parse_ids(p.ids_frame(np.array([-1])), "block_ids", 1, 10)
-
-
-def test_replies_decode_and_errors_carry_code_and_message():
-    header, arrays = p.decode_reply([p.encode(p.ok(3, [b"ab"], x=1).header), b"ab"])
-    assert header == {"v": V, "id": 3, "ok": True, "x": 1} and arrays == [b"ab"]
-    err = p.error(4, ErrorCode.BUSY, "locked").header
-    assert err["code"] == "busy" and err["message"] == "locked" and err["ok"] is False
-    with pytest.raises(ValueError):
-        p.decode_reply([b"\xc1"])
-    with pytest.raises(ValueError):
-        p.decode_reply([p.encode({"id": 1})])

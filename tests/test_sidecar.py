@@ -24,6 +24,7 @@ from sidecar_proc import Sidecar, connect, expected_blocks, make_kv, tokens
 
 from bench.hugepages import HugePagesUnavailable, thp_tmpfs
 from contract import protocol as p
+from contract import replies as r
 from engine_shim import SidecarError, SidecarUnavailable
 from engine_shim.channel import Channel
 from kvsidecar.cli import main as cli_main
@@ -55,7 +56,7 @@ def stats_of(s: Sidecar) -> dict:
     channel = Channel(s.endpoint, 2.0)
     try:
         reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
-        return reply["stats"]
+        return reply.stats
     finally:
         channel.close()
 
@@ -321,17 +322,17 @@ def test_a_block_is_invisible_until_its_save_completes(sidecar):
             p.Save(v=p.PROTOCOL_VERSION, id=0, session=saver.session),
             [p.keys_frame(keys), p.ids_frame(np.arange(3))],
         )
-        assert reply["stored_blocks"] == 3
+        assert reply.stored_blocks == 3
         assert other.lookup(tokens(3)) == 0
         assert other.load(tokens(3), np.arange(3)).wait() == 0
-        op = reply["ops"][0]
+        op = reply.ops[0]
         channel.call(
             p.Complete(
                 v=p.PROTOCOL_VERSION,
                 id=0,
                 session=saver.session,
-                plan_id=reply["plan_id"],
-                op_ids=[op["op_id"]],
+                plan_id=reply.plan_id,
+                op_ids=[op.op_id],
             )
         )
         assert other.lookup(tokens(3)) == 3 * sp.TOKENS_PER_BLOCK
@@ -505,8 +506,8 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
         for rid in queued:
             channel.wait_reply(rid)
         assert server.num_lapses >= 1
-        assert server.engines.num_expired == 0
-        assert client.session in server.engines.sessions
+        assert server.handlers.engines.num_expired == 0
+        assert client.session in server.handlers.engines.sessions
     finally:
         stop.set()
         running.set()
@@ -885,7 +886,15 @@ def test_a_closed_client_says_so_and_registers_nothing(sidecar):
 
 def test_shm_gone_between_a_register_reply_and_its_mapping_is_unavailable(sidecar):
     with connect(sidecar.endpoint, make_kv(3)) as client:
-        gone = {"segments": [f"/{sidecar.shm_prefix}.99"], "segment_sizes": [4096], "boot_id": "x"}
+        gone = r.RegisterReply(
+            id=0,
+            boot_id="x",
+            segments=[f"/{sidecar.shm_prefix}.99"],
+            segment_sizes=[4096],
+            slot_stride=4096,
+            num_slots=1,
+            lease_seconds=10.0,
+        )
         with pytest.raises(SidecarUnavailable, match="shared memory"):
             client._attach(gone)  # a restarted sidecar's reply, its segments already unlinked
         # The next call maps the live sidecar's segments again and goes on.
@@ -933,7 +942,7 @@ def test_refusals_are_structured_and_change_nothing(sidecar):
         [p.keys_frame(keys), p.ids_frame(np.arange(2))],
     )
     before = stats_of(sidecar)["tiers"]["cpu"]
-    plan_id = reply["plan_id"]
+    plan_id = reply.plan_id
     keys_frame = p.keys_frame(keys)
 
     def complete(session: str, plan: int, ops: list[int]) -> p.Complete:

@@ -151,16 +151,16 @@ def test_a_load_short_of_cpu_slots_is_answered_once_a_cancel_frees_them(instance
             request = p.Save(v=1, id=0, session=w.session)
             arrays = [p.keys_frame(w.block_keys(held)), p.ids_frame(np.arange(8))]
             plan = channel.call(request, arrays)[0]
-            assert plan["stored_blocks"] == 8  # every CPU slot, not ready, not evictable
+            assert plan.stored_blocks == 8  # every CPU slot, not ready, not evictable
             request = p.Load(v=1, id=0, session=c.session)
             rid = channel.send(
                 request, [p.keys_frame(c.block_keys(tokens(4))), p.ids_frame(np.arange(20, 24))]
             )
             time.sleep(0.3)
-            channel.call(p.Cancel(v=1, id=0, session=w.session, plan_id=plan["plan_id"]))
+            channel.call(p.Cancel(v=1, id=0, session=w.session, plan_id=plan.plan_id))
             reply, _ = channel.wait_reply(rid, 3.0)
-            assert reply["hit_blocks"] == 4
-            channel.call(p.Cancel(v=1, id=0, session=c.session, plan_id=reply["plan_id"]))
+            assert reply.hit_blocks == 4
+            channel.call(p.Cancel(v=1, id=0, session=c.session, plan_id=reply.plan_id))
         finally:
             channel.close()
         dst = kv(None)
@@ -254,7 +254,7 @@ def test_a_save_waiting_for_its_engine_copy_is_one_plan_in_flight(instance):
             )
             assert c.stats()["plans_in_flight"] == 1
             channel.call(p.Cancel(v=p.PROTOCOL_VERSION, id=0, session=c.session,
-                                  plan_id=reply["plan_id"]))  # fmt: skip
+                                  plan_id=reply.plan_id))  # fmt: skip
             wait_for(lambda: c.stats()["plans_in_flight"] == 0)
         finally:
             channel.close()

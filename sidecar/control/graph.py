@@ -6,24 +6,11 @@ engine shim; sidecar-side ops run on the sidecar's SSD and remote pools.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class OpKind(enum.Enum):
-    H2D = "H2D"  # CPU slots -> GPU blocks
-    D2H = "D2H"  # GPU blocks -> CPU slots
-    DISK2H = "DISK2H"  # SSD slots -> CPU slots
-    H2DISK = "H2DISK"  # CPU slots -> SSD slots
-    REMOTE2H = "REMOTE2H"  # remote slots -> CPU slots
-    H2REMOTE = "H2REMOTE"  # CPU slots -> remote slots
-
-    @property
-    def on_engine(self) -> bool:
-        """Whether the engine shim (not the sidecar) executes this op."""
-        return self in (OpKind.H2D, OpKind.D2H)
+from contract.ops import OpKind
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,10 @@ import enum
 import numpy as np
 
 from contract.ids import KEY_DTYPE, BlockKeys, GpuBlockIds
+from contract.ops import OpKind
 from sidecar.control.admission import DoubleGetRule, PutQuota
 from sidecar.control.cache_engine import CacheEngine
-from sidecar.control.graph import OpKind, TransferGraph
+from sidecar.control.graph import TransferGraph
 from sidecar.control.index import EvictedRun, IndexConflict, MatchResult
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import (

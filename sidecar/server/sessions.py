@@ -18,8 +18,8 @@ import numpy as np
 import psutil
 
 from contract.blocks import Namespace
+from contract.ops import OpKind
 from contract.protocol import ErrorCode, KVLayoutMsg, ProtocolError
-from sidecar.control.graph import OpKind
 from sidecar.control.plan import Plan
 
 log = logging.getLogger("kvsidecar")

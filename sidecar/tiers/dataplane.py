@@ -27,10 +27,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, Protocol
 
 from contract.ids import BlockKeys
+from contract.ops import OpKind
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.control.cache_engine import CacheEngine
-from sidecar.control.graph import OpKind, TransferOp
+from sidecar.control.graph import TransferOp
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine

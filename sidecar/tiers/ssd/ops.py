@@ -12,10 +12,11 @@ from collections import Counter
 from typing import Any
 
 from contract.ids import BlockKeys
+from contract.ops import OpKind
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.control.cache_engine import CacheEngine
-from sidecar.control.graph import OpKind, TransferOp
+from sidecar.control.graph import TransferOp
 from sidecar.control.node import RadixNode
 from sidecar.tiers.dataplane import BadBlocks, Job, drop_blocks, staged_keys
 from sidecar.tiers.io_pool import IoPool

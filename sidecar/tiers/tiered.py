@@ -1,0 +1,162 @@
+"""TieredCache: the cache of one block layout, every tier of it built whole.
+
+The tiers are sized by the block layout (slots of `slot_stride` bytes), which
+the first engine to register brings; `open_tiered_cache` builds all of them
+at once: the control plane's `GlobalCacheEngine`, the SSD store and its I/O
+pool, the remote tier, and the data plane that runs their ops of each plan.
+A tier the configuration leaves out (or that cannot be opened, logged) is
+None here, and stays so for the sidecar's life.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from typing import Any
+
+from shm.layout import BlockLayout
+from shm.pool import ShmPool
+from sidecar.config import Config
+from sidecar.control.cache_engine import CacheEngine
+from sidecar.control.planner import GlobalCacheEngine
+from sidecar.tiers.build import build_tiers
+from sidecar.tiers.dataplane import DataPlane, TierOps
+from sidecar.tiers.io_pool import IoPool
+from sidecar.tiers.remote.tier import RemoteTier
+from sidecar.tiers.ssd.ops import SsdOps
+from sidecar.tiers.ssd.store import SsdStore
+
+log = logging.getLogger("kvsidecar")
+
+
+@dataclass
+class TieredCache:
+    layout: BlockLayout
+    cache: GlobalCacheEngine
+    ssd: SsdStore | None
+    io: IoPool | None
+    """The SSD tier's I/O pool (with `ssd`)."""
+    remote: RemoteTier | None
+    dataplane: DataPlane | None
+    """Runs the SSD and remote ops of plans; None without lower tiers."""
+
+    @property
+    def fds(self) -> list[int]:
+        """Event fds the control loop waits on beside its socket: results of
+        the I/O pools, and of remote probes and pings."""
+        fds = [io.fd for io in self.dataplane.pools] if self.dataplane is not None else []
+        return fds + ([self.remote.control_pool.fd] if self.remote is not None else [])
+
+    def collect(self, ready: Container[int]) -> None:
+        """Apply the results of the pools whose fds are `ready`."""
+        if self.dataplane is not None:
+            for io in self.dataplane.pools:
+                if io.fd in ready:
+                    self.dataplane.collect(io)
+        if self.remote is not None:
+            if self.remote.control_pool.fd in ready:
+                self.remote.collect()
+            self.remote.tick()
+
+    def adopt_background(self) -> None:
+        """Write-backs created by CPU evictions go to the I/O pools."""
+        if self.dataplane is not None:
+            for plan in self.cache.drain_background():
+                self.dataplane.adopt(plan)
+
+    def cancel(self, plan_id: int) -> None:
+        """Roll a plan back (at once, or when its ops on I/O threads return)."""
+        if self.dataplane is not None:
+            self.dataplane.cancel(plan_id)
+        else:
+            self.cache.cancel(plan_id)
+
+    def busy(self) -> bool:
+        """Sidecar-side ops or remote probes are in flight."""
+        probes = self.remote.pending_probes if self.remote is not None else 0
+        return bool((self.dataplane is not None and self.dataplane.plans) or probes)
+
+    def plan_ids(self) -> set[int]:
+        return set(self.dataplane.plans) if self.dataplane is not None else set()
+
+    def abandon(self) -> None:
+        """Shutting down: forget probes and the plans still on I/O threads."""
+        if self.remote is not None:
+            self.remote.abandon_probes()
+        if self.dataplane is not None:
+            self.dataplane.abandon()
+
+    def close(self) -> None:
+        """Stop the I/O threads (they may still read or write shm slots), then
+        close the stores (idempotent)."""
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
+        if self.ssd is not None:
+            tier = self.cache.lower.get("ssd")
+            if tier is not None:  # the I/O threads are done: no write is in flight
+                try:
+                    stale = self.ssd.drop_stale(tier.mempool.free_slots())
+                    log.info("SSD tier: cleared the records of %d evicted blocks", stale)
+                except OSError as err:  # they may come back after the restart: no harm
+                    log.warning("SSD tier: could not clear evicted blocks' records: %s", err)
+            self.ssd.close()
+            self.ssd = None
+
+    def figures(self) -> dict[str, dict[str, Any]]:
+        """Per tier: `cpu` (what the index and mempool say), `ssd`, `remote`."""
+        out = {
+            "cpu": {
+                **tier_figures(self.cache.cpu),
+                "block_bytes": self.layout.block_bytes,
+                "slot_stride": self.layout.slot_stride,
+            }
+        }
+        ssd_tier = self.cache.lower.get("ssd")
+        if ssd_tier is not None and self.ssd is not None:
+            ops = self.dataplane.tiers.get("ssd") if self.dataplane is not None else None
+            counters = ops.counters if ops is not None else {}
+            out["ssd"] = {
+                **tier_figures(ssd_tier),
+                "slot_bytes": self.ssd.slot_bytes,
+                "direct_io": self.ssd.direct,
+                "checksum_failures": counters.get("checksum_failures", 0),
+                "io_errors": counters.get("io_errors", 0),
+                "ops_in_flight": self.io.in_flight if self.io is not None else 0,
+            }
+        remote_tier = self.cache.lower.get("remote")
+        if remote_tier is not None and self.remote is not None:
+            out["remote"] = {**tier_figures(remote_tier), **self.remote.figures()}
+        return out
+
+
+def tier_figures(tier: CacheEngine) -> dict[str, Any]:
+    return {
+        "capacity_blocks": tier.capacity,
+        "used_blocks": tier.mempool.num_used,
+        "cached_blocks": tier.index.num_blocks,
+        "evicted_blocks": tier.num_evicted_blocks,
+    }
+
+
+def open_tiered_cache(
+    config: Config,
+    pool: ShmPool,
+    layout: BlockLayout,
+    on_plan_ended: Callable[[int, bool], None],
+) -> TieredCache:
+    """Every tier for blocks of `layout`; `on_plan_ended(plan_id, ok)` is
+    called when a plan the data plane ran ends. Raises ProtocolError
+    (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
+    cache, ssd, io, remote = build_tiers(config, pool, layout)
+    ops: list[TierOps] = []
+    if ssd is not None and io is not None:
+        ops.append(SsdOps(ssd, io, pool, layout))
+    if remote is not None:
+        ops.append(remote.ops)
+    dataplane = DataPlane(cache, pool, layout, ops, on_plan_ended) if ops else None
+    return TieredCache(layout, cache, ssd, io, remote, dataplane)
