@@ -250,7 +250,7 @@ class KeyHasher:
                 pass  # an id out of range: canonical_tokens names it
         tokens = canonical_tokens(token_ids)
         n = tokens.size // self.tokens_per_block
-        data = memoryview(tokens[: n * self.tokens_per_block]).cast("B")  # no copy
+        data = tokens[: n * self.tokens_per_block].data.cast("B")  # a memoryview: no copy
         return as_keys(self._chain(data, self._block_bytes, self._chain_key, start))
 
     def hash_digests(self, digests: Sequence[bytes], parent: BlockKey | None = None) -> BlockKeys:

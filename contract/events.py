@@ -80,7 +80,9 @@ class ErrorReply(msgspec.Struct, array_like=True, tag="error"):
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
-_reply_decoder = msgspec.msgpack.Decoder(DumpReply | ErrorReply)
+_reply_decoder: msgspec.msgpack.Decoder[DumpReply | ErrorReply] = msgspec.msgpack.Decoder(
+    DumpReply | ErrorReply
+)
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -50,7 +50,7 @@ def key_bytes(keys: BlockKeys) -> bytes:
     """The keys back to back: the bytes object they view, when they view all
     of one in order (keys from a message frame or a KeyHasher: no copy), or
     a copy."""
-    base = keys.base
+    base: object = keys.base  # numpy's stubs say ndarray | None; frombuffer leaves the bytes
     if type(base) is bytes and len(base) == keys.nbytes and keys.flags.c_contiguous:
         return base
     return keys.tobytes()

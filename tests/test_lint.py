@@ -1,4 +1,5 @@
-"""ruff is part of the suite: the tree stays lint-clean and formatted."""
+"""ruff and mypy are part of the suite: the tree stays lint-clean and formatted, and
+the control plane and the contract type-check ([tool.mypy] in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ def test_ruff(args):
     done = subprocess.run(
         [sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True
     )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy():
+    done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -95,7 +95,7 @@ class CacheEngine:
         if not result.runs:
             return
         self.num_evicted_blocks += result.num_blocks
-        slots = result.slots
+        slots: np.ndarray = result.slots
         if kept:
             slots = np.setdiff1d(slots, np.concatenate(kept), assume_unique=True)
         self.mempool.free(slots)

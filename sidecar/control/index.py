@@ -254,10 +254,10 @@ class RadixIndex:
         parent = node.parent
         assert parent is not None and 0 < m < len(node)
         cut = m * KEY_BYTES
-        upper = RadixNode(node.key_bytes[:cut], node.slots[:m], parent, node.ready, 0.0, 0)
+        upper = RadixNode(node.key_bytes[:cut], SlotIds(node.slots[:m]), parent, node.ready, 0.0, 0)
         upper.copy_stats_from(node)
         upper.lock_count = node.lock_count
-        node.key_bytes, node.slots = node.key_bytes[cut:], node.slots[m:]
+        node.key_bytes, node.slots = node.key_bytes[cut:], SlotIds(node.slots[m:])
         parent.children[upper.first_key] = upper
         upper.children[node.first_key] = node
         node.parent = upper
@@ -342,9 +342,11 @@ class RadixIndex:
             if len(victim) > left:
                 keep = len(victim) - left
                 cut = keep * KEY_BYTES
-                runs.append(EvictedRun(victim.key_bytes[cut:], victim.slots[keep:], victim))
+                tail = SlotIds(victim.slots[keep:])
+                runs.append(EvictedRun(victim.key_bytes[cut:], tail, victim))
                 self.policy.on_truncate(victim, left)
-                victim.key_bytes, victim.slots = victim.key_bytes[:cut], victim.slots[:keep]
+                victim.key_bytes = victim.key_bytes[:cut]
+                victim.slots = SlotIds(victim.slots[:keep])
                 self.num_blocks -= left
                 self.policy.add(victim)
                 left = 0

@@ -120,7 +120,8 @@ class Mempool:
 
     def free_slots(self) -> np.ndarray:
         """The free slots, in no particular order (a copy)."""
-        return self._stack[: self._top].copy()
+        free: np.ndarray = self._stack[: self._top].copy()  # numpy stubs: Any before 3.11
+        return free
 
     @property
     def num_held(self) -> int:

@@ -276,7 +276,7 @@ class GlobalCacheEngine(PlanTable):
         m = self.cpu.match(keys)
         c = m.num_blocks
         run.lock(self.cpu, m.node)
-        cpu_slots = m.slots
+        cpu_slots: np.ndarray = m.slots
         d2h = None
         stored = 0
         if m.num_present == c and c < n:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
 from sidecar.control.node import RadixNode
 
@@ -123,10 +124,21 @@ class LazyHeap:
         return None
 
 
+class CandidateHeap(Protocol):
+    """What a policy needs of its candidate heap: LazyHeap or the C NodeHeap."""
+
+    @property
+    def size(self) -> int: ...
+    def push(self, node: RadixNode, k0: float, k1: float, k2: int, /) -> None: ...
+    def remove(self, node: RadixNode, /) -> None: ...
+    def pop(self) -> RadixNode | None: ...
+
+
+NodeHeap: type[CandidateHeap]
 try:
     from sidecar.control._nodeheap import NodeHeap
 except ImportError:  # the C extension is optional; the reference is exact, only slower
-    NodeHeap = LazyHeap  # type: ignore[assignment,misc]
+    NodeHeap = LazyHeap
 
 Priority = Callable[[RadixNode], tuple[float, float, int]]
 

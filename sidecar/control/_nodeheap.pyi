@@ -1,0 +1,12 @@
+"""Types of the C candidate heap (_nodeheap.c); same contract as policies.LazyHeap."""
+
+from sidecar.control.node import RadixNode
+
+class NodeHeap:
+    @property
+    def size(self) -> int:
+        """Live entries: nodes whose heap_token is set."""
+
+    def push(self, node: RadixNode, k0: float, k1: float, k2: int, /) -> None: ...
+    def remove(self, node: RadixNode, /) -> None: ...
+    def pop(self) -> RadixNode | None: ...
