@@ -144,8 +144,9 @@ class StrayPlan(msgspec.Struct):
     ops: list[PlanOp] = []
 
 
+_DECODED: list[type[msgspec.Struct]] = [*REPLY_OF.values(), ErrorReply, ReplyHead, StrayPlan]
 _decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {
-    t: msgspec.msgpack.Decoder(t) for t in {*REPLY_OF.values(), ErrorReply, ReplyHead, StrayPlan}
+    t: msgspec.msgpack.Decoder(t) for t in _DECODED
 }
 
 
