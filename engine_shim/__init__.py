@@ -6,14 +6,20 @@ not, so tools such as `kvsidecar status` import it without torch.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["KVClient", "PlanOps", "SidecarError", "SidecarUnavailable", "TransferHandle"]
+_MODULE_OF = {
+    "KVClient": "engine_shim.client",
+    "PlanOps": "engine_shim.transfer",
+    "TransferHandle": "engine_shim.transfer",
+    "SidecarError": "engine_shim.channel",
+    "SidecarUnavailable": "engine_shim.channel",
+}
+__all__ = list(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from engine_shim import client
-
-        return getattr(client, name)
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(_MODULE_OF[name]), name)
     raise AttributeError(f"module 'engine_shim' has no attribute {name!r}")

@@ -11,6 +11,11 @@ the engine side of it (copies between the engine's paged KV tensors and the
 shared-memory CPU tier) and reports completion. Only ids and keys cross the
 socket; KV bytes move through shared memory.
 
+Its parts: what `register` takes, made whole (`registration`), a plan's
+copies and the handle of a load or save in flight (`transfer`), the thread
+that renews the lease (`heartbeat`), key and block id checks (`keys`), and
+the socket (`channel`).
+
 Failure policy: the cache is an optimisation, never a dependency. When the
 sidecar is down or slow, `lookup` returns 0 within `timeout` seconds and
 `load` / `save` raise `SidecarUnavailable` just as fast, so the engine
@@ -21,12 +26,8 @@ answers again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -36,17 +37,20 @@ from contract import protocol as p
 from contract import replies as r
 from contract.blocks import KeyHasher, Namespace
 from contract.endpoint import default_endpoint
-from contract.ids import KEY_BYTES, KEY_DTYPE, BlockKeys
-from contract.ops import OpKind
+from contract.ids import BlockKeys
 from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
-from cuda_ext.layouts import KVPlanes, kv_planes
+from cuda_ext.layouts import kv_planes
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
+from engine_shim.heartbeat import Heartbeat
+from engine_shim.keys import checked_keys, keys_and_blocks
+from engine_shim.registration import RegisterFields, Registration, check_geometry
+from engine_shim.transfer import Copy, PlanOps, TransferHandle, queue_copies
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
 
-__all__ = ["KVClient", "PlanOps", "SidecarError", "SidecarUnavailable", "TransferHandle"]
+__all__ = ["KVClient", "TierTokens"]
 
 
 class TierTokens(NamedTuple):
@@ -55,73 +59,6 @@ class TierTokens(NamedTuple):
     cpu: int
     ssd: int
     remote: int
-
-
-@dataclass(frozen=True)
-class PlanOps:
-    """The engine side of a plan: what every TP rank copies. Picklable, so a
-    TP leader can hand it to the other ranks (see `KVClient.execute`)."""
-
-    plan_id: int
-    kind: str
-    """"load" or "save"."""
-    ops: tuple[tuple[int, OpKind, np.ndarray, np.ndarray], ...]
-    """(op id, H2D or D2H, source ids, destination ids)."""
-    boot_id: str
-    """The sidecar boot that made the plan: its slots mean nothing to another."""
-
-
-class TransferHandle:
-    """A load or save in flight. `wait()` returns once the sidecar has
-    acknowledged it: after a save's wait, any engine's lookup sees the blocks
-    (those another engine was saving when this save was planned land with
-    that engine's save).
-
-    A load into CUDA tensors returns while its copies are still queued on the
-    copier's stream: `wait_layer(i)` lets the engine's stream start on layer
-    i while later layers load; `wait()` blocks until every layer has landed,
-    then tells the sidecar, which keeps the blocks' slots locked until then
-    (so always call it)."""
-
-    def __init__(
-        self,
-        client: KVClient,
-        plan: PlanOps | None,
-        num_tokens: int,
-        ack: int | None,
-        copies: Sequence[Any] = (),
-    ):
-        self.plan = plan
-        self.num_tokens = num_tokens
-        """Load: tokens now in the engine's KV cache. Save: tokens now cached."""
-        self._client = client
-        self._ack = ack
-        self._copies = list(copies)  # queued GPU copies not yet reported complete
-
-    @property
-    def done(self) -> bool:
-        return self._ack is None and not self._copies
-
-    def wait_layer(self, layer: int, stream: Any = None) -> None:
-        """Make `stream` (default: the current CUDA stream) wait until model
-        layer `layer` of a load has landed; returns at once. Copies into CPU
-        tensors have landed already."""
-        for copy in self._copies:
-            copy.wait_layer(layer, stream)
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Block until the copies have landed and the sidecar confirmed;
-        returns `num_tokens`. Raises SidecarUnavailable after `timeout`
-        (default: the client's), or the copy's error (reported to the sidecar
-        as a failed op)."""
-        if self._copies:
-            copies, self._copies = self._copies, []
-            assert self.plan is not None
-            self._ack = self._client._report(self.plan, copies)
-        if self._ack is not None:
-            self._client._channel.wait_reply(self._ack, timeout)
-            self._ack = None
-        return self.num_tokens
 
 
 class KVClient:
@@ -133,19 +70,18 @@ class KVClient:
         self.session = uuid.uuid4().hex
         self._lookup_request = p.Lookup(v=p.PROTOCOL_VERSION, id=0, session=self.session)
         """Every lookup sends this one (the channel numbers it as it goes)."""
-        self._register_args: dict[str, Any] | None = None
-        self._planes: KVPlanes | None = None
-        self._copier: CpuBlockCopier | GpuBlockCopier | StagedBlockCopier | None = None
-        self._hasher: KeyHasher | None = None
+        self._registered: Registration | None = None
+        """What `register` last took: None before, and once closed."""
         self._pool: ShmPool | None = None
-        self._layout: BlockLayout | None = None
         self._boot_id: str | None = None
         """The boot of the sidecar whose shm this client has mapped."""
         self._live_boot: str | None = None
         """The boot the heartbeat last heard from (set by its thread)."""
+        self._copier: CpuBlockCopier | GpuBlockCopier | StagedBlockCopier | None = None
+        """Between the registered tensors and the mapped pool: closed with either."""
+        self._layout: BlockLayout | None = None
         self._closed = False
-        self.tp_rank = 0
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
         self.registration = 0
         """How many times `register` has taken new tensors (a refused one does
         not count): a user of this client can tell that another re-registered it."""
@@ -156,6 +92,17 @@ class KVClient:
         listens with this environment's configuration). Connecting never
         blocks: a sidecar that is not up yet is found when it comes."""
         return cls(endpoint or default_endpoint(), timeout)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank of its engine, as last registered (0 before)."""
+        return 0 if self._registered is None else self._registered.tp_rank
+
+    @property
+    def _register_args(self) -> RegisterFields | None:
+        """The Register request's own fields as last registered (None before,
+        and once closed)."""
+        return None if self._registered is None else self._registered.fields
 
     # ---- registration -------------------------------------------------------------
 
@@ -192,7 +139,7 @@ class KVClient:
         if self._closed:
             raise RuntimeError("this client is closed")
         planes = kv_planes(kv_layers, layout)  # TypeError / ValueError for bad tensors
-        _check_geometry(kv_layers, planes.layout, tokens_per_block, num_kv_heads, head_dim)
+        check_geometry(kv_layers, planes.layout, tokens_per_block, num_kv_heads, head_dim)
         namespace = Namespace(
             model_name=model_name,
             model_revision=model_revision,
@@ -205,40 +152,40 @@ class KVClient:
             tokens_per_block=tokens_per_block,
             tenant=tenant,
         )
-        hasher = KeyHasher(namespace, secret, key_hash)
-        args = {
-            "engine_id": engine_id or f"{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            "kv": p.KVLayoutMsg(
-                **dataclasses.asdict(namespace),
+        self._take(
+            Registration.build(
+                planes,
+                namespace,
                 tp_rank=tp_rank,
-                layer_block_bytes=planes.chunk_bytes,
-                num_gpu_blocks=planes.num_blocks,
-            ),
-            "pid": os.getpid(),
-            "pid_ns": _pid_namespace(),
-        }
-        before = (self._hasher, self._planes, self.tp_rank, self._register_args, self._copier)
-        self._hasher, self._planes, self._register_args = hasher, planes, args
-        self.tp_rank, self._copier = tp_rank, None
+                engine_id=engine_id,
+                secret=secret,
+                key_hash=key_hash,
+            )
+        )
+
+    def _take(self, registration: Registration) -> None:
+        """Register `registration` in place of the one this client holds,
+        whole. Refused (SidecarError): the previous one is back as it was,
+        as the sidecar keeps it. Unanswered (SidecarUnavailable): the new one
+        stays, and is registered when a sidecar answers."""
+        previous, self._registered = self._registered, registration
         try:
-            reply, _ = self._channel.call(self._register_request())
+            reply, _ = self._channel.call(registration.request(self.session))
         except SidecarError:
-            # Refused: the sidecar keeps the registration it had, and so does this client.
-            self._hasher, self._planes, self.tp_rank, self._register_args, self._copier = before
+            self._registered = previous
             raise
         finally:
-            if self._register_args is args:  # taken now, or once a sidecar answers
+            if self._registered is registration:  # taken now, or once a sidecar answers
                 self.registration += 1
-                if before[4] is not None:
-                    before[4].close()
-        self._registered(reply)
+                self._close_copier()  # it copies the previous registration's tensors
+        self._set_up(reply)
 
     def _register(self) -> None:
-        """Register (again) what `register` was last given."""
+        """Register (again) what `register` last took."""
         reply, _ = self._channel.call(self._register_request())
-        self._registered(reply)
+        self._set_up(reply)
 
-    def _registered(self, reply: r.RegisterReply) -> None:
+    def _set_up(self, reply: r.RegisterReply) -> None:
         """Map the sidecar's shm and open the copier as a Register reply says;
         the heartbeat starts with the first success, which may be a later
         call's re-registration."""
@@ -248,17 +195,27 @@ class KVClient:
             self._open_copier(reply)
         self.lease_seconds = reply.lease_seconds
         if self._heartbeat is None:
-            self._heartbeat = _Heartbeat(self)
+            self._heartbeat = Heartbeat(
+                self.endpoint,
+                self.timeout,
+                self.session,
+                lease=lambda: self.lease_seconds,
+                register_request=self._register_request,
+                heard=self._heard,
+            )
 
     def _register_request(self) -> p.Register:
-        assert self._register_args is not None
-        return p.Register(v=p.PROTOCOL_VERSION, id=0, session=self.session, **self._register_args)
+        return self._registration().request(self.session)
+
+    def _registration(self) -> Registration:
+        """What `register` last took; RuntimeError before it, or once closed."""
+        if self._registered is None:
+            raise RuntimeError("this client is closed" if self._closed else "register() first")
+        return self._registered
 
     def _attach(self, reply: r.RegisterReply) -> None:
         """Map the (new) sidecar's segments."""
-        if self._copier is not None:
-            self._copier.close()
-            self._copier = None
+        self._close_copier()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -268,6 +225,10 @@ class KVClient:
             raise SidecarUnavailable(f"cannot map the sidecar's shared memory: {err}") from None
         self._boot_id = self._live_boot = reply.boot_id
 
+    def _heard(self, boot_id: str) -> None:
+        """The heartbeat's thread heard from the sidecar of `boot_id`."""
+        self._live_boot = boot_id
+
     def _pool_is_stale(self) -> bool:
         """The heartbeat met a sidecar other than the one whose pool is mapped
         here (it restarted): the next call or plan maps the new pool."""
@@ -275,21 +236,23 @@ class KVClient:
 
     def _open_copier(self, reply: r.RegisterReply) -> None:
         """The copier between the registered tensors and the mapped pool."""
-        kv = self._register_args["kv"]  # type: ignore[index]
-        self._layout = BlockLayout(
-            num_layers=kv.num_layers, layer_block_bytes=kv.layer_block_bytes, tp_size=kv.tp_size
-        )
+        registration = self._registration()
+        self._layout = registration.layout
         if self._layout.slot_stride != reply.slot_stride:
             raise SidecarError(
                 ErrorCode.LAYOUT_MISMATCH, "the sidecar's slot stride differs from ours"
             )
-        assert self._planes is not None and self._pool is not None
-        self._copier = open_copier(self._planes, self._pool)  # pins the pool once (GPU)
+        assert self._pool is not None
+        self._copier = open_copier(registration.planes, self._pool)  # pins the pool once (GPU)
 
-    def _call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[dict, list[bytes]]:
+    def _close_copier(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
+
+    def _call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[Any, list[bytes]]:
         """A request on this session; re-registers once if the sidecar forgot us."""
-        if self._register_args is None:
-            raise RuntimeError("this client is closed" if self._closed else "register() first")
+        self._registration()
         if self._copier is None or self._pool_is_stale():
             # The last Register got no reply in time (the sidecar may know the
             # session all the same, but the pool is not mapped here yet), or
@@ -318,11 +281,11 @@ class KVClient:
 
     def lookup_keys(self, keys: BlockKeys) -> int:
         """`lookup` for precomputed keys (see `block_keys` / `digest_keys`)."""
-        return sum(self._lookup(_checked_keys(keys)))
+        return sum(self._lookup(checked_keys(keys)))
 
     def lookup_keys_tiers(self, keys: BlockKeys) -> TierTokens:
         """`lookup_tiers` for precomputed keys."""
-        return self._lookup(_checked_keys(keys))
+        return self._lookup(checked_keys(keys))
 
     def _lookup(self, keys: BlockKeys) -> TierTokens:
         if len(keys) == 0:
@@ -351,7 +314,7 @@ class KVClient:
         self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
     ) -> TransferHandle:
         """`load` for precomputed keys: one key per full block."""
-        keys, blocks = self._keys_and_blocks(keys, block_ids)
+        keys, blocks = keys_and_blocks(keys, block_ids)
         tpb = self._tokens_per_block
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
@@ -374,7 +337,7 @@ class KVClient:
 
     def save_keys(self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray) -> TransferHandle:
         """`save` for precomputed keys: one key per full block."""
-        keys, blocks = self._keys_and_blocks(keys, block_ids)
+        keys, blocks = keys_and_blocks(keys, block_ids)
         reply, arrays = self._call(self._req(p.Save), [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "save")
         # Blocks another engine is saving right now count: they land with its save.
@@ -411,13 +374,11 @@ class KVClient:
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        if self._register_args is not None:
+        if self._registered is not None:
             with contextlib.suppress(SidecarUnavailable, SidecarError):
                 self._channel.call(self._req(p.Unregister), timeout=min(self.timeout, 0.5))
-            self._register_args = None
-        if self._copier is not None:
-            self._copier.close()
-            self._copier = None
+            self._registered = None
+        self._close_copier()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -432,9 +393,12 @@ class KVClient:
     # ---- helpers ------------------------------------------------------------------------------
 
     @property
+    def _hasher(self) -> KeyHasher:
+        """The key hasher of the registered namespace."""
+        return self._registration().hasher
+
+    @property
     def _tokens_per_block(self) -> int:
-        if self._hasher is None:
-            raise RuntimeError("register() first")
         return self._hasher.tokens_per_block
 
     def _req(self, kind: type, **fields: Any) -> Any:
@@ -448,25 +412,13 @@ class KVClient:
         """Keys, in this client's namespace, of blocks the engine already
         identifies by chained digests of its own (vLLM's block hashes), one
         per full block of tokens_per_block tokens; see KeyHasher.hash_digests."""
-        if self._hasher is None:
-            raise RuntimeError("register() first")
         return self._hasher.hash_digests(digests)
 
     def _keys(self, token_ids: Any) -> BlockKeys:
-        if self._hasher is None:
-            raise RuntimeError("register() first")
+        hasher = self._hasher
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.detach().cpu().numpy()
-        return self._hasher.hash_tokens(token_ids)
-
-    def _keys_and_blocks(self, keys: BlockKeys, block_ids: Any) -> tuple[BlockKeys, np.ndarray]:
-        keys = _checked_keys(keys)
-        blocks = np.asarray(block_ids)
-        if blocks.ndim != 1 or (blocks.size and blocks.dtype.kind not in "iu"):
-            raise TypeError("block_ids must be a 1-D sequence of integers")
-        if blocks.size < len(keys):
-            raise ValueError(f"{len(keys)} full blocks of tokens but {blocks.size} block ids")
-        return keys, blocks[: len(keys)].astype(np.int64)
+        return hasher.hash_tokens(token_ids)
 
     def _run(self, plan: PlanOps | None, num_tokens: int) -> TransferHandle:
         """Copy this rank's shard for every op and report them all at once: a
@@ -474,32 +426,30 @@ class KVClient:
         are in the slots, so the copy is waited for), a load's once its
         copies have landed (at once for CPU tensors; GPU: `handle.wait()`)."""
         if plan is None:
-            return TransferHandle(self, None, num_tokens, None)
+            return self._handle(None, num_tokens, None)
         if plan.boot_id != self._boot_id or self._pool_is_stale():
             # The sidecar restarted since this client mapped its shm (the
             # heartbeat registered the session with the new one): map it now.
             self._register()
             self._check_boot(plan)
-        copier, layout, rank = self._copier, self._layout, self.tp_rank
-        assert copier is not None and layout is not None
-        copies: list[Any] = []
+        assert self._copier is not None and self._layout is not None
         try:
-            for _, kind, src, dst in plan.ops:
-                if kind is OpKind.H2D:
-                    copies.append(copier.load(dst, src, layout, rank))
-                else:
-                    copies.append(copier.save(src, dst, layout, rank))
+            copies = queue_copies(plan, self._copier, self._layout, self.tp_rank)
         except Exception as err:
-            for copy in copies:  # the sidecar reuses the slots once told: let queued copies end
-                with contextlib.suppress(Exception):
-                    copy.synchronize()
             self._fail(plan, err)
             raise
         if plan.kind == "load" and not all(copy.query() for copy in copies):
-            return TransferHandle(self, plan, num_tokens, None, copies)
-        return TransferHandle(self, plan, num_tokens, self._report(plan, copies))
+            return self._handle(plan, num_tokens, None, copies)
+        return self._handle(plan, num_tokens, self._report(plan, copies))
 
-    def _report(self, plan: PlanOps, copies: Sequence[Any]) -> int:
+    def _handle(
+        self, plan: PlanOps | None, num_tokens: int, ack: int | None, copies: Sequence[Copy] = ()
+    ) -> TransferHandle:
+        return TransferHandle(
+            plan, num_tokens, ack, copies, report=self._report, wait_reply=self._channel.wait_reply
+        )
+
+    def _report(self, plan: PlanOps, copies: Sequence[Copy]) -> int:
         """Wait for the copies, then tell the sidecar; the id of its reply."""
         try:
             # The sidecar may reuse the slots once told: the bytes must have landed.
@@ -534,43 +484,6 @@ class KVClient:
             self._channel.send(self._req(p.Cancel, plan_id=plan_id), reply=False)
 
 
-def _check_geometry(
-    kv: Any, layout: str, tokens_per_block: int, num_kv_heads: int, head_dim: int
-) -> None:
-    """ValueError when tensors whose shape spells out tokens, heads and head
-    dim (vllm_flash, flashinfer, mla, and block_major `[N, 2, tokens, heads,
-    dim]`) say other numbers than the register arguments, which name the
-    blocks' bytes in the namespace and set how many tokens a block keys.
-    Free-form planes (`[N, elements]`, a padded engine page) are not checked."""
-    first = kv if isinstance(kv, torch.Tensor) else kv[0]
-    shape = tuple(first.shape)
-    if layout == "mla":
-        told, given = (tokens_per_block, head_dim), shape[1:]
-        names = "(tokens_per_block, head_dim = latent dim)"
-    elif layout in ("vllm_flash", "flashinfer") or (
-        layout == "block_major" and len(shape) == 5 and shape[1] == 2
-    ):
-        told, given = (tokens_per_block, num_kv_heads, head_dim), shape[2:]
-        names = "(tokens_per_block, num_kv_heads, head_dim)"
-    else:
-        return
-    if given != told:
-        raise ValueError(
-            f"{layout} KV tensors shaped {shape} hold {given} {names}, but register() "
-            f"was told {told}"
-        )
-
-
-def _checked_keys(keys: Any) -> BlockKeys:
-    """Keys as made by `block_keys` / `digest_keys`; TypeError for anything else."""
-    if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
-        raise TypeError(
-            f"keys must be a 1-D array of {KEY_BYTES}-byte block keys from block_keys() or "
-            f"digest_keys(), got {type(keys).__name__} {getattr(keys, 'dtype', '')}"
-        )
-    return BlockKeys(keys)
-
-
 def _plan_ops(reply: r.PlanReply, arrays: list[bytes], kind: str) -> PlanOps | None:
     if not reply.ops:
         return None
@@ -580,48 +493,3 @@ def _plan_ops(reply: r.PlanReply, arrays: list[bytes], kind: str) -> PlanOps | N
         dst = np.frombuffer(arrays[2 * i + 1], dtype=p.ID_DTYPE)
         out.append((op.op_id, op.kind, src, dst))
     return PlanOps(reply.plan_id, kind, tuple(out), reply.boot_id)
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-class _Heartbeat:
-    """Renews the lease from a thread with its own socket (sockets are not
-    thread-safe); a missed beat is harmless, the next one re-registers."""
-
-    def __init__(self, client: KVClient) -> None:
-        self._client = client
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvsidecar-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        channel = Channel(self._client.endpoint, self._client.timeout)
-        try:
-            while not self._stop.wait(max(0.01, self._client.lease_seconds / 3)):
-                with contextlib.suppress(SidecarUnavailable, SidecarError):
-                    self._beat(channel)  # a missed beat is harmless
-        finally:
-            channel.close()
-
-    def _beat(self, channel: Channel) -> None:
-        """Renew the lease. A sidecar that forgot the session (it restarted)
-        learns it again here, so that a TP rank making no calls of its own
-        completes its engine's group; the new sidecar's shm is mapped by the
-        main thread, when a call or a plan first needs it (`_live_boot`)."""
-        client = self._client
-        try:
-            reply, _ = channel.call(client._req(p.Heartbeat))
-        except SidecarError as err:
-            if err.code is not ErrorCode.NOT_REGISTERED:
-                raise
-            reply, _ = channel.call(client._register_request())
-        client._live_boot = reply.boot_id
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)

@@ -37,7 +37,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from engine_shim.client import KVClient, SidecarError, SidecarUnavailable, TierTokens
+from engine_shim.channel import SidecarError, SidecarUnavailable
+from engine_shim.client import KVClient, TierTokens
 from engine_shim.hf.models import kv_geometry, weights_fingerprint
 from engine_shim.hf.paged import PagedKV
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from engine_shim.channel import SidecarError, SidecarUnavailable
-from engine_shim.client import KVClient, TransferHandle
+from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
 from engine_shim.kvconnector.settings import ConnectorSettings
+from engine_shim.transfer import TransferHandle
 
 log = logging.getLogger(__name__)
 
