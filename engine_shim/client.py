@@ -46,7 +46,7 @@ from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from engine_shim.heartbeat import Heartbeat
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.registration import RegisterFields, Registration, check_geometry
-from engine_shim.transfer import Copy, PlanOps, TransferHandle, queue_copies
+from engine_shim.transfer import Copy, EngineOp, PlanOps, TransferHandle, queue_copies
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
 
@@ -102,7 +102,7 @@ class KVClient:
     def _register_args(self) -> RegisterFields | None:
         """The Register request's own fields as last registered (None before,
         and once closed)."""
-        return None if self._registered is None else self._registered.fields
+        return None if self._registered is None or self._closed else self._registered.fields
 
     # ---- registration -------------------------------------------------------------
 
@@ -370,14 +370,15 @@ class KVClient:
     def close(self) -> None:
         """Unregister (best effort), stop heartbeats, unmap the shm. Idempotent.
         Not while another thread uses this client (a client is one thread's)."""
+        if self._closed:
+            return
         self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        if self._registered is not None:
+        if self._registered is not None:  # kept: its keys can still be computed
             with contextlib.suppress(SidecarUnavailable, SidecarError):
                 self._channel.call(self._req(p.Unregister), timeout=min(self.timeout, 0.5))
-            self._registered = None
         self._close_copier()
         if self._pool is not None:
             self._pool.close()
@@ -491,5 +492,5 @@ def _plan_ops(reply: r.PlanReply, arrays: list[bytes], kind: str) -> PlanOps | N
     for i, op in enumerate(reply.ops):
         src = np.frombuffer(arrays[2 * i], dtype=p.ID_DTYPE)
         dst = np.frombuffer(arrays[2 * i + 1], dtype=p.ID_DTYPE)
-        out.append((op.op_id, op.kind, src, dst))
+        out.append(EngineOp(op.op_id, op.kind, src, dst))
     return PlanOps(reply.plan_id, kind, tuple(out), reply.boot_id)

@@ -13,12 +13,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from contract.ops import OpKind
 from shm.layout import BlockLayout
+
+
+class EngineOp(NamedTuple):
+    """One op of a plan that the engine runs: copy src[i] to dst[i] for
+    every i (H2D: shm slots to engine blocks; D2H: the other way)."""
+
+    op_id: int
+    kind: OpKind
+    src: np.ndarray
+    dst: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -29,8 +39,7 @@ class PlanOps:
     plan_id: int
     kind: str
     """"load" or "save"."""
-    ops: tuple[tuple[int, OpKind, np.ndarray, np.ndarray], ...]
-    """(op id, H2D or D2H, source ids, destination ids)."""
+    ops: tuple[EngineOp, ...]
     boot_id: str
     """The sidecar boot that made the plan: its slots mean nothing to another."""
 
