@@ -97,6 +97,7 @@ def _serve(args: argparse.Namespace) -> int:
     from shm.segments import ShmPoolError
     from sidecar.runtime import InstanceRunning
     from sidecar.server.server import Server
+    from sidecar.tiers.checks import describe_tiers
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -130,7 +131,9 @@ def _serve(args: argparse.Namespace) -> int:
         f"serving on {server.endpoint}; CPU tier {format_size(server.capacity)} in "
         f"{len(pool.segment_names)} shm segment(s) ({pool.page_kind} pages), "
         f"prefaulted in "
-        f"{pool.prefault_seconds:.2f} s; policy {server.config.eviction_policy}{metrics}",
+        f"{pool.prefault_seconds:.2f} s; "
+        + "".join(f"{tier}; " for tier in describe_tiers(server.config))
+        + f"policy {server.config.eviction_policy}{metrics}",
         flush=True,
     )
     server.serve_forever()

@@ -147,6 +147,14 @@ class Config:
         "sharing a store.",
         pattern=r"[A-Za-z0-9_.:{}-]{1,64}",
     )
+    remote_secret_file: str | None = config_key(
+        None,
+        "str",
+        "File holding the deployment's secret (at least 16 bytes, the same on every host): "
+        "remote values carry an HMAC-SHA256 under it, and values forged or written without it "
+        "are misses. None = a checksum only: the store must be fully trusted (logged).",
+        optional=True,
+    )
     remote_io_threads: int = config_key(
         4,
         "int",

@@ -289,19 +289,6 @@ def test_a_store_down_at_start_is_used_once_it_comes_up(tmp_path, redis_bin):
         late.cleanup()
 
 
-def test_an_unusable_remote_url_leaves_the_other_tiers_serving(tmp_path):
-    hosts = Hosts(tmp_path, "redis://127.0.0.1:99999")
-    try:
-        s = hosts.start()
-        with client(s, kv(6)) as c:
-            assert c.save(tokens(2), np.arange(2)).wait() == 2 * BLOCK_TOKENS
-            assert c.lookup(tokens(2)) == 2 * BLOCK_TOKENS
-            assert "remote" not in c.stats()["tiers"]
-        assert s.stop() == 0
-    finally:
-        hosts.cleanup()
-
-
 def test_a_write_is_split_over_write_streams_and_a_read_over_every_thread():
     store = RemoteStore(RedisConnector("redis://127.0.0.1:1"), "kv", 4096)  # never contacted
     pool = IoPool("remote-parts", 4)

@@ -32,6 +32,7 @@ from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
 from sidecar.server.handlers import Handlers
 from sidecar.server.publisher import EventPublisher
 from sidecar.server.transport import Transport
+from sidecar.tiers.checks import check_tiers
 
 log = logging.getLogger("kvsidecar")
 
@@ -97,7 +98,11 @@ class Server:
 
     def start(self) -> None:
         """Lock the instance, clean a dead predecessor's leftovers, create the
-        CPU tier and bind. On failure, undo what was done and re-raise."""
+        CPU tier and bind. On failure, undo what was done and re-raise.
+        Raises ConfigError, before anything is done, for a lower tier's
+        setting that cannot work (those tiers are built at the first
+        registration)."""
+        check_tiers(self.config)
         with contextlib.ExitStack() as undo:  # on an error: undone in reverse
             lock = InstanceLock(self.paths)  # what makes the rest ours to create
             undo.callback(lock.release)

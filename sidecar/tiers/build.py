@@ -15,7 +15,7 @@ from contract.ids import KEY_DTYPE, BlockKeys, SlotIds
 from contract.protocol import ErrorCode, ProtocolError
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
-from sidecar.config import Config
+from sidecar.config import Config, ConfigError
 from sidecar.control.admission import DoubleGetRule
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.planner import GlobalCacheEngine
@@ -23,6 +23,7 @@ from sidecar.tiers.io_pool import IoPool
 from sidecar.tiers.remote.redis import RedisConnector
 from sidecar.tiers.remote.store import RemoteStore
 from sidecar.tiers.remote.tier import Backoff, RemoteTier
+from sidecar.tiers.remote.value_check import read_secret
 from sidecar.tiers.ssd.store import Record, SsdError, SsdStore
 
 log = logging.getLogger("kvsidecar")
@@ -108,7 +109,13 @@ def open_remote_tier(
     except (ValueError, redis.RedisError) as err:
         log.error("remote tier disabled: remote_url cannot be used: %s", err)
         return None
-    store = RemoteStore(connector, config.remote_namespace, layout.block_bytes)
+    try:  # checked at start; read again now, as the tier is built
+        secret = read_secret(config.remote_secret_file) if config.remote_secret_file else None
+    except ConfigError as err:
+        connector.close()
+        log.error("remote tier disabled: %s", err)
+        return None
+    store = RemoteStore(connector, config.remote_namespace, layout.block_bytes, secret)
     backoff = Backoff(config.remote_retry_seconds, config.remote_retry_max_seconds)
     tier = RemoteTier(
         cache,
@@ -120,10 +127,11 @@ def open_remote_tier(
         write_streams=config.remote_write_streams,
     )
     log.info(
-        "remote tier: %s, namespace %r, index of %d blocks",
+        "remote tier: %s, namespace %r, index of %d blocks, values checked by %s",
         connector.describe(),
         config.remote_namespace,
         cache.lower["remote"].capacity,
+        "a MAC" if secret is not None else "a checksum only",
     )
     return tier
 

@@ -5,10 +5,13 @@ the model, layout, dtype and TP size (`contract.blocks`), so sidecars of
 different models share a store without colliding; the namespace separates
 deployments (or tenants) that share one.
 
-Value: a 32-byte header (magic, block size, xxh3-64 checksum seeded by the
-block key, the block key itself) followed by the block's bytes. A value
-that is absent, of the wrong size, under another key or whose bytes fail
-the checksum is a miss, never data. Reads receive each value straight into
+Value: a 64-byte header (magic, block size, key id, MAC, the block key
+itself) followed by the block's bytes. The MAC is HMAC-SHA256 under the
+deployment's secret, or without one a checksum that catches accidents only
+(`value_check`). A value that is absent, written under another key id
+(another secret, or none) or in another format (its magic) is MISSING; one
+of the wrong size, under another block key or whose bytes fail the MAC is
+CORRUPT: a miss either way, never data. Reads receive each value straight into
 its slot and check it there, as SSD reads do: a slot whose read is not a
 HIT may hold any bytes, and the caller drops it (the slot of a block being
 staged is never visible before its read succeeds).
@@ -23,32 +26,44 @@ from collections.abc import Sequence
 import numpy as np
 
 from sidecar.tiers.remote.connector import Connector
-from sidecar.tiers.ssd.store import checksum
+from sidecar.tiers.remote.value_check import KEY_ID_BYTES, MAC_BYTES, ValueCheck
 
-HEADER = struct.Struct("<4sIQ16s")  # magic, block bytes, checksum, block key
-HEADER_BYTES = HEADER.size  # 32
-MAGIC = b"KVR1"
+HEAD = struct.Struct(f"<4sI{KEY_ID_BYTES}s")  # magic, block bytes, key id: what the MAC covers
+HEADER = struct.Struct(f"<{HEAD.size}s{MAC_BYTES}s16s")  # the above, MAC, block key
+HEADER_BYTES = HEADER.size  # 64
+MAGIC = b"KVR2"
+"""Values of the KVR1 format (a 32-byte header, an xxh3 checksum) have another
+size: CORRUPT, so a miss, deleted when read."""
 
 
 class ReadResult(enum.Enum):
     HIT = "hit"
     MISSING = "missing"
-    """No value under the key (never written, evicted by the store, or lost
-    in a restart)."""
+    """No value of ours under the key: never written, evicted by the store,
+    lost in a restart, or written under another secret (or none)."""
     CORRUPT = "corrupt"
-    """A value that fails its size, key or checksum."""
+    """A value that fails its size, key or MAC."""
 
 
 class RemoteStore:
-    """Blocks of `block_bytes` in a remote store, through `connector`.
-    Safe to call from several threads at once (the connector is)."""
+    """Blocks of `block_bytes` in a remote store, through `connector`,
+    checked by a MAC under `secret` (a checksum only, without one). Safe to
+    call from several threads at once (the connector is)."""
 
-    def __init__(self, connector: Connector, namespace: str, block_bytes: int) -> None:
+    def __init__(
+        self,
+        connector: Connector,
+        namespace: str,
+        block_bytes: int,
+        secret: bytes | None = None,
+    ) -> None:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
         self.connector = connector
         self.namespace = namespace
         self.block_bytes = block_bytes
+        self.check = ValueCheck(secret)
+        self._head = HEAD.pack(MAGIC, block_bytes, self.check.key_id)
         self._prefix = namespace.encode() + b":"
 
     def name(self, key: bytes) -> bytes:
@@ -58,12 +73,13 @@ class RemoteStore:
     def write(self, keys: Sequence[bytes], blocks: Sequence[memoryview | np.ndarray]) -> list[bool]:
         """Store each block (block_bytes of it, sent straight from its
         buffer) under its key; True where the store took it."""
+        names = [self.name(k) for k in keys]
         values = []
-        for key, block in zip(keys, blocks, strict=True):
+        for name, key, block in zip(names, keys, blocks, strict=True):
             data = memoryview(block).cast("B")[: self.block_bytes]
-            head = HEADER.pack(MAGIC, self.block_bytes, checksum(data, key), key)
-            values.append((head, data))
-        return self.connector.put([self.name(k) for k in keys], values)
+            mac = self.check.digest(name, self._head, key, data)
+            values.append((HEADER.pack(self._head, mac, key), data))
+        return self.connector.put(names, values)
 
     def read(
         self, keys: Sequence[bytes], targets: Sequence[memoryview | np.ndarray]
@@ -83,10 +99,13 @@ class RemoteStore:
             return ReadResult.MISSING
         if not got:  # a value of the wrong size
             return ReadResult.CORRUPT
-        magic, size, digest, stored_key = HEADER.unpack_from(head)
-        if magic != MAGIC or size != self.block_bytes or stored_key != key:
+        fields, mac, stored_key = HEADER.unpack_from(head)
+        magic, _, key_id = HEAD.unpack(fields)
+        if magic != MAGIC or key_id != self.check.key_id:  # not ours to judge, nor to delete
+            return ReadResult.MISSING
+        if fields != self._head or stored_key != key:
             return ReadResult.CORRUPT
-        if checksum(body, key) != digest:
+        if not self.check.verify(self.name(key), self._head, key, body, mac):
             return ReadResult.CORRUPT
         return ReadResult.HIT
 

@@ -15,8 +15,12 @@ as valid with wrong bytes.
 
 Recovery: a sidecar started again on the same directories reads the
 journals back (`records`) and rebuilds the SSD index from the chains of
-(key, parent key) they describe. Files written with another slot size are
-started empty, with a warning; each instance name has files of its own.
+(key, parent key) they describe. Each directory's header (`<tag>.json`)
+keeps its slot count: a restart asking for the same capacity keeps it (and
+every block) whatever the free space says now; another capacity refits the
+files and keeps the blocks in slots below the new count. Files written with
+another slot size are started empty, with a warning; each instance name has
+files of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import numpy as np
 import xxhash
@@ -39,6 +44,8 @@ log = logging.getLogger("kvsidecar")
 RECORD = struct.Struct("<4sIQ16s16s16s")  # magic, flags, checksum, key, parent, reserved
 RECORD_BYTES = RECORD.size  # 64
 MAGIC = b"KVS1"
+META_VERSION = 2
+"""Of each directory's header (`<tag>.json`): version 2 added `asked_slots`."""
 VALID, FIRST = 1, 2
 """Record flags: the slot holds a block; the block starts a sequence (its
 parent is the namespace root, not a stored block)."""
@@ -71,11 +78,9 @@ class _Dir:
     with its own files. The data file is flocked for the store's life, so a
     second sidecar of the same instance name on that directory is refused."""
 
-    def __init__(self, path: Path, nslots: int, slot_bytes: int, tag: str) -> None:
+    def __init__(self, path: Path, want: int, slot_bytes: int, tag: str) -> None:
         self.path = path
-        self.nslots = nslots
         path.mkdir(parents=True, exist_ok=True)
-        meta = {"version": 1, "slot_bytes": slot_bytes, "slots": nslots, "tag": tag}
         data_path, journal_path = path / f"{tag}.data", path / f"{tag}.journal"
         meta_path = path / f"{tag}.json"
         self.direct = True
@@ -96,20 +101,50 @@ class _Dir:
             ) from None
         self.journal = os.open(journal_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            old = _read_meta(meta_path)
-            if old != meta:  # new, or written with another geometry: start empty
-                if old is not None:
-                    log.warning("SSD dir %s was written with %s; starting it empty", path, old)
-                os.ftruncate(self.fd, 0)
-                os.ftruncate(self.journal, 0)
-            os.posix_fallocate(self.fd, 0, nslots * slot_bytes)
-            os.posix_fallocate(self.journal, 0, nslots * RECORD_BYTES)
+            self.nslots = self._size(_read_meta(meta_path), want, slot_bytes, tag)
+            os.posix_fallocate(self.fd, 0, self.nslots * slot_bytes)
+            os.posix_fallocate(self.journal, 0, self.nslots * RECORD_BYTES)
+            meta = {
+                "version": META_VERSION,
+                "slot_bytes": slot_bytes,
+                "slots": self.nslots,
+                "asked_slots": want,
+                "tag": tag,
+            }
             tmp = path / f"{tag}.json.tmp"
             tmp.write_text(json.dumps(meta))
             os.replace(tmp, meta_path)
         except OSError:
             self.close()
             raise
+
+    def _size(self, old: object, want: int, slot_bytes: int, tag: str) -> int:
+        """The slot count, from the header `old` (None: new files). The same
+        capacity asked for keeps the header's count, whatever the free space
+        says now (it grows as our own files are counted in); another one
+        refits and cuts the files to it, keeping the slots below the new
+        count; another slot size or an unreadable header starts empty."""
+        if not _same_geometry(old, slot_bytes, tag):
+            if old is not None:
+                log.warning("SSD dir %s was written with %s; starting it empty", self.path, old)
+            os.ftruncate(self.fd, 0)
+            os.ftruncate(self.journal, 0)
+            return _fit(self.path, want, slot_bytes, tag)
+        had = int(old["slots"])
+        if old.get("asked_slots", want) == want:  # a plain restart (version 1: assumed)
+            return had
+        nslots = _fit(self.path, want, slot_bytes, tag)
+        if nslots < had:
+            os.ftruncate(self.fd, nslots * slot_bytes)
+            os.ftruncate(self.journal, nslots * RECORD_BYTES)
+        log.warning(
+            "SSD dir %s resized from %d to %d slots%s",
+            self.path,
+            had,
+            nslots,
+            f"; the blocks in the last {had - nslots} dropped" if nslots < had else "",
+        )
+        return nslots
 
     def close(self) -> None:
         for fd in (self.fd, self.journal):
@@ -135,7 +170,7 @@ class SsdStore:
         self._dirs: list[_Dir] = []
         try:
             for d in map(Path, dirs):
-                self._dirs.append(_Dir(d, _fit(d, per_dir, slot_bytes, tag), slot_bytes, tag))
+                self._dirs.append(_Dir(d, per_dir, slot_bytes, tag))
         except OSError as err:
             self.close()
             raise SsdError(err.errno, f"SSD tier: {err.strerror}", err.filename) from None
@@ -237,6 +272,18 @@ def _fit(path: Path, want: int, slot_bytes: int, tag: str) -> int:
     if min(want, room) <= 0:
         raise OSError(errno.ENOSPC, "no room for a single block", str(path))
     return min(want, room)
+
+
+def _same_geometry(meta: object, slot_bytes: int, tag: str) -> TypeGuard[dict[str, Any]]:
+    """A header of files whose slots this store can keep using."""
+    return (
+        isinstance(meta, dict)
+        and meta.get("version") in (1, META_VERSION)
+        and meta.get("slot_bytes") == slot_bytes
+        and meta.get("tag") == tag
+        and isinstance(meta.get("slots"), int)
+        and meta["slots"] > 0
+    )
 
 
 def _existing_bytes(path: Path) -> int:

@@ -1,0 +1,115 @@
+"""The SSD tier's slot count across restarts: kept in each directory's header,
+so a plain restart on a filesystem short of space keeps every block, and a
+deliberate resize keeps the blocks that fit."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sidecar.tiers.ssd.store import SsdStore
+
+SLOT = 64 << 10
+
+
+def block(seed: int) -> memoryview:
+    buf = memoryview(mmap.mmap(-1, SLOT))  # page-aligned, as shm slots are
+    buf[:] = np.random.default_rng(seed).integers(0, 256, SLOT, dtype=np.uint8).tobytes()
+    return buf
+
+
+def key(i: int) -> bytes:
+    return (i + 1).to_bytes(16, "little")
+
+
+def fill(s: SsdStore) -> None:
+    for slot in range(s.num_slots):
+        s.write(slot, block(slot), key(slot), key(slot - 1), slot == 0)
+
+
+def kept(s: SsdStore) -> list[int]:
+    """Slots whose block is recorded and reads back byte-exact."""
+    out = []
+    for r in s.records():
+        buf = memoryview(mmap.mmap(-1, SLOT))
+        assert s.read(r.slot, buf, key(r.slot))
+        assert bytes(buf) == bytes(block(r.slot))
+        out.append(r.slot)
+    return sorted(out)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs: room for ~121 slots of 64 KiB (the 5% margin kept of the
+    free space is several slots, so the old slot count grew at each restart)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)  # -l: a failed test may hold files
+
+
+def test_a_restart_short_of_space_keeps_the_slot_count_and_every_block(small_fs):
+    asked = 256 * SLOT  # more than the filesystem holds
+    s = SsdStore([str(small_fs / "ssd")], asked, SLOT, SLOT, "t")
+    n = s.num_slots
+    assert 0 < n < 256
+    fill(s)
+    s.close()
+    for _ in range(2):  # each restart sees our files and the space left beside them
+        s = SsdStore([str(small_fs / "ssd")], asked, SLOT, SLOT, "t")
+        assert s.num_slots == n
+        assert kept(s) == list(range(n))
+        s.close()
+
+
+def test_a_smaller_capacity_keeps_the_blocks_that_fit(small_fs):
+    s = SsdStore([str(small_fs / "ssd")], 256 * SLOT, SLOT, SLOT, "t")
+    assert s.num_slots > 4
+    fill(s)
+    s.close()
+    s = SsdStore([str(small_fs / "ssd")], 4 * SLOT, SLOT, SLOT, "t")
+    assert s.num_slots == 4
+    assert kept(s) == [0, 1, 2, 3]
+    s.close()
+    assert os.path.getsize(small_fs / "ssd" / "t.data") == 4 * SLOT
+    s = SsdStore([str(small_fs / "ssd")], 4 * SLOT, SLOT, SLOT, "t")  # and it stays so
+    assert kept(s) == [0, 1, 2, 3]
+    s.close()
+
+
+def test_resizes_over_striped_directories(tmp_path):
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    s = SsdStore(dirs, 4 * SLOT, SLOT, SLOT, "t")
+    assert s.num_slots == 8
+    fill(s)
+    s.close()
+    s = SsdStore(dirs, 2 * SLOT, SLOT, SLOT, "t")  # 2 per directory: slots 0-3
+    assert s.num_slots == 4
+    assert kept(s) == [0, 1, 2, 3]
+    s.close()
+    s = SsdStore(dirs, 6 * SLOT, SLOT, SLOT, "t")  # growing keeps them all
+    assert s.num_slots == 12
+    assert kept(s) == [0, 1, 2, 3]
+    s.close()
+
+
+def test_another_slot_size_still_starts_empty(tmp_path):
+    s = SsdStore([str(tmp_path)], 4 * SLOT, SLOT, SLOT, "t")
+    fill(s)
+    s.close()
+    s = SsdStore([str(tmp_path)], 8 * SLOT, 2 * SLOT, SLOT, "t")
+    assert s.records() == []
+    s.close()
