@@ -59,7 +59,7 @@ class InstancePaths:
 
 def default_runtime_dir() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
+    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg):
         return Path(xdg) / "kvsidecar"
     return Path(f"/tmp/kvsidecar-{os.getuid()}")
 
@@ -83,7 +83,10 @@ def default_endpoint(environ: Mapping[str, str] | None = None) -> str:
     instance = env.get(INSTANCE_VAR, DEFAULT_INSTANCE)
     if not re.fullmatch(INSTANCE_PATTERN, instance):
         raise ValueError(f"${INSTANCE_VAR}={instance!r} does not match {INSTANCE_PATTERN}")
-    return instance_paths(_optional(env.get(RUNTIME_DIR_VAR)), instance).default_endpoint
+    runtime_dir = _optional(env.get(RUNTIME_DIR_VAR))
+    if runtime_dir is not None and not runtime_dir.startswith("/"):
+        raise ValueError(f"${RUNTIME_DIR_VAR}={runtime_dir!r} must be an absolute path")
+    return instance_paths(runtime_dir, instance).default_endpoint
 
 
 def _optional(text: str | None) -> str | None:

@@ -95,7 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
     import zmq
 
     from shm.segments import ShmPoolError
-    from sidecar.runtime import InstanceRunning
+    from sidecar.runtime import InstanceRunning, UnsafeRuntimeDir
     from sidecar.server.server import Server
 
     logging.basicConfig(
@@ -113,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
     server.handle_signals()
     try:
         server.start()  # undoes what it did before raising
-    except InstanceRunning as err:
+    except (InstanceRunning, UnsafeRuntimeDir) as err:
         print(f"kvsidecar: {err}", file=sys.stderr)
         return 1
     except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...

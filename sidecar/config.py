@@ -223,8 +223,10 @@ class Config:
     runtime_dir: str | None = config_key(
         None,
         "str",
-        "Directory (mode 0700) for the socket and lock; None = $XDG_RUNTIME_DIR/kvsidecar, "
-        "else /tmp/kvsidecar-<uid>.",
+        "Absolute path of the directory for the socket and lock: created with mode 0700 if "
+        "missing; an existing one must be ours, not a symlink, and writable by no one else. "
+        "None = $XDG_RUNTIME_DIR/kvsidecar, else /tmp/kvsidecar-<uid>.",
+        prefixes=("/",),
         optional=True,
     )
     endpoint: str | None = config_key(

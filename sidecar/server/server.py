@@ -28,7 +28,13 @@ import psutil
 from shm.pool import ShmPool, remove_stale_segments
 from sidecar.config import Config
 from sidecar.metrics.figures import server_figures
-from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
+from sidecar.runtime import (
+    InstanceLock,
+    endpoint_of,
+    ensure_runtime_dir,
+    instance_paths,
+    remove_created,
+)
 from sidecar.server.handlers import Handlers
 from sidecar.server.publisher import EventPublisher
 from sidecar.server.transport import Transport
@@ -96,8 +102,18 @@ class Server:
     # ---- life cycle ----------------------------------------------------------------
 
     def start(self) -> None:
-        """Lock the instance, clean a dead predecessor's leftovers, create the
-        CPU tier and bind. On failure, undo what was done and re-raise."""
+        """Check (or create) the runtime directory, lock the instance, clean a
+        dead predecessor's leftovers, create the CPU tier and bind. On
+        failure, undo what was done (the directories it created included,
+        when empty) and re-raise."""
+        created = ensure_runtime_dir(self.paths.runtime_dir)
+        try:
+            self._start_parts()
+        except BaseException:
+            remove_created(created)
+            raise
+
+    def _start_parts(self) -> None:
         with contextlib.ExitStack() as undo:  # on an error: undone in reverse
             lock = InstanceLock(self.paths)  # what makes the rest ours to create
             undo.callback(lock.release)
