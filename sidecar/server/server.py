@@ -35,6 +35,7 @@ from sidecar.runtime import (
     instance_paths,
     remove_created,
 )
+from sidecar.server.curve import CurveFiles
 from sidecar.server.handlers import Handlers
 from sidecar.server.publisher import EventPublisher
 from sidecar.server.transport import Transport
@@ -132,7 +133,8 @@ class Server:
                     "shm_dir %s gave 4 KiB pages: mount it as hugetlbfs or tmpfs huge=always",
                     self.config.shm_dir,
                 )
-            transport = Transport(self.endpoint, self._serve, self._busy_poll)
+            curve = CurveFiles.of(self.config)
+            transport = Transport(self.endpoint, self._serve, self._busy_poll, curve)
             undo.callback(transport.close)
             handlers = Handlers(
                 self.config, self.boot_id, pool, transport.send, transport.watch, self.stats
@@ -145,6 +147,7 @@ class Server:
                     self.config.events_endpoint,
                     self.config.events_resync_endpoint,
                     self.config.events_worker_id,
+                    transport.secure,
                 )
                 undo.callback(publisher.close)
                 if publisher.resync is not None:
