@@ -61,6 +61,9 @@ def ensure_runtime_dir(path: Path) -> list[Path]:
             os.mkdir(directory, 0o700)
         except FileExistsError:
             continue
+        except OSError:
+            remove_created(created)
+            raise
         created.append(directory)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -78,13 +81,13 @@ def ensure_runtime_dir(path: Path) -> list[Path]:
         raise
     try:
         st = os.fstat(fd)
-        if path in created:
-            os.fchmod(fd, 0o700)  # ours: whatever the umask took off
-        elif st.st_uid != os.getuid():
+        if st.st_uid != os.getuid():
             raise UnsafeRuntimeDir(
                 f"runtime dir {path} belongs to uid {st.st_uid}, not to uid {os.getuid()}: "
                 "set runtime_dir to a directory of your own"
             )
+        if path in created:
+            os.fchmod(fd, 0o700)  # ours: whatever the umask took off
         elif st.st_mode & 0o022:
             raise UnsafeRuntimeDir(
                 f"runtime dir {path} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
