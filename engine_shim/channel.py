@@ -18,6 +18,7 @@ import zmq
 
 from contract import protocol as p
 from contract import replies as r
+from contract.endpoint import CurveClientKeys, apply_curve, curve_client_keys
 from contract.protocol import ErrorCode
 
 # Plain ints: zmq's IntFlag members cost ~2 us per operation in a hot loop.
@@ -38,12 +39,21 @@ class SidecarError(RuntimeError):
 
 
 class Channel:
-    def __init__(self, endpoint: str, timeout: float) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float, *, curve: CurveClientKeys | None = None
+    ) -> None:
+        """`curve`: the keys for a sidecar that requires CURVE; None: those
+        that KVSIDECAR_CURVE_SERVER_KEY and KVSIDECAR_CURVE_CLIENT_KEY name,
+        if set (`contract.endpoint.curve_client_keys`). A sidecar refusing
+        the keys never answers: SidecarUnavailable."""
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
         self.endpoint = endpoint
         self.timeout = timeout
+        curve = curve_client_keys() if curve is None else curve
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        if curve is not None:
+            apply_curve(self._sock, curve)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)

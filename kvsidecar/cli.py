@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sidecar.config import Config, ConfigError, format_size, load_config, parse_overrides
@@ -31,6 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "stats":
             p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=_status if name == "status" else _stats)
+    keygen = sub.add_parser(
+        "keygen",
+        help="make a CURVE key pair for a sidecar or a client (DIR/NAME.key, NAME.key_secret)",
+        description="Make a ZeroMQ CURVE key pair: NAME.key (the public key, to hand out: "
+        "into the sidecar's curve_authorized_keys_dir for a client, to clients as "
+        "KVSIDECAR_CURVE_SERVER_KEY for a sidecar) and NAME.key_secret (mode 0600: the "
+        "sidecar's curve_secret_key_file, or a client's KVSIDECAR_CURVE_CLIENT_KEY).",
+    )
+    keygen.add_argument("dir", metavar="DIR", help="directory to write into (made 0700 if missing)")
+    keygen.add_argument("--name", default="kvsidecar", help="file name stem (default kvsidecar)")
+    keygen.set_defaults(func=_keygen)
     from bench.cli import add_bench_parser
     from cachesim.analyze import add_arguments as add_analyze_arguments
     from kvsidecar.demo import add_parser as add_demo_parser
@@ -95,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     import zmq
 
     from shm.segments import ShmPoolError
-    from sidecar.runtime import InstanceRunning
+    from sidecar.runtime import InstanceRunning, UnsafeRuntimeDir
     from sidecar.server.server import Server
     from sidecar.tiers.checks import describe_tiers
 
@@ -114,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     server.handle_signals()
     try:
         server.start()  # undoes what it did before raising
-    except InstanceRunning as err:
+    except (InstanceRunning, UnsafeRuntimeDir) as err:
         print(f"kvsidecar: {err}", file=sys.stderr)
         return 1
     except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...
@@ -141,6 +153,25 @@ def _serve(args: argparse.Namespace) -> int:
         print("kvsidecar: stopped", flush=True)
     except BrokenPipeError:  # whoever read our stdout is gone (--parent-pid)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    directory = Path(args.dir)
+    public, secret = directory / f"{args.name}.key", directory / f"{args.name}.key_secret"
+    if public.exists() or secret.exists():
+        print(f"kvsidecar: {public} or {secret} exists already: not replaced", file=sys.stderr)
+        return 1
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    old_umask = os.umask(0o077)  # the secret is never readable by others, even for a moment
+    try:
+        zmq.auth.create_certificates(directory, args.name)
+    finally:
+        os.umask(old_umask)
+    os.chmod(public, 0o644)
+    print(f"kvsidecar: wrote {public} (public) and {secret} (secret, mode 0600)")
     return 0
 
 

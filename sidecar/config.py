@@ -33,7 +33,13 @@ from typing import Any
 
 import yaml
 
-from contract.endpoint import DEFAULT_INSTANCE, ENDPOINT_PREFIXES, INSTANCE_PATTERN
+from contract.endpoint import (
+    CLIENT_ONLY_VARS,
+    DEFAULT_INSTANCE,
+    ENDPOINT_PREFIXES,
+    INSTANCE_PATTERN,
+    is_loopback,
+)
 from sidecar.config_spec import (
     SPEC,
     ConfigError,
@@ -231,8 +237,10 @@ class Config:
     runtime_dir: str | None = config_key(
         None,
         "str",
-        "Directory (mode 0700) for the socket and lock; None = $XDG_RUNTIME_DIR/kvsidecar, "
-        "else /tmp/kvsidecar-<uid>.",
+        "Absolute path of the directory for the socket and lock: created with mode 0700 if "
+        "missing; an existing one must be ours, not a symlink, and writable by no one else. "
+        "None = $XDG_RUNTIME_DIR/kvsidecar, else /tmp/kvsidecar-<uid>.",
+        prefixes=("/",),
         optional=True,
     )
     endpoint: str | None = config_key(
@@ -291,6 +299,26 @@ class Config:
         prefixes=("tcp://", "ipc://"),
         optional=True,
     )
+    allow_remote_endpoints: bool = config_key(
+        False,
+        "bool",
+        "Allow tcp:// endpoints off loopback (anything but 127.0.0.0/8, ::1, localhost); "
+        "they then need curve_secret_key_file and curve_authorized_keys_dir.",
+    )
+    curve_secret_key_file: str | None = config_key(
+        None,
+        "str",
+        "The sidecar's CURVE key pair (a .key_secret file from kvsidecar keygen, mode 0600): "
+        "when set, every tcp:// socket it binds requires CURVE; None = no CURVE.",
+        optional=True,
+    )
+    curve_authorized_keys_dir: str | None = config_key(
+        None,
+        "str",
+        "Directory of the public keys (*.key files) of the clients allowed to connect over "
+        "CURVE; needed with curve_secret_key_file.",
+        optional=True,
+    )
     events_worker_id: int = config_key(
         0,
         "int",
@@ -314,12 +342,38 @@ class Config:
                 f"remote_write_streams ({self.remote_write_streams}) must not exceed "
                 f"remote_io_threads ({self.remote_io_threads}): each stream is one thread"
             )
+        self._check_remote_endpoints()
         bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
         if len(set(bound)) != len(bound):
             raise ConfigError(
                 "endpoint, events_endpoint and events_resync_endpoint must all differ "
                 f"(each is bound by its own socket), got {bound}"
             )
+
+    def _check_remote_endpoints(self) -> None:
+        """tcp:// off loopback only when allowed, and then only with CURVE."""
+        if (self.curve_secret_key_file is None) != (self.curve_authorized_keys_dir is None):
+            raise ConfigError(
+                "curve_secret_key_file and curve_authorized_keys_dir go together: set both "
+                "(kvsidecar keygen makes the key files), or neither"
+            )
+        for key in ("endpoint", "events_endpoint", "events_resync_endpoint"):
+            value = getattr(self, key)
+            if value is None or is_loopback(value):
+                continue
+            if not self.allow_remote_endpoints:
+                raise ConfigError(
+                    f"{key} {value!r} is not on loopback (127.0.0.0/8, ::1, localhost): "
+                    "anyone who reaches it could drive this sidecar; bind 127.0.0.1, or set "
+                    "allow_remote_endpoints=true with CURVE keys (curve_secret_key_file, "
+                    "curve_authorized_keys_dir)"
+                )
+            if self.curve_secret_key_file is None:
+                raise ConfigError(
+                    f"{key} {value!r} is off loopback: it needs CURVE, so set "
+                    "curve_secret_key_file and curve_authorized_keys_dir "
+                    "(kvsidecar keygen makes the key files)"
+                )
 
     def to_dict(self) -> dict[str, object]:
         """Plain values (lists, not tuples) that `load_config` accepts back."""
@@ -347,7 +401,8 @@ def load_config(
     """Defaults, then the file at `path`, then `env`, then `overrides`.
 
     `env=None` reads `os.environ`; only variables starting with KVSIDECAR_ are
-    looked at, and an unknown one is an error (it is most likely a typo).
+    looked at (but the clients' CURVE keys, `contract.endpoint.CLIENT_ONLY_VARS`),
+    and an unknown one is an error (it is most likely a typo).
     File and override values must already have the key's type; environment
     strings are parsed. Raises ConfigError, naming the source, key and value.
     """
@@ -356,7 +411,7 @@ def load_config(
         values.update(_convert_all(_read_file(Path(path)), f"config file {os.fspath(path)!r}"))
     environ = os.environ if env is None else env
     for name, text in environ.items():
-        if name.startswith(ENV_PREFIX):
+        if name.startswith(ENV_PREFIX) and name not in CLIENT_ONLY_VARS:
             key = name[len(ENV_PREFIX) :].lower()
             with _blame(f"${name}"):
                 values[key] = _spec_of(key).convert_env(key, text)

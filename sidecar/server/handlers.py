@@ -32,6 +32,7 @@ from sidecar.control.hits import HitStats, split_hits
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import Plan, PlanError, TierCounts
 from sidecar.control.planner import GlobalCacheEngine
+from sidecar.server.limits import check_register
 from sidecar.server.sessions import Engines, Session, namespace_of, pid_namespace
 from sidecar.server.waiting import WaitingLoad, WaitingLoads
 from sidecar.tiers.tiered import TieredCache, open_tiered_cache
@@ -177,6 +178,7 @@ class Handlers:
 
     def _register(self, req: p.Register, _: list[bytes]) -> Answer:
         self._not_stopping()
+        check_register(req)
         kv = req.kv
         namespace = namespace_of(kv)
         layout = _layout_of(kv)
@@ -185,10 +187,6 @@ class Handlers:
                 ErrorCode.LAYOUT_MISMATCH,
                 f"this sidecar serves blocks of {self.tiers.layout}, not {layout}; "
                 "run one sidecar instance per KV layout",
-            )
-        if req.pid < 0:
-            raise ProtocolError(
-                ErrorCode.BAD_VALUE, f"pid must be >= 0 (0: unknown), got {req.pid}"
             )
         self.engines.check_join(req.engine_id, req.session, kv, namespace)
         # Checks done: from here on the request changes state.

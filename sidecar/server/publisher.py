@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import zmq
 
@@ -34,8 +35,14 @@ HEARTBEAT_SECONDS = 1.0
 
 class EventPublisher:
     def __init__(
-        self, ctx: zmq.Context, endpoint: str, resync_endpoint: str | None, worker_id: int
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        resync_endpoint: str | None,
+        worker_id: int,
+        secure: Callable[[zmq.Socket, str], None],
     ) -> None:
+        """`secure(sock, endpoint)` readies each socket before it binds (CURVE)."""
         self.epoch = uuid.uuid4().hex
         self.seq = 0
         self.worker_id = worker_id
@@ -45,9 +52,11 @@ class EventPublisher:
         self.pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self.resync: zmq.Socket | None = None
         try:
+            secure(self.pub, endpoint)
             self.pub.bind(endpoint)
             if resync_endpoint is not None:
                 self.resync = ctx.socket(zmq.ROUTER)
+                secure(self.resync, resync_endpoint)
                 self.resync.setsockopt(zmq.LINGER, 0)
                 self.resync.setsockopt(zmq.MAXMSGSIZE, 4096)
                 self.resync.bind(resync_endpoint)

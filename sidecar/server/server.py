@@ -28,7 +28,14 @@ import psutil
 from shm.pool import ShmPool, remove_stale_segments
 from sidecar.config import Config
 from sidecar.metrics.figures import server_figures
-from sidecar.runtime import InstanceLock, endpoint_of, instance_paths
+from sidecar.runtime import (
+    InstanceLock,
+    endpoint_of,
+    ensure_runtime_dir,
+    instance_paths,
+    remove_created,
+)
+from sidecar.server.curve import CurveFiles
 from sidecar.server.handlers import Handlers
 from sidecar.server.publisher import EventPublisher
 from sidecar.server.transport import Transport
@@ -97,12 +104,21 @@ class Server:
     # ---- life cycle ----------------------------------------------------------------
 
     def start(self) -> None:
-        """Lock the instance, clean a dead predecessor's leftovers, create the
-        CPU tier and bind. On failure, undo what was done and re-raise.
-        Raises ConfigError, before anything is done, for a lower tier's
-        setting that cannot work (those tiers are built at the first
-        registration)."""
+        """Check the lower tiers' settings and the runtime directory (creating
+        it), lock the instance, clean a dead predecessor's leftovers, create
+        the CPU tier and bind. Raises ConfigError, before anything is done,
+        for a lower tier's setting that cannot work (those tiers are built at
+        the first registration). On failure, undo what was done (the
+        directories it created included, when empty) and re-raise."""
         check_tiers(self.config)
+        created = ensure_runtime_dir(self.paths.runtime_dir)
+        try:
+            self._start_parts()
+        except BaseException:
+            remove_created(created)
+            raise
+
+    def _start_parts(self) -> None:
         with contextlib.ExitStack() as undo:  # on an error: undone in reverse
             lock = InstanceLock(self.paths)  # what makes the rest ours to create
             undo.callback(lock.release)
@@ -121,7 +137,8 @@ class Server:
                     "shm_dir %s gave 4 KiB pages: mount it as hugetlbfs or tmpfs huge=always",
                     self.config.shm_dir,
                 )
-            transport = Transport(self.endpoint, self._serve, self._busy_poll)
+            curve = CurveFiles.of(self.config)
+            transport = Transport(self.endpoint, self._serve, self._busy_poll, curve)
             undo.callback(transport.close)
             handlers = Handlers(
                 self.config, self.boot_id, pool, transport.send, transport.watch, self.stats
@@ -134,6 +151,7 @@ class Server:
                     self.config.events_endpoint,
                     self.config.events_resync_endpoint,
                     self.config.events_worker_id,
+                    transport.secure,
                 )
                 undo.callback(publisher.close)
                 if publisher.resync is not None:

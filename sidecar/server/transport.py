@@ -22,6 +22,7 @@ import zmq
 
 from contract import protocol as p
 from sidecar.runtime import InstanceRunning
+from sidecar.server.curve import CurveFiles, CurveGuard
 
 # Plain ints: zmq's IntFlag members cost ~2 us per operation in a hot loop.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -31,10 +32,16 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 class Transport:
     def __init__(
-        self, endpoint: str, serve: Callable[[list[bytes]], None], busy_poll: float
+        self,
+        endpoint: str,
+        serve: Callable[[list[bytes]], None],
+        busy_poll: float,
+        curve: CurveFiles | None = None,
     ) -> None:
         """Bind `endpoint`; `serve(frames)` handles one request (identity
-        first); `busy_poll`: seconds to keep polling after a request."""
+        first); `busy_poll`: seconds to keep polling after a request;
+        `curve`: the keys that make every tcp:// socket of this context
+        (`secure`) let in only the listed clients."""
         self.endpoint = endpoint
         self._serve = serve
         self._busy_poll = busy_poll
@@ -46,7 +53,11 @@ class Transport:
             self._socket_file = socket_file
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self._guard: CurveGuard | None = None
         try:
+            if curve is not None:
+                self._guard = CurveGuard(self.ctx, curve)
+            self.secure(self.sock, endpoint)
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -58,6 +69,12 @@ class Transport:
         self._poller.register(self.sock, zmq.POLLIN)
         self._spin_until = 0.0
         self._rcvtimeo = -1
+
+    def secure(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
+        """Before `sock` (of `ctx`) binds `endpoint`: a CURVE server there if
+        this transport has keys and `endpoint` is tcp://."""
+        if self._guard is not None:
+            self._guard.secure(sock, endpoint)
 
     def watch(self, fd: Any) -> None:
         """Wake the loop when `fd` (an fd or a zmq socket) is readable too."""
@@ -109,6 +126,9 @@ class Transport:
         """Close the socket and remove its file (idempotent)."""
         if not self.sock.closed:
             self.sock.close(0)
+        if self._guard is not None:
+            self._guard.close()  # its thread's socket would hold the context open
+            self._guard = None
         if not self.ctx.closed:
             self.ctx.term()
         if self._socket_file is not None:

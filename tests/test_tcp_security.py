@@ -1,0 +1,229 @@
+"""Who may talk to a sidecar over TCP: only loopback, unless remote endpoints
+are allowed explicitly, and then only clients holding a listed CURVE key.
+
+Every socket here is on 127.0.0.1: the refusal of other addresses is the
+configuration's, checked without serving on them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sidecar_proc as sp
+import zmq
+from sidecar_proc import Sidecar, connect, make_kv, tokens
+
+from contract import endpoint as ep
+from contract import events as wire
+from contract import protocol as p
+from engine_shim import SidecarUnavailable
+from engine_shim.channel import Channel
+from sidecar.config import ConfigError, load_config
+
+REMOTE = [
+    "tcp://0.0.0.0:5555",
+    "tcp://*:5555",
+    "tcp://10.1.2.3:5555",
+    "tcp://[::]:5555",
+    "tcp://[2001:db8::1]:5555",
+    "tcp://eth0:5555",
+    "tcp://example.com:5555",
+]
+LOOPBACK = [
+    "tcp://127.0.0.1:5555",
+    "tcp://127.0.0.2:5555",
+    "tcp://localhost:5555",
+    "tcp://[::1]:5555",
+]
+
+
+@pytest.mark.parametrize("address", REMOTE)
+@pytest.mark.parametrize("key", ["endpoint", "events_endpoint"])
+def test_a_tcp_endpoint_off_loopback_is_refused(address, key):
+    with pytest.raises(ConfigError, match=rf"{key}.*loopback.*allow_remote_endpoints"):
+        load_config(env={}, overrides={key: address})
+
+
+def test_a_resync_endpoint_off_loopback_is_refused():
+    with pytest.raises(ConfigError, match=r"events_resync_endpoint.*loopback"):
+        load_config(
+            env={},
+            overrides={
+                "events_endpoint": "ipc:///tmp/x.pub",
+                "events_resync_endpoint": "tcp://0.0.0.0:5556",
+            },
+        )
+
+
+@pytest.mark.parametrize("address", LOOPBACK)
+def test_loopback_and_ipc_endpoints_need_nothing_more(address):
+    assert load_config(env={}, overrides={"endpoint": address}).endpoint == address
+    assert ep.is_loopback(address) and ep.is_loopback("ipc:///tmp/x.sock")
+    assert not any(ep.is_loopback(a) for a in REMOTE)
+
+
+def test_remote_endpoints_allowed_only_with_curve_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"curve_secret_key_file.*curve_authorized_keys_dir"):
+        load_config(env={}, overrides={"endpoint": REMOTE[0], "allow_remote_endpoints": True})
+    with pytest.raises(ConfigError, match="curve_authorized_keys_dir"):
+        load_config(env={}, overrides={"curve_secret_key_file": "/k/server.key_secret"})
+    config = load_config(
+        env={},
+        overrides={
+            "endpoint": REMOTE[0],
+            "allow_remote_endpoints": True,
+            "curve_secret_key_file": "/k/server.key_secret",
+            "curve_authorized_keys_dir": "/k/clients",
+        },
+    )
+    assert config.endpoint == REMOTE[0]
+
+
+def keygen(directory: Path, name: str) -> Path:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvsidecar", "keygen", str(directory), "--name", name],
+        cwd=sp.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    secret = directory / f"{name}.key_secret"
+    assert os.stat(secret).st_mode & 0o077 == 0
+    return secret
+
+
+@pytest.fixture
+def keys(tmp_path):
+    """A server key pair and an authorized client key pair, as files."""
+    server_secret = keygen(tmp_path / "server", "server")
+    client_secret = keygen(tmp_path / "client", "engine")
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    (authorized / "engine.key").write_bytes((tmp_path / "client" / "engine.key").read_bytes())
+    return {
+        "server_secret": server_secret,
+        "server_public": tmp_path / "server" / "server.key",
+        "client_secret": client_secret,
+        "authorized": authorized,
+    }
+
+
+@pytest.fixture
+def curve_sidecar(keys):
+    port, events, resync = sp.free_port(), sp.free_port(), sp.free_port()
+    s = Sidecar(
+        "--endpoint",
+        f"tcp://127.0.0.1:{port}",
+        "--set",
+        "allow_remote_endpoints=true",
+        "--set",
+        f"curve_secret_key_file={keys['server_secret']}",
+        "--set",
+        f"curve_authorized_keys_dir={keys['authorized']}",
+        "--set",
+        f"events_endpoint=tcp://127.0.0.1:{events}",
+        "--set",
+        f"events_resync_endpoint=tcp://127.0.0.1:{resync}",
+    )
+    s.resync = f"tcp://127.0.0.1:{resync}"  # type: ignore[attr-defined]
+    try:
+        yield s.start()
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def stats(endpoint: str, curve: ep.CurveClientKeys | None, timeout: float = 2.0) -> dict:
+    channel = Channel(endpoint, timeout, curve=curve)
+    try:
+        reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        return reply.stats
+    finally:
+        channel.close()
+
+
+def test_with_curve_only_a_listed_client_key_gets_an_answer(curve_sidecar, keys, tmp_path):
+    authorized = ep.load_curve_client_keys(keys["server_public"], keys["client_secret"])
+    assert stats(curve_sidecar.endpoint, authorized)["pid"] == curve_sidecar.proc.pid
+    public, secret = zmq.curve_keypair()
+    stranger = authorized._replace(public=public, secret=secret)
+    with pytest.raises(SidecarUnavailable):
+        stats(curve_sidecar.endpoint, stranger, timeout=0.5)
+    with pytest.raises(SidecarUnavailable):
+        stats(curve_sidecar.endpoint, None, timeout=0.5)  # no CURVE at all
+    wrong_server = authorized._replace(server=zmq.curve_keypair()[0])
+    with pytest.raises(SidecarUnavailable):
+        stats(curve_sidecar.endpoint, wrong_server, timeout=0.5)
+    assert stats(curve_sidecar.endpoint, authorized)["pid"] == curve_sidecar.proc.pid
+
+
+def test_an_engine_and_the_cli_find_their_keys_in_the_environment(
+    curve_sidecar, keys, monkeypatch, capsys
+):
+    monkeypatch.setenv(ep.CURVE_SERVER_KEY_VAR, str(keys["server_public"]))
+    monkeypatch.setenv(ep.CURVE_CLIENT_KEY_VAR, str(keys["client_secret"]))
+    with connect(curve_sidecar.endpoint, make_kv(3)) as client:
+        assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    from kvsidecar.cli import main
+
+    assert main(["stats", "--json", "--endpoint", curve_sidecar.endpoint]) == 0
+    assert f'"pid": {curve_sidecar.proc.pid}' in capsys.readouterr().out
+
+
+def test_the_resync_socket_answers_only_a_listed_client_key(curve_sidecar, keys):
+    ctx = zmq.Context.instance()
+
+    def dump(curve: ep.CurveClientKeys | None) -> bytes | None:
+        req = ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            ep.apply_curve(req, curve)
+        req.connect(curve_sidecar.resync)
+        try:
+            req.send(wire.DUMP_REQUEST)
+            return req.recv() if req.poll(2000 if curve else 500) else None
+        finally:
+            req.close(0)
+
+    assert dump(None) is None
+    authorized = ep.load_curve_client_keys(keys["server_public"], keys["client_secret"])
+    assert dump(authorized) is not None
+
+
+def test_a_secret_key_others_can_read_or_a_missing_key_is_refused_at_start(keys):
+    os.chmod(keys["server_secret"], 0o644)
+    s = Sidecar(
+        "--endpoint",
+        f"tcp://127.0.0.1:{sp.free_port()}",
+        "--set",
+        f"curve_secret_key_file={keys['server_secret']}",
+        "--set",
+        f"curve_authorized_keys_dir={keys['authorized']}",
+    )
+    try:
+        with pytest.raises(RuntimeError, match=r"readable by group or others.*chmod 600"):
+            s.start()
+        os.chmod(keys["server_secret"], 0o600)
+        s.args[s.args.index(f"curve_authorized_keys_dir={keys['authorized']}")] = (
+            f"curve_authorized_keys_dir={keys['authorized']}/missing"
+        )
+        with pytest.raises(RuntimeError, match="curve_authorized_keys_dir"):
+            s.start()
+    finally:
+        s.cleanup()
+
+
+def test_loopback_tcp_without_curve_still_serves():
+    s = Sidecar("--endpoint", f"tcp://127.0.0.1:{sp.free_port()}")
+    try:
+        s.start()
+        assert stats(s.endpoint, None)["pid"] == s.proc.pid
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
