@@ -4,6 +4,7 @@ module imports a fixture."""
 from __future__ import annotations
 
 import pytest
+from sidecar_proc import Sidecar
 
 
 @pytest.fixture(scope="module")
@@ -19,3 +20,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def sidecar():
+    """A started sidecar (4 MiB CPU tier), stopped at teardown: it must exit
+    0 and leave no shm segment behind."""
+    s = Sidecar().start()
+    yield s
+    try:
+        if s.proc is not None and s.proc.poll() is None:
+            assert s.stop() == 0
+        assert s.shm_segments() == [], "shm segments outlived the sidecar"
+    finally:
+        s.cleanup()

@@ -6,6 +6,7 @@ run in parallel under pytest-xdist without sharing a socket or shm name.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import select
 import signal
@@ -123,6 +124,34 @@ class Sidecar:
         for name in os.listdir(self.runtime_dir):
             os.unlink(os.path.join(self.runtime_dir, name))
         os.rmdir(self.runtime_dir)
+
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def run(fn, *args):
+    """`fn(*args)` in a fresh spawned process (an engine of its own)."""
+    with SPAWN.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def stats_of(s: Sidecar) -> dict:
+    from contract import protocol as p
+    from engine_shim.channel import Channel
+
+    channel = Channel(s.endpoint, 2.0)
+    try:
+        reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        return reply["stats"]
+    finally:
+        channel.close()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def make_kv(seed: int | None, num_blocks: int = NUM_GPU_BLOCKS) -> list:
