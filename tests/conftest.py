@@ -4,7 +4,7 @@ module imports a fixture."""
 from __future__ import annotations
 
 import pytest
-from sidecar_proc import Sidecar
+from sidecar_proc import Sidecar, connect
 
 
 @pytest.fixture(scope="module")
@@ -34,3 +34,21 @@ def sidecar():
         assert s.shm_segments() == [], "shm segments outlived the sidecar"
     finally:
         s.cleanup()
+
+
+@pytest.fixture
+def open_client():
+    """`connect`, with every client it made closed at teardown (its shm
+    unmapped, its heartbeat stopped) even when the test fails: a mapping
+    left open would outlive the test in this xdist worker. Ask for it after
+    `sidecar`, so the clients close before the sidecar stops."""
+    clients = []
+
+    def open_(endpoint: str, kv: list, **kwargs: object):
+        client = connect(endpoint, kv, **kwargs)
+        clients.append(client)
+        return client
+
+    yield open_
+    for client in reversed(clients):
+        client.close()
