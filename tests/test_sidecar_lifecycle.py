@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -283,14 +282,17 @@ def test_status_stats_and_metrics(capsys):
         with connect(metrics.endpoint, make_kv(2)) as client:
             client.save(tokens(2), np.arange(2)).wait()
             client.lookup(tokens(4))
-        assert cli_main(["status", *args]) == 0
+        assert cli_main(["status", *args, "--timeout", "30"]) == 0
         out = capsys.readouterr().out
         assert "hit ratio 0.500" in out and "2/" in out
-        assert cli_main(["stats", "--json", *args]) == 0
+        assert cli_main(["stats", "--json", *args, "--timeout", "30"]) == 0
         assert '"hit_ratio": 0.5' in capsys.readouterr().out
-        time.sleep(1.2)  # the snapshot the metrics thread reads is refreshed every second
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        assert b'kvsidecar_hit_ratio{tier="cpu"} 0.5' in text
+
+        def exported() -> bytes:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+
+        # the snapshot the metrics thread reads is refreshed every second
+        wait_for(lambda: b'kvsidecar_hit_ratio{tier="cpu"} 0.5' in exported())
         assert metrics.stop() == 0
         assert cli_main(["status", *args, "--timeout", "0.3"]) == 1
     finally:

@@ -31,7 +31,7 @@ def test_an_engine_killed_mid_save_leaks_nothing(sidecar):
     parent, child = SPAWN.Pipe()
     proc = SPAWN.Process(target=sp.hang_mid_save_worker, args=(sidecar.endpoint, 4, child))
     proc.start()
-    assert parent.recv() == 4
+    assert parent.poll(sp.DEADLINE) and parent.recv() == 4
     assert stats_of(sidecar)["tiers"]["cpu"]["used_blocks"] == 4
     proc.kill()
     proc.join()
@@ -48,12 +48,12 @@ def test_an_engine_frozen_past_its_lease_never_writes_into_reused_slots(then):
     but may still wake up and copy: its blocks leave the index at once (so
     others can store that prefix), but its slots are held, not reused, until
     it reports or its process is gone; no block ever gets its bytes."""
-    s = Sidecar(capacity="2MiB", lease=1.0).start()  # 8 slots of 256 KiB
+    s = Sidecar(capacity="2MiB", lease=3.0).start()  # 8 slots of 256 KiB
     parent, child = SPAWN.Pipe()
     frozen = SPAWN.Process(target=sp.freeze_mid_save_worker, args=(s.endpoint, 4, child))
     frozen.start()
     try:
-        assert parent.recv() == "frozen"
+        assert parent.poll(sp.DEADLINE) and parent.recv() == "frozen"
         wait_for(lambda: stats_of(s)["expired_sessions"] == 1)
         st = stats_of(s)
         assert st["orphaned_plans"] == 1 and st["engines"] == []
@@ -70,10 +70,10 @@ def test_an_engine_frozen_past_its_lease_never_writes_into_reused_slots(then):
         if then == "continue":
             os.kill(frozen.pid, signal.SIGCONT)  # it wakes up and copies into its slots
             # Its report (refused: the plan is gone) ends the orphan; the save failed.
-            assert parent.recv().startswith("SidecarError(")
+            assert parent.poll(sp.DEADLINE) and parent.recv().startswith("SidecarError(")
         else:
             frozen.kill()
-        frozen.join(10)
+        frozen.join(sp.DEADLINE)
         wait_for(lambda: stats_of(s)["orphaned_plans"] == 0)
         assert stats_of(s)["tiers"]["cpu"]["used_blocks"] == 4
         for start in (0, 5000, 9000):
@@ -251,6 +251,7 @@ def test_a_load_parked_for_a_cpu_slot_is_retried_when_a_save_becomes_an_orphan(t
         wait_for(lambda: stats_of(s)["plans_in_flight"] == 0)
         plan = raw_save(leader, 8)  # P + 4 new blocks: X evicted, every CPU block locked
         served: list[float] = []
+        loads = stats_of(s)["requests"].get("load", 0)
 
         def load() -> None:
             handle = others[0].load(tokens(4, start=10_000), np.arange(8, 12))
@@ -260,11 +261,13 @@ def test_a_load_parked_for_a_cpu_slot_is_retried_when_a_save_becomes_an_orphan(t
 
         waiter = threading.Thread(target=load)
         waiter.start()
-        time.sleep(0.5)  # parked: no CPU slot to stage X into
+        # parked once handled: no CPU slot to stage X into
+        wait_for(lambda: stats_of(s)["requests"].get("load", 0) > loads)
         follower._fail(plan, RuntimeError("rank 1's copy failed"))
         failed = time.monotonic()
-        waiter.join(5)
-        assert served and served[0] - failed < 3, "the load waited for rank 0"
+        waiter.join(sp.DEADLINE)  # its load gives up after 20 s (others' timeout)
+        # Rank 0 reports only below; its lease (10 s) is renewed all along.
+        assert served and served[0] - failed < 8, "the load waited for rank 0"
         with pytest.raises(SidecarError):
             leader.execute(plan).wait()
     finally:

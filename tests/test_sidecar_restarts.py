@@ -25,16 +25,17 @@ from engine_shim import SidecarUnavailable
 from engine_shim.channel import Channel
 
 
-def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(sidecar):
-    client = connect(sidecar.endpoint, make_kv(11), timeout=0.3)
+def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(sidecar, open_client):
+    client = open_client(sidecar.endpoint, make_kv(11))
     assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    sp.shorten_timeout(client, 0.3)
     sidecar.proc.send_signal(signal.SIGSTOP)
     try:
         start = time.monotonic()
         assert client.lookup(tokens(2)) == 0
         with pytest.raises(SidecarUnavailable, match=r"did not answer within 0\.3 s"):
             client.load(tokens(2), np.arange(2))
-        assert time.monotonic() - start < 2 * 0.3 + 1.0
+        assert time.monotonic() - start < 2 * 0.3 + 3.0  # not until the sidecar wakes
     finally:
         sidecar.proc.send_signal(signal.SIGCONT)
     # The stalled lookup and load are answered now; those replies come before
@@ -48,8 +49,9 @@ def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(si
     client.close()
 
 
-def test_a_save_answered_after_its_timeout_is_given_back(sidecar):
-    client = connect(sidecar.endpoint, make_kv(12), timeout=0.3)
+def test_a_save_answered_after_its_timeout_is_given_back(sidecar, open_client):
+    client = open_client(sidecar.endpoint, make_kv(12))
+    sp.shorten_timeout(client, 0.3)
     sidecar.proc.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(SidecarUnavailable):
@@ -65,9 +67,10 @@ def test_a_save_answered_after_its_timeout_is_given_back(sidecar):
     client.close()
 
 
-def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
-    client = connect(sidecar.endpoint, make_kv(9), timeout=0.5)
+def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar, open_client):
+    client = open_client(sidecar.endpoint, make_kv(9))
     assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    sp.shorten_timeout(client, 0.5)
     old_segments = sidecar.shm_segments()
     sidecar.proc.kill()
     sidecar.proc.wait()
@@ -77,7 +80,7 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar):
         client.load(tokens(2), np.arange(2))
     with pytest.raises(SidecarUnavailable):
         client.save(tokens(2), np.arange(2))
-    assert time.monotonic() - start < 3 * 0.5 + 1.0
+    assert time.monotonic() - start < 3 * 0.5 + 3.0
     assert sidecar.shm_segments() == old_segments  # SIGKILL left them
     stale = {name: os.stat(f"/dev/shm/{name}").st_ino for name in old_segments}
     sidecar.start()  # same instance name: removes the stale segments first
@@ -122,33 +125,35 @@ def test_a_plan_from_before_a_sidecar_restart_is_refused(sidecar):
         leader.close()
 
 
-def _mapped_segments() -> list[str]:
-    """'inode path' of each kvsidecar shm segment this process maps."""
+def _mapped_segments(prefix: str) -> list[str]:
+    """'inode path' of each shm segment of the sidecar instance whose
+    segment names start with `prefix` that this process maps."""
     with open("/proc/self/maps") as maps:
-        fields = [line.split(None, 5) for line in maps if "kvsidecar." in line]
+        fields = [line.split(None, 5) for line in maps if f"/{prefix}." in line]
     return sorted({f"{f[4]} {f[5].strip()}" for f in fields})
 
 
-def test_an_engine_making_only_lookups_unmaps_a_restarted_sidecars_old_pool(tmp_path):
+def test_an_engine_making_only_lookups_unmaps_a_restarted_sidecars_old_pool(open_client):
     """After a restart the heartbeat registers with the new sidecar; the
     engine's next call of any kind (a lookup here: every lookup misses, so
     no load runs) maps the new pool and unmaps the old one, whose RAM the
     engine's mapping alone would keep."""
-    s = Sidecar(lease=0.6).start()
-    client = connect(s.endpoint, make_kv(12))
+    s = Sidecar().start()
+    client = open_client(s.endpoint, make_kv(12))
     try:
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
-        old = _mapped_segments()
+        old = _mapped_segments(s.shm_prefix)
         assert old and not any("(deleted)" in m for m in old)
         s.kill()
         s.start()
         wait_for(lambda: len(stats_of(s)["engines"]) == 1)  # the heartbeat re-registered
         assert client.lookup(tokens(2)) == 0
-        now = _mapped_segments()
+        now = _mapped_segments(s.shm_prefix)
         assert not any("(deleted)" in m for m in now) and now != old
     finally:
         client.close()
         s.stop()
+        s.cleanup()
 
 
 def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_error(sidecar):
@@ -185,12 +190,12 @@ def test_shm_gone_between_a_register_reply_and_its_mapping_is_unavailable(sideca
 
 
 def test_a_client_of_a_sidecar_that_never_came_waits_once():
-    channel = Channel(f"ipc:///tmp/kvs-nobody-{os.getpid()}.sock", 0.5)
+    channel = Channel(f"ipc:///tmp/kvs-nobody-{os.getpid()}.sock", 2.0)
     try:
-        for wait in (0.5, 0.0, 0.0):
+        for wait in (2.0, 0.0, 0.0):  # the slack is for a loaded machine, under one timeout
             start = time.monotonic()
             with pytest.raises(SidecarUnavailable):
                 channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
-            assert wait <= time.monotonic() - start < wait + 0.45
+            assert wait <= time.monotonic() - start < wait + 1.5
     finally:
         channel.close()

@@ -82,7 +82,7 @@ def test_a_closed_client_says_so_and_registers_nothing(sidecar):
 
 
 def test_a_negative_pid_is_refused_and_the_sidecar_lives_on(sidecar):
-    channel = Channel(sidecar.endpoint, 2.0)
+    channel = Channel(sidecar.endpoint, 30.0)
     try:
         kv = make_kv(None)
         probe = connect(sidecar.endpoint, kv, engine_id="probe")
@@ -98,7 +98,8 @@ def test_a_negative_pid_is_refused_and_the_sidecar_lives_on(sidecar):
         with pytest.raises(SidecarError) as info:
             channel.call(request)
         assert info.value.code == "bad_value"
-        time.sleep(1.2)  # past a lease check
+        up = stats_of(sidecar)["uptime_seconds"]  # past a lease check (at most 1 s apart)
+        wait_for(lambda: stats_of(sidecar)["uptime_seconds"] > up + 1.2)
         assert sidecar.proc.poll() is None
         assert [e["engine_id"] for e in stats_of(sidecar)["engines"]] == ["probe"]
         probe.close()
@@ -107,7 +108,7 @@ def test_a_negative_pid_is_refused_and_the_sidecar_lives_on(sidecar):
 
 
 def test_registering_again_as_another_engine_or_rank_leaves_nothing_behind(sidecar):
-    channel = Channel(sidecar.endpoint, 2.0)
+    channel = Channel(sidecar.endpoint, 30.0)
     client = connect(sidecar.endpoint, make_kv(13))
     try:
         keys = client.block_keys(tokens(2))
@@ -124,31 +125,31 @@ def test_registering_again_as_another_engine_or_rank_leaves_nothing_behind(sidec
     wait_for(lambda: stats_of(sidecar)["engines"] == [])
 
 
-def test_tensor_parallel_op_completes_when_every_rank_reported(sidecar):
-    manager = SPAWN.Manager()
-    inbox, outbox = manager.Queue(), manager.Queue()
-    with SPAWN.Pool(1) as pool:
+def test_tensor_parallel_op_completes_when_every_rank_reported(sidecar, open_client):
+    with SPAWN.Manager() as manager, SPAWN.Pool(1) as pool:
+        inbox, outbox = manager.Queue(), manager.Queue()
         result = pool.apply_async(sp.tp_rank1_worker, (sidecar.endpoint, 21, inbox, outbox))
-        leader = connect(sidecar.endpoint, make_kv(20), tp_size=2, tp_rank=0, engine_id="tp")
-        assert outbox.get(timeout=30) == "registered"
+        leader = open_client(sidecar.endpoint, make_kv(20), tp_size=2, tp_rank=0, engine_id="tp")
+        # rank 1 is a spawned process importing torch: slow on a loaded machine
+        assert outbox.get(timeout=sp.DEADLINE) == "registered"
         handle = leader.save(tokens(4), np.arange(4))
         handle.wait()
-        probe = connect(sidecar.endpoint, make_kv(None), tp_size=2, engine_id="probe")
+        probe = open_client(sidecar.endpoint, make_kv(None), tp_size=2, engine_id="probe")
         assert probe.lookup(tokens(4)) == 0  # rank 1 has not copied its shard yet
         inbox.put(handle.plan)
-        assert result.get(30) == "done"
+        assert result.get(sp.DEADLINE) == "done"
         assert probe.lookup(tokens(4)) == 4 * sp.TOKENS_PER_BLOCK
         probe.close()
         leader.close()
 
 
-def test_a_tp_engine_missing_a_rank_gets_no_plans(sidecar):
+def test_a_tp_engine_missing_a_rank_gets_no_plans(sidecar, open_client):
     leader = connect(sidecar.endpoint, make_kv(14), engine_id="tp", tp_size=2, tp_rank=0)
     try:
         with pytest.raises(SidecarError) as info:
             leader.save(tokens(2), np.arange(2))
         assert info.value.code == "ranks_missing"
-        follower = connect(sidecar.endpoint, make_kv(15), engine_id="tp", tp_size=2, tp_rank=1)
+        follower = open_client(sidecar.endpoint, make_kv(15), engine_id="tp", tp_size=2, tp_rank=1)
         handle = leader.save(tokens(2), np.arange(2))
         handle.wait()
         follower.execute(handle.plan).wait()
@@ -167,18 +168,23 @@ def test_a_tp_engine_missing_a_rank_gets_no_plans(sidecar):
         leader.close()
 
 
-def test_a_sidecar_stalled_past_the_lease_does_not_expire_its_engines():
+def test_a_sidecar_stalled_past_the_lease_does_not_expire_its_engines(open_client):
     """Stopped longer than a lease, the sidecar cannot have read the
     engines' heartbeats: on waking it renews their leases instead of
     dropping every engine (and rolling back plans they are copying)."""
-    s = Sidecar(lease=1.0).start()
+    lease = 2.0
+    s = Sidecar(lease=lease).start()
     try:
-        client = connect(s.endpoint, make_kv(3))
+        client = open_client(s.endpoint, make_kv(3))
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
         s.proc.send_signal(signal.SIGSTOP)
-        time.sleep(2.5)
+        time.sleep(1.5 * lease)  # at least that long: longer is a longer stall
         s.proc.send_signal(signal.SIGCONT)
-        time.sleep(1.0)  # heartbeats flow again
+        # Its first round awake counts the stall and runs a lease check; then
+        # a lease of its own time goes by: heartbeats flow again.
+        wait_for(lambda: stats_of(s)["loop_lapses"] >= 1)
+        awake = stats_of(s)["uptime_seconds"]
+        wait_for(lambda: stats_of(s)["uptime_seconds"] > awake + lease)
         st = stats_of(s)
         assert st["expired_sessions"] == 0 and len(st["engines"]) == 1
         assert client.load(tokens(2), np.arange(2, 4)).wait() == 2 * sp.TOKENS_PER_BLOCK
@@ -196,14 +202,17 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
     heartbeat sent meanwhile sits unread behind another request. Counting
     from the engine's last heartbeat read, its lease has run out; but the
     stall is a lapse of over a quarter lease, so every lease is renewed
-    instead of this healthy engine being dropped."""
+    instead of this healthy engine being dropped. The lease is long (6 s)
+    against the scheduling delays of a loaded machine, and the stall is
+    timed from the engine's last heartbeat as the server recorded it."""
+    lease = 6.0
     config = load_config(
         env={},
         overrides={
             "instance": f"t{os.getpid()}-lapse",
             "runtime_dir": str(tmp_path),
             "cpu_capacity": 4 << 20,
-            "lease_seconds": 1.0,
+            "lease_seconds": lease,
         },
     )
     server = Server(config)
@@ -231,20 +240,28 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
-    channel = Channel(server.endpoint, 2.0)
+    channel = Channel(server.endpoint, 30.0)
     client = connect(server.endpoint, make_kv(4))
     try:
-        client._heartbeat.stop()  # this test sends the engine's heartbeat itself
-        registered = time.monotonic()
-        time.sleep(0.65)
+        heartbeat = client._heartbeat
+        heartbeat.stop()  # this test sends the engine's heartbeat itself
+        heartbeat._thread.join()  # no beat of its own still on the way
+        channel.call(client._req(p.Heartbeat))
+        seen = server.engines.sessions[client.session].last_seen
+        # The stall starts late in the lease (a lease check just before it
+        # must still find the engine within it: 2.4 s to spare) ...
+        time.sleep(max(0.0, seen + 0.6 * lease - time.monotonic()))
         running.clear()
-        assert paused.wait(2.0)
+        assert paused.wait(sp.DEADLINE)
         stalled = time.monotonic()
         queued = [
             channel.send(p.Stats(v=p.PROTOCOL_VERSION, id=0)),
             channel.send(client._req(p.Heartbeat)),
         ]
-        time.sleep(max(0.45 - (time.monotonic() - stalled), registered + 1.1 - time.monotonic()))
+        # ... lasts over a quarter lease (about half), and ends past the lease.
+        time.sleep(
+            max(0.35 * lease - (time.monotonic() - stalled), seen + 1.1 * lease - time.monotonic())
+        )
         running.set()
         for rid in queued:
             channel.wait_reply(rid)
@@ -254,7 +271,7 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
     finally:
         stop.set()
         running.set()
-        thread.join(5.0)
+        thread.join(sp.DEADLINE)
         channel.close()
         client.close()
         server.close()
@@ -269,12 +286,21 @@ def test_with_a_lease_shorter_than_the_idle_wait_a_frozen_engine_still_expires()
     engine = SPAWN.Process(target=sp.idle_engine_worker, args=(s.endpoint, child))
     engine.start()
     try:
-        assert parent.poll(30) and parent.recv()
-        assert stats_of(s)["expired_sessions"] == 0
+        assert parent.poll(sp.DEADLINE) and parent.recv()
+        # Heartbeats 33 ms apart may miss a 0.1 s lease on a loaded machine
+        # before the freeze (the engine then registers again): count from here.
+        before = stats_of(s)["expired_sessions"]
         os.kill(engine.pid, signal.SIGSTOP)  # alive, but silent
-        time.sleep(1.0)  # the sidecar idles: nothing else wakes its loop
+
+        def expired() -> bool:
+            st = stats_of(s)
+            return st["expired_sessions"] > before and st["engines"] == []
+
+        # The sidecar idles (nothing else wakes its loop) but for a stats
+        # request a second: ten leases of idle rounds between two.
+        wait_for(expired, interval=1.0)
         st = stats_of(s)
-        assert st["expired_sessions"] == 1 and st["engines"] == []
+        assert st["expired_sessions"] > before and st["engines"] == []
     finally:
         engine.kill()
         engine.join(10)

@@ -76,11 +76,12 @@ def test_lookup_tiers_and_registering_again_with_other_tensors(sidecar):
 
 
 def test_concurrent_saves_of_one_prefix_store_it_once(sidecar):
-    barrier = SPAWN.Manager().Barrier(2)
-    with SPAWN.Pool(2) as pool:
+    with SPAWN.Manager() as manager, SPAWN.Pool(2) as pool:
+        barrier = manager.Barrier(2)
         results = [pool.apply_async(sp.save_worker, (sidecar.endpoint, 11, 6, barrier))] * 1
         results.append(pool.apply_async(sp.save_worker, (sidecar.endpoint, 11, 6, barrier)))
-        assert [r.get(30) for r in results] == [6 * sp.TOKENS_PER_BLOCK] * 2
+        # two spawned engines importing torch: slow on a loaded machine
+        assert [r.get(sp.DEADLINE) for r in results] == [6 * sp.TOKENS_PER_BLOCK] * 2
     cpu = stats_of(sidecar)["tiers"]["cpu"]
     assert cpu["cached_blocks"] == 6 and cpu["used_blocks"] == 6
     assert run(sp.load_worker, sidecar.endpoint, 6)[1] == expected_blocks(11, 6)
@@ -90,7 +91,7 @@ def test_a_block_is_invisible_until_its_save_completes(sidecar):
     kv = make_kv(5)
     with connect(sidecar.endpoint, kv) as saver, connect(sidecar.endpoint, make_kv(None)) as other:
         keys = saver._keys(tokens(3))
-        channel = Channel(sidecar.endpoint, 2.0)
+        channel = Channel(sidecar.endpoint, 30.0)
         reply, _ = channel.call(
             p.Save(v=p.PROTOCOL_VERSION, id=0, session=saver.session),
             [p.keys_frame(keys), p.ids_frame(np.arange(3))],
@@ -112,10 +113,10 @@ def test_a_block_is_invisible_until_its_save_completes(sidecar):
         channel.close()
 
 
-def test_refusals_are_structured_and_change_nothing(sidecar):
-    a = connect(sidecar.endpoint, make_kv(1), engine_id="a")
-    b = connect(sidecar.endpoint, make_kv(None), engine_id="b")
-    channel = Channel(sidecar.endpoint, 2.0)
+def test_refusals_are_structured_and_change_nothing(sidecar, open_client):
+    a = open_client(sidecar.endpoint, make_kv(1), engine_id="a")
+    b = open_client(sidecar.endpoint, make_kv(None), engine_id="b")
+    channel = Channel(sidecar.endpoint, 30.0)
     keys = a._keys(tokens(2))
     reply, _ = channel.call(
         p.Save(v=p.PROTOCOL_VERSION, id=0, session=a.session),
