@@ -109,6 +109,8 @@ def test_a_plan_from_before_a_sidecar_restart_is_refused(sidecar):
         sidecar.proc.wait()
         sidecar.start()
         wait_for(lambda: [e["ranks"] for e in stats_of(sidecar)["engines"]] == [[0, 1]])
+        # ... and the follower's heartbeat has read the new sidecar's reply
+        wait_for(lambda: follower._live_boot == stats_of(sidecar)["boot_id"])
         fresh = leader.save(tokens(4, start=500), np.arange(4, 8))
         fresh.wait()
         # Plan ids start anywhere on each boot, so the stale id names no plan here either.
@@ -147,6 +149,7 @@ def test_an_engine_making_only_lookups_unmaps_a_restarted_sidecars_old_pool(open
         s.kill()
         s.start()
         wait_for(lambda: len(stats_of(s)["engines"]) == 1)  # the heartbeat re-registered
+        wait_for(lambda: client._live_boot == stats_of(s)["boot_id"])  # and read the reply
         assert client.lookup(tokens(2)) == 0
         now = _mapped_segments(s.shm_prefix)
         assert not any("(deleted)" in m for m in now) and now != old
@@ -168,6 +171,9 @@ def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_er
         sidecar.kill()
         sidecar.start()
         wait_for(lambda: len(stats_of(sidecar)["engines"]) == 1)
+        # The heartbeat met the new sidecar once it has read its reply, not
+        # when the sidecar has registered it (a loaded machine sees the gap).
+        wait_for(lambda: client._live_boot == stats_of(sidecar)["boot_id"])
         with pytest.raises(SidecarUnavailable, match="restarted since"):
             handle.wait()
         assert "unknown_plan" not in stats_of(sidecar)["errors"]
