@@ -6,6 +6,7 @@ run in parallel under pytest-xdist without sharing a socket or shm name.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import select
 import signal
@@ -36,10 +37,20 @@ MODEL = {
 }
 
 
-class Sidecar:
-    """`kvsidecar serve` in a subprocess, stopped (and checked clean) by `stop`."""
+DEADLINE = 120.0
+"""How long a test waits for something that must happen (a spawned engine
+to start, a condition to hold) before it fails: long, because on a loaded
+machine (pytest -n 2 beside other work) a spawned process importing torch
+takes tens of seconds. A test that passes never waits it out."""
 
-    def __init__(self, *args: str, capacity: str = "4MiB", lease: float = 2.0) -> None:
+
+class Sidecar:
+    """`kvsidecar serve` in a subprocess, stopped (and checked clean) by `stop`.
+
+    The default lease (5 s, a heartbeat every 1.7 s) is long compared with
+    the scheduling delays of a loaded machine; a test about leases picks its own."""
+
+    def __init__(self, *args: str, capacity: str = "4MiB", lease: float = 5.0) -> None:
         self.instance = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.runtime_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
         self.args = [
@@ -70,7 +81,7 @@ class Sidecar:
     def shm_segments(self) -> list[str]:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(self.shm_prefix + "."))
 
-    def start(self, timeout: float = 30.0) -> Sidecar:
+    def start(self, timeout: float = DEADLINE) -> Sidecar:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsidecar", "serve", *self.args],
             cwd=ROOT,
@@ -92,7 +103,7 @@ class Sidecar:
         self.kill()
         raise RuntimeError(f"sidecar did not start: {self.banner!r} {err}")
 
-    def stop(self, timeout: float = 15.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit code."""
         assert self.proc is not None
         if self.proc.poll() is None:
@@ -125,6 +136,35 @@ class Sidecar:
         os.rmdir(self.runtime_dir)
 
 
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def run(fn, *args):
+    """`fn(*args)` in a fresh spawned process (an engine of its own)."""
+    with SPAWN.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def stats_of(s: Sidecar) -> dict:
+    from contract import protocol as p
+    from engine_shim.channel import Channel
+
+    channel = Channel(s.endpoint, 30.0)
+    try:
+        reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        return reply.stats
+    finally:
+        channel.close()
+
+
+def wait_for(predicate, timeout: float = DEADLINE, interval: float = 0.05) -> None:
+    """Poll `predicate` every `interval` until it holds; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(interval)
+
+
 def make_kv(seed: int | None, num_blocks: int = NUM_GPU_BLOCKS) -> list:
     """The engine's paged KV cache: random values (seed) or zeros (None)."""
     import torch
@@ -141,12 +181,21 @@ def tokens(n_blocks: int, start: int = 0, tail: int = 0) -> np.ndarray:
     return np.arange(start, start + n_blocks * TOKENS_PER_BLOCK + tail, dtype=np.int64) % 30_000
 
 
-def connect(endpoint: str, kv: list, *, timeout: float = 2.0, **register: object):
+def connect(endpoint: str, kv: list, *, timeout: float = 10.0, **register: object):
+    """A registered client; its calls wait up to `timeout` for the sidecar
+    (long by default: a loaded machine may take seconds to answer)."""
     from engine_shim import KVClient
 
     client = KVClient.connect(endpoint, timeout=timeout)
     client.register(kv, **{**MODEL, **register})  # type: ignore[arg-type]
     return client
+
+
+def shorten_timeout(client, timeout: float) -> None:
+    """From now on the client's calls wait only `timeout` for a reply: for a
+    test of a sidecar that stops answering, after a set-up whose calls must
+    not time out on a loaded machine. (Its heartbeat keeps its own channel.)"""
+    client.timeout = client._channel.timeout = timeout
 
 
 # ---- engine processes (run under multiprocessing "spawn") ---------------------------
@@ -189,7 +238,7 @@ def hang_mid_save_worker(endpoint: str, n_blocks: int, conn) -> None:
 
     client = connect(endpoint, make_kv(1))
     keys = client._keys(tokens(n_blocks))
-    channel = Channel(endpoint, 2.0)
+    channel = Channel(endpoint, 30.0)
     reply, _ = channel.call(
         p.Save(v=p.PROTOCOL_VERSION, id=0, session=client.session),
         [p.keys_frame(keys), p.ids_frame(np.arange(n_blocks))],
@@ -243,7 +292,7 @@ def tp_rank1_worker(endpoint: str, seed: int, inbox, outbox) -> str:
     client = connect(endpoint, make_kv(seed), tp_size=2, tp_rank=1, engine_id="tp")
     try:
         outbox.put("registered")
-        client.execute(inbox.get(timeout=30)).wait()
+        client.execute(inbox.get(timeout=DEADLINE)).wait()
         return "done"
     finally:
         client.close()

@@ -13,11 +13,12 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from hf_helpers import one_torch_thread  # noqa: F401
 
 from bench.ttft_measure import fidelity
 from bench.ttft_workload import follow_ups, prompt_tokens
 from kvsidecar.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def positive(value) -> bool:

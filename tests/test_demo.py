@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_helpers import one_torch_thread  # noqa: F401
-
 from kvsidecar import demo
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_demo_runs_the_chats_bit_exact_and_cleans_up(capsys):

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch
-from hf_helpers import one_torch_thread, tokens  # noqa: F401
+from hf_helpers import tokens
 from sidecar_proc import Sidecar
 from transformers import MistralConfig, MistralForCausalLM
 
@@ -36,6 +36,8 @@ from engine_shim.hf import (
     tiny_llama,
     weights_fingerprint,
 )
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FP32_TOL = 4e-6
 BF16_TOL = 0.03125
