@@ -234,8 +234,8 @@ def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(t
                 for m in StatsCollector(c.stats).collect()
                 for x in m.samples
             }
-            assert gauges[("kvsidecar_remote_denied_blocks_total", ())] == 5
-            assert gauges[("kvsidecar_remote_outages_total", ())] == 1
+            assert gauges[("kvsidecar_remote_denied_blocks", ())] == 5
+            assert gauges[("kvsidecar_remote_outages", ())] == 1
             assert gauges[("kvsidecar_remote_online", ())] == 1
             assert gauges[("kvsidecar_tier_cached_blocks", ("remote",))] == 3
         assert s.stop() == 0
