@@ -13,8 +13,8 @@ socket; KV bytes move through shared memory.
 
 Its parts: what `register` takes, made whole (`registration`), a plan's
 copies and the handle of a load or save in flight (`transfer`), the thread
-that renews the lease (`heartbeat`), key and block id checks (`keys`), and
-the socket (`channel`).
+that renews the lease (`heartbeat`), key and block id checks (`keys`), the
+socket (`channel`), and the latency histogram of its calls (`call_metrics`).
 
 Failure policy: the cache is an optimisation, never a dependency. When the
 sidecar is down or slow, `lookup` returns 0 within `timeout` seconds and
@@ -42,6 +42,7 @@ from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
 from cuda_ext.layouts import kv_planes
+from engine_shim.call_metrics import timed_call
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from engine_shim.heartbeat import Heartbeat
 from engine_shim.keys import checked_keys, keys_and_blocks
@@ -287,6 +288,7 @@ class KVClient:
         """`lookup_tiers` for precomputed keys."""
         return self._lookup(checked_keys(keys))
 
+    @timed_call("lookup")
     def _lookup(self, keys: BlockKeys) -> TierTokens:
         if len(keys) == 0:
             return TierTokens(0, 0, 0)
@@ -310,6 +312,7 @@ class KVClient:
         `handle.num_tokens` = tokens now in the cache (skipped ones included)."""
         return self.load_keys(self._keys(token_ids), block_ids, skip_tokens=skip_tokens)
 
+    @timed_call("load")
     def load_keys(
         self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
     ) -> TransferHandle:
@@ -335,6 +338,7 @@ class KVClient:
         of the same blocks already in flight from another engine) lands."""
         return self.save_keys(self._keys(token_ids), block_ids)
 
+    @timed_call("save")
     def save_keys(self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray) -> TransferHandle:
         """`save` for precomputed keys: one key per full block."""
         keys, blocks = keys_and_blocks(keys, block_ids)

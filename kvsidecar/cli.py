@@ -134,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     pool = server.parts.pool
     metrics = (
-        f"; metrics on http://127.0.0.1:{server.config.metrics_port}/metrics"
+        f"; metrics on http://{server.config.metrics_host}:{server.config.metrics_port}/metrics"
         if server.config.metrics_port
         else ""
     )

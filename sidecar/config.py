@@ -275,10 +275,19 @@ class Config:
     metrics_port: int | None = config_key(
         None,
         "int",
-        "Port of the Prometheus text endpoint on 127.0.0.1; None = off.",
+        "Port of the metrics endpoint (Prometheus /metrics, /healthz, /readyz) on "
+        "metrics_host; None = off.",
         low=1,
         high=65535,
         optional=True,
+    )
+    metrics_host: str = config_key(
+        "127.0.0.1",
+        "str",
+        "Address the metrics endpoint binds. It is read-only, so any address may be "
+        "set (0.0.0.0 for a scraper on another host), but it shows the cache's "
+        "use and the engines' traffic to whoever can reach it.",
+        pattern=r"[0-9A-Za-z.:_-]+",
     )
     prefault: bool = config_key(
         True, "bool", "Touch every page of the CPU tier at start (first touch is ~16x slower)."

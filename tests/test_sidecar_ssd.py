@@ -372,8 +372,8 @@ def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
         assert ssd_stats(c)["checksum_failures"] == 1
         assert c.lookup(tokens(5)) == 2 * BLOCK_TOKENS
         gauges = {x.name: x.value for m in StatsCollector(c.stats).collect() for x in m.samples}
-        assert gauges["kvsidecar_ssd_checksum_failures"] == 1
-        assert gauges["kvsidecar_ssd_io_errors"] == 0
+        assert gauges["kvsidecar_ssd_checksum_failures_total"] == 1
+        assert gauges["kvsidecar_ssd_io_errors_total"] == 0
     assert s.stop() == 0
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -32,6 +33,7 @@ from sidecar.control.hits import HitStats, split_hits
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import Plan, PlanError, TierCounts
 from sidecar.control.planner import GlobalCacheEngine
+from sidecar.metrics.latency import RequestLatency
 from sidecar.server.limits import check_register
 from sidecar.server.sessions import Engines, Session, namespace_of, pid_namespace
 from sidecar.server.waiting import WaitingLoad, WaitingLoads
@@ -82,6 +84,10 @@ class Handlers:
         self.waiting = WaitingLoads()
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.transfers: Counter[str] = Counter()
+        """Plans answered (`loads`, `saves`) and their blocks (`loaded_blocks`,
+        `saved_blocks`)."""
+        self.latency = RequestLatency({p.Lookup: "lookup", p.Load: "load", p.Save: "save"})
         self.stopping = False
         self._identity = b""
         """Who sent the request being handled (the ROUTER identity)."""
@@ -103,10 +109,13 @@ class Handlers:
     def serve(self, frames: list[bytes]) -> None:
         """Answer one request (identity first); bad input of any kind becomes
         an error reply, raised before any state changes."""
+        received = time.perf_counter()
         identity, body = frames[0], frames[1:]
         self._identity = identity
+        histogram = None
         try:
             request, arrays = p.decode_request(body)
+            histogram = self.latency.by_type.get(type(request))
             self.requests[type(request).__name__.lower()] += 1
             reply = self.dispatch[type(request)](request, arrays)
             self._adopt_background()
@@ -120,6 +129,10 @@ class Handlers:
             reply = Answer(r.error(p.request_id(body), ErrorCode.INTERNAL, message))
         if reply is not None:  # None: answered later (a load waiting for SSD reads)
             self._send(identity, reply)
+            if histogram is not None:
+                histogram.observe(time.perf_counter() - received)
+        elif histogram is not None:
+            self.latency.wait(identity, p.request_id(body), histogram, received)
 
     def _send(self, identity: bytes, answer: Answer) -> None:
         self._send_frames(identity, answer.reply, answer.arrays)
@@ -128,6 +141,7 @@ class Handlers:
         """Shutting down: every load still waiting gets an error reply."""
         for identity, req, _, _ in self.waiting.take_all():
             self._send(identity, Answer(r.error(req.id, ErrorCode.SHUTTING_DOWN, "shutting down")))
+            self.latency.answered(identity, req.id)
 
     def close(self) -> None:
         """Close the tiers (their I/O threads first; idempotent)."""
@@ -147,6 +161,13 @@ class Handlers:
             "requests": dict(self.requests),
             "errors": dict(self.errors),
             "expired_sessions": self.engines.num_expired,
+            "transfers": {
+                "loads": self.transfers["loads"],
+                "loaded_blocks": self.transfers["loaded_blocks"],
+                "saves": self.transfers["saves"],
+                "saved_blocks": self.transfers["saved_blocks"],
+            },
+            "latency": self.latency.figures(),
         }
 
     def _cache(self) -> GlobalCacheEngine:
@@ -292,6 +313,8 @@ class Handlers:
         plan = cache.get(keys, gpu, req.skip, stage=False)
         ops, op_arrays = self._engine_ops(session, plan)
         h = plan.hit_blocks
+        self.transfers["loads"] += 1
+        self.transfers["loaded_blocks"] += h.total
         reply = r.LoadReply(
             id=req.id,
             plan_id=plan.plan_id,
@@ -310,6 +333,8 @@ class Handlers:
         keys, gpu = self._keys_and_blocks(session, arrays)
         plan = self._cache().put(keys, gpu)
         ops, op_arrays = self._engine_ops(session, plan)
+        self.transfers["saves"] += 1
+        self.transfers["saved_blocks"] += plan.stored_blocks
         reply = r.SaveReply(
             id=req.id,
             plan_id=plan.plan_id,
@@ -346,6 +371,7 @@ class Handlers:
             reply = Answer(r.error(rid, ErrorCode.INTERNAL, f"internal error: {err!r}"))
         if reply is not None:
             self._send(identity, reply)
+            self.latency.answered(identity, rid)
         self._adopt_background()
 
     def _keys_and_blocks(self, session: Session, arrays: list[bytes]) -> tuple[Any, GpuBlockIds]:

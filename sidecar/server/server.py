@@ -101,6 +101,12 @@ class Server:
     def handlers(self) -> Handlers:
         return self.parts.handlers
 
+    @property
+    def ready(self) -> bool:
+        """Started (the CPU tier prefaulted, the socket bound) and not draining:
+        what the metrics port's `/readyz` reports."""
+        return self._parts is not None and not self.stopping
+
     # ---- life cycle ----------------------------------------------------------------
 
     def start(self) -> None:
@@ -159,10 +165,15 @@ class Server:
             self._parts = _Parts(pool, transport, handlers, publisher, undo.pop_all())
         self.snapshot = self.stats()
         if self.config.metrics_port is not None:
-            from sidecar.metrics.prometheus import serve_metrics
+            from sidecar.metrics.http_server import serve_metrics
 
             try:
-                metrics = serve_metrics(self.config.metrics_port, lambda: self.snapshot)
+                metrics = serve_metrics(
+                    self.config.metrics_host,
+                    self.config.metrics_port,
+                    lambda: self.snapshot,
+                    lambda: self.ready,
+                )
             except BaseException:
                 self.close()
                 raise

@@ -35,6 +35,7 @@ from sidecar.control.graph import TransferOp
 from sidecar.control.node import RadixNode
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine
+from sidecar.metrics.latency import LatencyHistogram
 from sidecar.tiers.io_pool import IoPool
 
 log = logging.getLogger("kvsidecar")
@@ -66,6 +67,8 @@ class TierOps(Protocol):
     kinds: frozenset[OpKind]
     pool: IoPool
     counters: Counter[str]
+    latency: dict[str, LatencyHistogram]
+    """Seconds each job took on its thread, per kind of job (read, write...)."""
 
     def parts(self, op: TransferOp) -> int:
         """How many parts (ranges of its blocks, each a job on a thread of

@@ -120,6 +120,7 @@ class TieredCache:
         if ssd_tier is not None and self.ssd is not None:
             ops = self.dataplane.tiers.get("ssd") if self.dataplane is not None else None
             counters = ops.counters if ops is not None else {}
+            latency = ops.latency if ops is not None else {}
             out["ssd"] = {
                 **tier_figures(ssd_tier),
                 "slot_bytes": self.ssd.slot_bytes,
@@ -127,6 +128,7 @@ class TieredCache:
                 "checksum_failures": counters.get("checksum_failures", 0),
                 "io_errors": counters.get("io_errors", 0),
                 "ops_in_flight": self.io.in_flight if self.io is not None else 0,
+                "latency": {kind: h.figures() for kind, h in latency.items()},
             }
         remote_tier = self.cache.lower.get("remote")
         if remote_tier is not None and self.remote is not None:

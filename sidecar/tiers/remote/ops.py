@@ -23,6 +23,7 @@ from shm.pool import ShmPool
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.graph import TransferOp
 from sidecar.control.node import RadixNode
+from sidecar.metrics.latency import SharedLatencyHistogram, timed
 from sidecar.tiers.dataplane import BadBlocks, Job, drop_blocks, staged_keys
 from sidecar.tiers.io_pool import IoPool
 from sidecar.tiers.remote.connector import RemoteError, RemoteUnavailable
@@ -55,6 +56,7 @@ class RemoteOps:
         """Called on the loop's thread when an op found the store down."""
         self.write_streams = min(write_streams, pool.threads)
         self.counters: Counter[str] = Counter()
+        self.latency = {"get": SharedLatencyHistogram(), "put": SharedLatencyHistogram()}
 
     def parts(self, op: TransferOp) -> int:
         """A write goes out on `write_streams` connections: parallel writers
@@ -76,7 +78,7 @@ class RemoteOps:
                     refused = stored.count(False)
                     raise RemoteError(f"the store refused {refused} of {hi - lo} block(s)")
 
-            return write
+            return timed(self.latency["put"], write)
         paths = staged_keys(tier, node, op.dst)
         keys = [p[-1].tobytes() for p in paths]
         targets = [self.shm.slot_view(int(c), stride) for c in op.dst]
@@ -92,7 +94,7 @@ class RemoteOps:
                     self.store.delete(corrupt)
             raise BadBlocks([paths[i] for i in bad], len(corrupt), len(bad) - len(corrupt))
 
-        return read
+        return timed(self.latency["get"], read)
 
     def record_failure(self, error: BaseException) -> None:
         if isinstance(error, BadBlocks):

@@ -198,6 +198,7 @@ class RemoteTier:
             "denied_puts": quota.denied_puts if quota else 0,
             "denied_blocks": quota.denied_blocks if quota else 0,
             "ops_in_flight": self.pool.in_flight,
+            "latency": {kind: h.figures() for kind, h in self.ops.latency.items()},
             **{
                 name: self.counters.get(name, 0)
                 for name in (

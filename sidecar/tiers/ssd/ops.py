@@ -18,6 +18,7 @@ from shm.pool import ShmPool
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.graph import TransferOp
 from sidecar.control.node import RadixNode
+from sidecar.metrics.latency import SharedLatencyHistogram, timed
 from sidecar.tiers.dataplane import BadBlocks, Job, drop_blocks, staged_keys
 from sidecar.tiers.io_pool import IoPool
 from sidecar.tiers.ssd.store import SsdStore
@@ -35,6 +36,7 @@ class SsdOps:
         self.shm = shm
         self.layout = layout
         self.counters: Counter[str] = Counter()
+        self.latency = {"read": SharedLatencyHistogram(), "write": SharedLatencyHistogram()}
 
     def parts(self, op: TransferOp) -> int:
         return self.pool.threads  # positional reads and writes scale with threads
@@ -50,7 +52,7 @@ class SsdOps:
                     block = memoryview(sources[i])
                     self.store.write(int(op.dst[i]), block, keys[i], parents[i], first and i == 0)
 
-            return write
+            return timed(self.latency["write"], write)
         # DISK2H into the staged CPU node: a block's depth locates its key.
         paths = staged_keys(tier, node, op.dst)
         keys = [p[-1].tobytes() for p in paths]
@@ -65,7 +67,7 @@ class SsdOps:
             if failed:
                 raise BadBlocks(failed, corrupt=len(failed))
 
-        return read
+        return timed(self.latency["read"], read)
 
     def record_failure(self, error: BaseException) -> None:
         if isinstance(error, BadBlocks):
