@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,14 +119,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-def _load(args: argparse.Namespace) -> Config:
+def _load(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    """The configuration these flags give, over `env` (None: os.environ)."""
     overrides = parse_overrides(args.set)
     for key in ("instance", "endpoint", "cpu_capacity", "metrics_port"):
         value = getattr(args, key, None)
         if value is not None:
             flag = "--" + key.replace("_", "-")
             overrides.update(parse_overrides([f"{key}={value}"], source=flag))
-    return load_config(args.config, overrides=overrides)
+    return load_config(args.config, env, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
