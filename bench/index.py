@@ -54,6 +54,7 @@ EVICT_BATCH = 256
 EVICT_FRACTION = 0.1  # each size evicts the same share of its blocks: its oldest leaves
 EVICT_MIN_ROUNDS = 9
 EVICT_MIN_BLOCKS = 200_000  # per size, over all rounds: small trees get more rounds
+PROGRESS_EVERY = 5.0  # seconds between progress lines on stderr
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -303,13 +304,18 @@ def _child(conn, fn, args) -> None:
         conn.close()
 
 
-def isolated(fn, *args):
-    """fn(*args) in a forked child: each size starts from a clean heap."""
+def isolated(fn, *args, label: str = "", every: float = PROGRESS_EVERY):
+    """fn(*args) in a forked child: each size starts from a clean heap. While
+    it runs, a line `label, N s` goes to stderr every `every` seconds."""
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, fn, args))
+    start = time.monotonic()
+    print(f"{label} ...", file=sys.stderr, flush=True)
     proc.start()
     child.close()
+    while not parent.poll(every):
+        print(f"{label}, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     result = parent.recv()
     proc.join()
     if isinstance(result, BaseException):
@@ -328,8 +334,8 @@ def run(args: argparse.Namespace) -> int:
 
     by_size = {}
     for n in sizes:
-        print(f"building {n:,} blocks ...", file=sys.stderr, flush=True)
-        by_size[n] = isolated(measure_size, n, args.seed, n == sizes[1])
+        label = f"bench index: building {n:,} blocks"
+        by_size[n] = isolated(measure_size, n, args.seed, n == sizes[1], label=label)
     evict = {}
     evict_blocks, evict_rounds = {}, {}
     for n in evict_sizes:
@@ -339,12 +345,10 @@ def run(args: argparse.Namespace) -> int:
             if args.quick  # the suite only checks that the figures come out
             else max(EVICT_MIN_ROUNDS, -(-EVICT_MIN_BLOCKS // evict_blocks[n]))
         )
-        print(
-            f"evicting {evict_blocks[n]:,} of {n:,} blocks x {evict_rounds[n]} ...",
-            file=sys.stderr,
-            flush=True,
+        label = f"bench index: evicting {evict_blocks[n]:,} of {n:,} blocks x {evict_rounds[n]}"
+        evict[n] = isolated(
+            measure_evict, n, args.seed, evict_blocks[n], evict_rounds[n], label=label
         )
-        evict[n] = isolated(measure_evict, n, args.seed, evict_blocks[n], evict_rounds[n])
 
     large = by_size[sizes[1]]
     result: dict[str, Any] = {
@@ -393,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
     result["heap_floor_ratio_large_small"] = (
         result["heap_floor_us_large"] / result["heap_floor_us_small"]
     )
+    print("bench index: hashing block keys ...", file=sys.stderr, flush=True)
     result.update(measure_hashing())
     print_table(("figure", "value", "target", "note"), _rows(result))
     if args.json:

@@ -4,13 +4,16 @@ Prints the hit ratio of an unlimited prefix cache, per-request statistics of
 the cached prefix length, the reuse distribution of blocks, and the hit ratio
 of every eviction policy at several cache sizes (replayed through the CPU
 tier's cache engine, as `kvsidecar bench replay` does, with Belady's optimum
-next to them), and draws the last as a PNG.
+next to them), and draws the last as a PNG (with matplotlib: the `analyze`
+extra). Progress goes to stderr: a bar on a terminal, else a line every few
+seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +21,30 @@ import numpy as np
 
 from cachesim.belady import opt_hits
 from cachesim.replay import DEFAULT_FRACTIONS, replay
-from cachesim.report import print_table, write_json
+from cachesim.report import Progress, print_table, write_json
 from cachesim.trace import Trace, infinite_hit_ratio, load_mooncake, request_index
 from contract.ids import keys_from_ints
 from sidecar.control.policies import POLICY_NAMES
 
 REUSE_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64), (65, None))
+PROGRESS_EVERY = 5.0
+"""Seconds between progress lines when stderr is not a terminal."""
+NO_MATPLOTLIB = (
+    "kvsidecar analyze: --png needs matplotlib: pip install 'kvsidecar[analyze]' "
+    "(or run without --png for the tables only)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("trace", type=Path, help="Mooncake-format JSONL trace")
-    p.add_argument("--png", type=Path, help="write the hit ratio vs cache size plot here")
+    p.add_argument(
+        "--png",
+        type=Path,
+        help="write the hit ratio vs cache size plot here (needs matplotlib: "
+        "pip install 'kvsidecar[analyze]')",
+    )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
     p.add_argument("--tokens-per-block", type=int, default=16)
@@ -77,12 +91,21 @@ def _quantiles(values: np.ndarray) -> dict[str, float]:
     }
 
 
-def policy_curves(trace: Trace, capacities: list[int]) -> dict[str, dict[int, float]]:
-    """Hit ratio per policy per capacity, plus "opt" (Belady)."""
+def policy_curves(
+    trace: Trace, capacities: list[int], on_step: Callable[[], None] | None = None
+) -> dict[str, dict[int, float]]:
+    """Hit ratio per policy per capacity, plus "opt" (Belady); `on_step` is
+    called after each of the (policies + 1) x capacities replays."""
     keys = keys_from_ints(trace.block_ids)
     lookups = max(trace.num_lookups, 1)
-    curves = {p: {c: replay(trace, keys, p, c) / lookups for c in capacities} for p in POLICY_NAMES}
-    curves["opt"] = {c: opt_hits(trace, c) / lookups for c in capacities}
+    curves: dict[str, dict[int, float]] = {}
+    for policy in (*POLICY_NAMES, "opt"):
+        curves[policy] = {}
+        for c in capacities:
+            hits = opt_hits(trace, c) if policy == "opt" else replay(trace, keys, policy, c)
+            curves[policy][c] = hits / lookups
+            if on_step is not None:
+                on_step()
     return curves
 
 
@@ -91,7 +114,9 @@ def analyze(trace: Trace, fractions: list[float]) -> dict[str, Any]:
     capacities = sorted({max(1, round(f * unique)) for f in fractions})
     hits = prefix_hits(trace)
     lengths = np.diff(trace.offsets)
-    curves = policy_curves(trace, capacities)
+    steps = (len(POLICY_NAMES) + 1) * len(capacities)
+    with Progress(steps, "analyze: policy curves", lines_every=PROGRESS_EVERY) as bar:
+        curves = policy_curves(trace, capacities, bar.update)
     return {
         "requests": trace.num_requests,
         "block_lookups": trace.num_lookups,
@@ -137,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         fractions = [float(f) for f in args.fractions.split(",") if f.strip()]
         if not fractions or any(not 0 < f <= 1 for f in fractions):
             raise ValueError("--fractions must be numbers in (0, 1]")
+        if args.png and not _has_matplotlib():
+            print(NO_MATPLOTLIB, file=sys.stderr)  # before minutes of work, not after
+            return 2
+        print(f"analyze: loading {args.trace}", file=sys.stderr, flush=True)
         trace = load_mooncake(args.trace, args.tokens_per_block, args.limit)
     except (OSError, ValueError) as exc:
         print(f"kvsidecar analyze: {exc}", file=sys.stderr)
@@ -149,6 +178,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _print(r: dict[str, Any]) -> None:

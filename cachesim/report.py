@@ -97,11 +97,14 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
 
 
 class Progress:
-    """A one-line progress bar on stderr, no dependencies.
+    """Progress on stderr, no dependencies: a one-line bar on a terminal.
 
-    Silent when stderr is not a terminal, unless `force=True`; redraws at
-    most every `min_interval` seconds so it costs nothing in a hot loop
-    that calls `update` once per request.
+    When stderr is not a terminal it is silent, unless `force=True` (the bar
+    anyway) or `lines_every` is given: then a plain line (`label done/total,
+    N s`) at the start, at most every `lines_every` seconds, and at `close`, for logs
+    that a bar's carriage returns would garble. The bar redraws at most every
+    `min_interval` seconds, so `update` costs nothing in a hot loop that calls
+    it once per request.
     """
 
     def __init__(
@@ -110,6 +113,7 @@ class Progress:
         label: str = "",
         *,
         force: bool = False,
+        lines_every: float | None = None,
         stream: TextIO | None = None,
         min_interval: float = 0.2,
         width: int = 30,
@@ -117,26 +121,33 @@ class Progress:
         self.total = max(int(total), 1)
         self.label = label
         self.stream = stream or sys.stderr
-        self.enabled = force or _isatty(self.stream)
-        self.min_interval = min_interval
+        bar = force or _isatty(self.stream)
+        self.lines_every = None if bar else lines_every
+        self.enabled = bar or lines_every is not None
+        self.min_interval = min_interval if bar else (lines_every or 0.0)
         self.width = width
         self.done = 0
         self._start = time.monotonic()
-        self._last_draw = 0.0
+        self._last_draw = 0.0 if bar else self._start
+        if self.lines_every is not None:
+            self._draw(self._start)
 
     def update(self, n: int = 1) -> None:
         self.done += n
         if not self.enabled:
             return
         now = time.monotonic()
-        if now - self._last_draw >= self.min_interval or self.done >= self.total:
+        if now - self._last_draw >= self.min_interval or (
+            self.done >= self.total and self.lines_every is None
+        ):
             self._last_draw = now
             self._draw(now)
 
     def close(self) -> None:
         if self.enabled:
             self._draw(time.monotonic())
-            self.stream.write("\n")
+            if self.lines_every is None:
+                self.stream.write("\n")
             self.stream.flush()
 
     def __enter__(self) -> Progress:
@@ -146,9 +157,13 @@ class Progress:
         self.close()
 
     def _draw(self, now: float) -> None:
+        elapsed = now - self._start
+        if self.lines_every is not None:
+            self.stream.write(f"{self.label} {self.done:,}/{self.total:,}, {elapsed:.0f} s\n")
+            self.stream.flush()
+            return
         frac = min(self.done / self.total, 1.0)
         filled = int(frac * self.width)
-        elapsed = now - self._start
         eta = elapsed / frac - elapsed if frac > 0 else 0.0
         bar = "#" * filled + "." * (self.width - filled)
         self.stream.write(

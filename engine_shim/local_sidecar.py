@@ -8,16 +8,15 @@ drains and cleans up by itself within about a second.
 It gets its own instance name and runtime directory inside the caller's work
 directory (or, when a socket path there would pass the 107 bytes an ipc
 path may have, a private directory under /tmp, removed by `close`), so it
-never touches a sidecar someone else runs. Its log goes to `sidecar.log` in
-the work directory. `stop()` stops it with SIGTERM (the sidecar then
-removes its shm segments, socket and lock) and reports what, if anything,
-it left in /dev/shm.
+never touches a sidecar someone else runs. Its output (all on stderr: the
+start-up line, then its log) goes to `sidecar.log` in the work directory.
+`stop()` stops it with SIGTERM (the sidecar then removes its shm segments,
+socket and lock) and reports what, if anything, it left in /dev/shm.
 """
 
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -78,26 +77,25 @@ class LocalSidecar:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(self.shm_prefix + "."))
 
     def start(self, timeout: float = 60.0) -> LocalSidecar:
-        """Start it and wait for its "serving on" line; RuntimeError if it does not come."""
+        """Start it and wait for its "serving on" line in its log (its stderr);
+        RuntimeError if it does not come."""
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvsidecar", "serve", *self.args],
-                stdout=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
                 stderr=log,
                 text=True,
             )
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if ready:
-                self.banner = self.proc.stdout.readline()
-                if "serving on" in self.banner:
-                    return self
+            banner = next((ln for ln in self.log_lines() if "serving on" in ln), None)
+            if banner is not None:
+                self.banner = banner
+                return self
+            time.sleep(0.05)
         shutdown = self.close()
         raise RuntimeError(
-            f"the sidecar did not start (exit {shutdown.exit_code}): {self.banner!r} "
-            f"{self.log_tail()}"
+            f"the sidecar did not start (exit {shutdown.exit_code}): {self.log_tail()}"
         )
 
     def stop(self, timeout: float = 15.0) -> int | None:
@@ -112,8 +110,6 @@ class LocalSidecar:
         except subprocess.TimeoutExpired:
             self.kill()
             code = None
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
         return code
 
     def kill(self) -> None:
@@ -132,6 +128,12 @@ class LocalSidecar:
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         return shutdown
+
+    def log_lines(self) -> list[str]:
+        try:
+            return self.log_path.read_text().splitlines()
+        except OSError:
+            return []
 
     def log_tail(self) -> str:
         try:

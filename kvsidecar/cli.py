@@ -7,10 +7,11 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvsidecar import logs
 from sidecar.config import Config, ConfigError, format_size, load_config, parse_overrides
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvsidecar",
         description="Per-host KV-cache offloading sidecar for LLM inference engines.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     _add_serve(sub)
@@ -60,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version (package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvsidecar")
+    except PackageNotFoundError:
+        return "(not installed: no package metadata)"
+
+
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML or JSON configuration file")
     p.add_argument(
@@ -89,21 +101,38 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="stop (as on SIGTERM) once process PID, this sidecar's parent, has exited: "
         "for a sidecar owned by the program that starts it",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log every engine event")
+    p.add_argument(
+        "--log-level",
+        choices=logs.LEVELS,
+        default="warning",
+        help="drop log records below this level (default warning); the start-up and stop "
+        "lines are always written",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="text lines, or one JSON object per line (ts, level, logger, message, and the "
+        "start-up line's instance, endpoint, pid, tiers); all on stderr (default text)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="at least --log-level info")
     p.set_defaults(func=_serve)
 
 
-def _load(args: argparse.Namespace) -> Config:
+def _load(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    """The configuration these flags give, over `env` (None: os.environ)."""
     overrides = parse_overrides(args.set)
     for key in ("instance", "endpoint", "cpu_capacity", "metrics_port"):
         value = getattr(args, key, None)
         if value is not None:
             flag = "--" + key.replace("_", "-")
             overrides.update(parse_overrides([f"{key}={value}"], source=flag))
-    return load_config(args.config, overrides=overrides)
+    return load_config(args.config, env, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """Run the daemon; its every line (start-up, logs, errors, stop) goes to
+    stderr in --log-format (kvsidecar/logs.py)."""
     import zmq
 
     from shm.segments import ShmPoolError
@@ -111,48 +140,57 @@ def _serve(args: argparse.Namespace) -> int:
     from sidecar.server.server import Server
     from sidecar.tiers.checks import describe_tiers
 
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s kvsidecar %(levelname)s %(message)s",
-    )
+    verbose = args.verbose and args.log_level in ("warning", "error")
+    logs.configure("info" if verbose else args.log_level, args.log_format)
+    log = logging.getLogger(logs.LOGGER)
     if args.parent_pid is not None and args.parent_pid != os.getppid():
-        print(
-            f"kvsidecar: --parent-pid {args.parent_pid} is not this process's parent "
-            f"(pid {os.getppid()}); has it exited already?",
-            file=sys.stderr,
+        log.error(
+            "--parent-pid %d is not this process's parent (pid %d); has it exited already?",
+            args.parent_pid,
+            os.getppid(),
         )
         return 2
-    server = Server(_load(args), parent_pid=args.parent_pid)
-    server.handle_signals()
     try:
+        server = Server(_load(args), parent_pid=args.parent_pid)
+        server.handle_signals()
         server.start()  # undoes what it did before raising
+    except ConfigError as err:
+        log.error("configuration error: %s", err)
+        return 2
     except (InstanceRunning, UnsafeRuntimeDir) as err:
-        print(f"kvsidecar: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 1
     except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...
-        print(f"kvsidecar: cannot start: {err}", file=sys.stderr)
+        log.error("cannot start: %s", err)
         return 1
-    pool = server.parts.pool
+    config, pool = server.config, server.parts.pool
     metrics = (
-        f"; metrics on http://{server.config.metrics_host}:{server.config.metrics_port}/metrics"
-        if server.config.metrics_port
-        else ""
+        f"http://{config.metrics_host}:{config.metrics_port}/metrics"
+        if config.metrics_port
+        else None
     )
-    print(
-        f"kvsidecar: instance {server.config.instance!r} (pid {server.stats()['pid']}) "
-        f"serving on {server.endpoint}; CPU tier {format_size(server.capacity)} in "
-        f"{len(pool.segment_names)} shm segment(s) ({pool.page_kind} pages), "
-        f"prefaulted in "
-        f"{pool.prefault_seconds:.2f} s; "
-        + "".join(f"{tier}; " for tier in describe_tiers(server.config))
-        + f"policy {server.config.eviction_policy}{metrics}",
-        flush=True,
+    cpu = (
+        f"CPU tier {format_size(server.capacity)} in {len(pool.segment_names)} shm segment(s) "
+        f"({pool.page_kind} pages), prefaulted in {pool.prefault_seconds:.2f} s"
+    )
+    tiers = [cpu, *describe_tiers(config)]
+    logs.lifecycle(
+        f"instance {config.instance!r} (pid {os.getpid()}) serving on {server.endpoint}; "
+        + "".join(f"{tier}; " for tier in tiers)
+        + f"policy {config.eviction_policy}"
+        + (f"; metrics on {metrics}" if metrics else ""),
+        {
+            "instance": config.instance,
+            "endpoint": server.endpoint,
+            "pid": os.getpid(),
+            "tiers": tiers,
+            "cpu_capacity_bytes": server.capacity,
+            "eviction_policy": config.eviction_policy,
+            "metrics": metrics,
+        },
     )
     server.serve_forever()
-    try:
-        print("kvsidecar: stopped", flush=True)
-    except BrokenPipeError:  # whoever read our stdout is gone (--parent-pid)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    logs.lifecycle("stopped", {"instance": config.instance, "pid": os.getpid()})
     return 0
 
 

@@ -9,9 +9,10 @@ token (its code point), so prompts are readable; the random model's replies
 are shown as characters too, but mean nothing. Per turn it prints the prompt
 length, the tokens loaded from each tier, the time to first token with the
 cache and recomputed by the same model without it (same prefill schedule),
-and whether the outputs matched. At the end the sidecar is stopped with
-SIGTERM and the temporary directory removed; the demo checks that no shared
-memory was left behind.
+and whether the outputs matched: each turn on stderr as it completes, the
+table on stdout at the end. At the end, or on SIGTERM or Ctrl-C, the sidecar
+is stopped with SIGTERM and the temporary directory removed; the demo checks
+that no shared memory was left behind.
 """
 
 # Only argparse is imported at module level: building the `kvsidecar` parser
@@ -20,13 +21,18 @@ memory was left behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine_shim.local_sidecar import Shutdown
 
 SYSTEM_PROMPT = (
     "You are the assistant of Crumb & Co, a bakery with three shops. "
@@ -116,15 +122,48 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from engine_shim.local_sidecar import LocalSidecar
-
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model = load_model(args.model) if args.model else tiny_llama(seed=0)
     block_bytes = kv_block_bytes(model)
+    with _sigterm_exits():
+        workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
+        try:
+            shutdown, all_matched = _with_sidecar(args, model, workdir, block_bytes)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    clean = shutdown.exit_code == 0 and not shutdown.leftovers
+    print(
+        f"sidecar stopped with SIGTERM: exit code {shutdown.exit_code}, "
+        f"{len(shutdown.leftovers)} shm segment(s) left behind; {workdir} removed"
+    )
+    return 0 if clean and all_matched else 1
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """Within, SIGTERM unwinds like Ctrl-C (SystemExit, exit status 143), so
+    the `finally` blocks stop the sidecar and remove the temporary directory."""
+
+    def exit_(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _with_sidecar(
+    args: argparse.Namespace, model: Any, workdir: Path, block_bytes: int
+) -> tuple[Shutdown, bool]:
+    """Start a sidecar in `workdir`, run the chats, stop it: how it stopped,
+    and whether every turn matched."""
+    from engine_shim.local_sidecar import LocalSidecar
+
     # The sidecar takes no CPU tier under 1 MiB (a model of small blocks).
     capacity = args.cpu_capacity or f"{max(CPU_TIER_BLOCKS * block_bytes, 1 << 20)}B"
-    workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))
     settings: dict[str, object] = {"drain_seconds": 1}
     if not args.no_ssd:
         (workdir / "ssd").mkdir()
@@ -133,18 +172,13 @@ def run(args: argparse.Namespace) -> int:
         settings.update(ssd_dirs=workdir / "ssd", ssd_capacity_per_dir=f"{ssd_bytes}B")
     sidecar = LocalSidecar(workdir, cpu_capacity=capacity, settings=settings, tag="demo")
     try:
+        print(f"demo: starting a sidecar in {workdir}", file=sys.stderr, flush=True)
         sidecar.start()
         print(sidecar.banner.strip())
         all_matched = _chat(args, model, sidecar.endpoint)
     finally:
         shutdown = sidecar.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-    clean = shutdown.exit_code == 0 and not shutdown.leftovers
-    print(
-        f"sidecar stopped with SIGTERM: exit code {shutdown.exit_code}, "
-        f"{len(shutdown.leftovers)} shm segment(s) left behind; {workdir} removed"
-    )
-    return 0 if clean and all_matched else 1
+    return shutdown, all_matched
 
 
 def _chat(args: argparse.Namespace, model: Any, endpoint: str) -> bool:
@@ -180,7 +214,15 @@ def _chat(args: argparse.Namespace, model: Any, endpoint: str) -> bool:
                 all_matched &= same
                 reply = decode(cached.tokens.tolist())
                 history[name] = f"{prompt} {reply}"
-                info = cached.info
+                info, match = cached.info, _match(cached, fresh, same)
+                print(
+                    f"demo: turn {name}{turn + 1}: {info.prompt_tokens} tokens, "
+                    f"{info.loaded_from.cpu} from cpu, {info.loaded_from.ssd} from ssd, "
+                    f"{info.computed_tokens} computed; TTFT {info.ttft_s * 1e3:.1f} ms cached, "
+                    f"{recompute_s * 1e3:.1f} ms recomputed; {match}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rows.append(
                     [
                         f"{name}{turn + 1}",
@@ -191,7 +233,7 @@ def _chat(args: argparse.Namespace, model: Any, endpoint: str) -> bool:
                         info.ttft_s * 1e3,
                         recompute_s * 1e3,
                         recompute_s / info.ttft_s,
-                        _match(cached, fresh, same),
+                        match,
                         repr(reply),
                     ]
                 )

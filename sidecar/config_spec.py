@@ -31,21 +31,27 @@ class ConfigError(ValueError):
 
 # --- sizes -----------------------------------------------------------------
 
+# Kubernetes' spelling: G (= GB) is a power of 1000, Gi (= GiB) a power of 1024.
 _SIZE_UNITS = (
     {"b": 1}
-    | {prefix + "b": 1000 ** (i + 1) for i, prefix in enumerate("kmgt")}
-    | {prefix + "ib": 1024 ** (i + 1) for i, prefix in enumerate("kmgt")}
+    | {prefix + suffix: 1000 ** (i + 1) for i, prefix in enumerate("kmgt") for suffix in ("", "b")}
+    | {
+        prefix + suffix: 1024 ** (i + 1)
+        for i, prefix in enumerate("kmgt")
+        for suffix in ("i", "ib")
+    }
 )
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-_SIZE_HELP = "a byte count or a string like '16GiB', '512MiB', '1.5GB', '4096'"
+_SIZE_HELP = "a byte count or a string like '16GiB', '16Gi', '512MiB', '1.5GB', '1G', '4096'"
 
 
 def parse_size(text: str) -> int:
-    """Bytes in a size string: "16GiB", "512MiB", "1.5GB", "4096", "64 kb".
+    """Bytes in a size string: "16GiB", "16Gi", "512MiB", "1.5GB", "1G", "4096", "64 kb".
 
-    Units are B, KB/MB/GB/TB (powers of 10) and KiB/MiB/GiB/TiB (powers of 2),
-    case-insensitive; no unit means bytes. A fractional result is rounded down
-    to whole bytes. Raises ValueError for anything else, negative sizes included.
+    Units, case-insensitive: B; K, M, G, T and KB, MB, GB, TB (powers of 1000);
+    Ki, Mi, Gi, Ti and KiB, MiB, GiB, TiB (powers of 1024). No unit means bytes.
+    A fractional result is rounded down to whole bytes. Raises ValueError for
+    anything else, negative sizes included.
     """
     match = _SIZE_RE.fullmatch(text)
     unit = (match.group(2).lower() or "b") if match else ""

@@ -73,6 +73,7 @@ class Sidecar:
             self.endpoint = args[args.index("--endpoint") + 1]
         self.proc: subprocess.Popen[str] | None = None
         self.banner = ""
+        self.early: list[str] = []
 
     @property
     def shm_prefix(self) -> str:
@@ -82,26 +83,30 @@ class Sidecar:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(self.shm_prefix + "."))
 
     def start(self, timeout: float = DEADLINE) -> Sidecar:
+        """Start it and read its stderr (all its output) up to the "serving on"
+        line: `banner`; the lines before it are kept in `early`."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvsidecar", "serve", *self.args],
             cwd=ROOT,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
+        assert self.proc.stderr is not None
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            ready, _, _ = select.select([self.proc.stderr], [], [], 0.1)
             if ready:
-                self.banner = self.proc.stdout.readline()
-                if "serving on" in self.banner:
+                line = self.proc.stderr.readline()
+                if "serving on" in line:
+                    self.banner = line
                     return self
+                self.early.append(line)
             if self.proc.poll() is not None:
                 break
-        err = self.proc.stderr.read() if self.proc.poll() is not None else ""  # type: ignore[union-attr]
+        err = self.proc.stderr.read() if self.proc.poll() is not None else ""
         self.kill()
-        raise RuntimeError(f"sidecar did not start: {self.banner!r} {err}")
+        raise RuntimeError(f"sidecar did not start: {''.join(self.early)}{err}")
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit code."""

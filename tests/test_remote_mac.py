@@ -124,7 +124,7 @@ def test_no_secret_is_warned_about_at_start(server):
         assert s.proc is not None and s.proc.stderr is not None
         s.proc.terminate()
         s.proc.wait(15)
-        log = s.proc.stderr.read()
+        log = "".join(s.early) + s.proc.stderr.read()
         assert "WARNING" in log and "remote_secret_file" in log and "fully trusted" in log
     finally:
         s.cleanup()

@@ -36,7 +36,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
 
 def refused(result: subprocess.CompletedProcess[str], *words: str) -> None:
     assert result.returncode == 2, result.stderr
-    assert "serving on" not in result.stdout
+    assert "serving on" not in result.stderr
     for word in words:
         assert word in result.stderr
 
