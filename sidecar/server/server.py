@@ -7,7 +7,7 @@ before any state changes; the loop never dies on a message.
 
 Start-up: take the instance lock (proving no live sidecar owns the name),
 remove a dead predecessor's socket and shm segments, create and pre-fault
-the CPU tier, bind. Shutdown (SIGTERM/SIGINT, or under `--parent-pid` the
+the CPU tier, bind. Shutdown (SIGTERM, SIGINT or SIGHUP, or under `--parent-pid` the
 parent's exit, noticed within a second): refuse new loads and saves,
 let in-flight plans finish for up to `drain_seconds`, cancel the rest,
 then unlink the shm segments, the socket and the lock.
@@ -170,9 +170,13 @@ class Server:
             self._parts.resources.callback(metrics.shutdown)
 
     def handle_signals(self) -> None:
-        """Make SIGTERM and SIGINT stop the loop gracefully. Call before
-        `start`, so a signal during start-up is not fatal either."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        """Make SIGTERM, SIGINT and SIGHUP stop the loop gracefully. Call
+        before `start`, so a signal during start-up is not fatal either.
+        SIGHUP reloads nothing: most keys size or name what start built (the
+        tiers, the sockets, the shm), so a reload would be a restart anyway;
+        a clean stop at least never leaves shm behind, as its default action
+        (death) did."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
 
     def serve_forever(self) -> None:
