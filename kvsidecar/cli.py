@@ -108,6 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from shm.segments import ShmPoolError
     from sidecar.runtime import InstanceRunning, UnsafeRuntimeDir
+    from sidecar.sd_notify import SdNotifier
     from sidecar.server.server import Server
     from sidecar.tiers.checks import describe_tiers
 
@@ -122,7 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    server = Server(_load(args), parent_pid=args.parent_pid)
+    server = Server(_load(args), parent_pid=args.parent_pid, notifier=SdNotifier.from_environ())
     server.handle_signals()
     try:
         server.start()  # undoes what it did before raising

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from shm.pool import ShmPool, remove_stale_segments
-from sidecar.config import Config
+from sidecar.config import Config, format_size
 from sidecar.metrics.figures import server_figures
 from sidecar.runtime import (
     InstanceLock,
@@ -35,6 +35,7 @@ from sidecar.runtime import (
     instance_paths,
     remove_created,
 )
+from sidecar.sd_notify import SdNotifier
 from sidecar.server.curve import CurveFiles
 from sidecar.server.handlers import Handlers
 from sidecar.server.publisher import EventPublisher
@@ -63,11 +64,20 @@ class Server:
     the tiered cache), and optionally the event publisher and the metrics
     endpoint. Before `start` and after `close` it holds none of them."""
 
-    def __init__(self, config: Config, *, parent_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        parent_pid: int | None = None,
+        notifier: SdNotifier | None = None,
+    ) -> None:
         """`parent_pid`: stop, as on SIGTERM, once this process's parent is no
-        longer that process (it exited and the sidecar was re-parented)."""
+        longer that process (it exited and the sidecar was re-parented).
+        `notifier`: tell systemd READY=1 when `serve_forever` begins (the
+        socket is bound by then) and STOPPING=1 when it drains."""
         self.config = config
         self.parent_pid = parent_pid
+        self.notifier = notifier
         self.paths = instance_paths(config)
         self.endpoint = endpoint_of(config)
         self.boot_id = uuid.uuid4().hex
@@ -182,8 +192,15 @@ class Server:
     def serve_forever(self) -> None:
         """Serve until `stopping` is set (by a signal), then drain and close."""
         try:
+            if self.notifier is not None:
+                self.notifier.notify(
+                    "READY=1",
+                    f"STATUS=serving on {self.endpoint}, CPU tier {format_size(self.capacity)}",
+                )
             while not self.stopping:
                 self.poll_once()
+            if self.notifier is not None:
+                self.notifier.notify("STOPPING=1", "STATUS=draining")
             self._drain()
         finally:
             self.close()
