@@ -117,7 +117,8 @@ class Config:
     cpu_capacity: int | None = config_key(
         None,
         "size",
-        "CPU (shared-memory) tier capacity; None lets the daemon pick 10% of RAM, at most 16GiB.",
+        "CPU (shared-memory) tier capacity; None lets the daemon pick 10% of RAM (or of the "
+        "cgroup's memory limit, if lower), at most 16GiB, at least 64MiB.",
         low=_MiB,
         optional=True,
     )

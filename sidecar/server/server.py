@@ -27,6 +27,7 @@ import psutil
 
 from shm.pool import ShmPool, remove_stale_segments
 from sidecar.config import Config, format_size
+from sidecar.memory_limit import cgroup_memory_limit
 from sidecar.metrics.figures import server_figures
 from sidecar.runtime import (
     InstanceLock,
@@ -51,9 +52,14 @@ for requests renews every engine's lease: heartbeats sent meanwhile may sit
 unread in the socket, so the engines' silence proves nothing."""
 
 
-def default_cpu_capacity() -> int:
-    """10% of RAM, at most 16 GiB, at least 64 MiB."""
+def default_cpu_capacity(root: str = "/") -> int:
+    """10% of the memory this process may use (RAM, or its cgroup's memory
+    limit if lower: `sidecar.memory_limit`, reading the cgroup files under
+    `root`), at most 16 GiB, at least 64 MiB."""
     total = psutil.virtual_memory().total
+    limit = cgroup_memory_limit(root)
+    if limit is not None:
+        total = min(total, limit)
     return max(64 << 20, min(total // 10, 16 << 30))
 
 
