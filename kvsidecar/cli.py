@@ -116,6 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s kvsidecar %(levelname)s %(message)s",
     )
+    logging.getLogger("kvsidecar.start").setLevel(logging.INFO)  # start-up progress
     if args.parent_pid is not None and args.parent_pid != os.getppid():
         print(
             f"kvsidecar: --parent-pid {args.parent_pid} is not this process's parent "

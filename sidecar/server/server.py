@@ -21,6 +21,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import psutil
@@ -44,6 +45,8 @@ from sidecar.server.transport import Transport
 from sidecar.tiers.checks import check_tiers
 
 log = logging.getLogger("kvsidecar")
+start_log = logging.getLogger("kvsidecar.start")
+"""Start-up progress (INFO): `kvsidecar serve` shows it without -v."""
 
 POLL_MS = 100
 LAPSE_LEASES = 0.25
@@ -61,6 +64,33 @@ def default_cpu_capacity(root: str = "/") -> int:
     if limit is not None:
         total = min(total, limit)
     return max(64 << 20, min(total // 10, 16 << 30))
+
+
+PREFAULT_LOG_SECONDS = 1.0
+"""Prefaulting the CPU tier logs its progress at most this often."""
+
+
+class PrefaultLog:
+    """A `ShmPool.create` progress callback that logs bytes done of the total
+    at most every `every_seconds` (a start that takes less logs nothing: the
+    banner says how long prefaulting took)."""
+
+    def __init__(self, every_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_seconds = every_seconds
+        self._clock = clock
+        self._last = clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self._clock()
+        if now - self._last < self.every_seconds:
+            return
+        self._last = now
+        start_log.info(
+            "prefaulting the CPU tier: %.2f of %.2f GiB (%d%%)",
+            done / 2**30,
+            total / 2**30,
+            100 * done // total,
+        )
 
 
 class Server:
@@ -146,6 +176,7 @@ class Server:
                 self.capacity,
                 directory=self.config.shm_dir,
                 prefault=self.config.prefault,
+                progress=PrefaultLog(PREFAULT_LOG_SECONDS),
             )
             undo.callback(_remove_pool, pool)
             if self.config.shm_dir and pool.page_kind == "4k":
