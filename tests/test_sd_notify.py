@@ -88,6 +88,7 @@ def test_serve_notifies_ready_then_stopping(
         sidecar.proc.send_signal(signal.SIGTERM)
         stopping = fields_of(sock)
         assert stopping["STOPPING"] == "1"
-        assert sidecar.stop() == 0
+        _, err = sidecar.proc.communicate(timeout=30)
+        assert sidecar.proc.returncode == 0, err
     finally:
         sidecar.cleanup()
