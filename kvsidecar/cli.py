@@ -137,12 +137,16 @@ def _serve(args: argparse.Namespace) -> int:
 
     from shm.segments import ShmPoolError
     from sidecar.runtime import InstanceRunning, UnsafeRuntimeDir
+    from sidecar.sd_notify import SdNotifier
     from sidecar.server.server import Server
     from sidecar.tiers.checks import describe_tiers
 
     verbose = args.verbose and args.log_level in ("warning", "error")
     logs.configure("info" if verbose else args.log_level, args.log_format)
     log = logging.getLogger(logs.LOGGER)
+    if args.log_level != "error":  # start-up progress shows at the default level too
+        start = logging.getLogger("kvsidecar.start")
+        start.setLevel(min(logging.INFO, log.getEffectiveLevel()))
     if args.parent_pid is not None and args.parent_pid != os.getppid():
         log.error(
             "--parent-pid %d is not this process's parent (pid %d); has it exited already?",
@@ -151,7 +155,8 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        server = Server(_load(args), parent_pid=args.parent_pid)
+        notifier = SdNotifier.from_environ()
+        server = Server(_load(args), parent_pid=args.parent_pid, notifier=notifier)
         server.handle_signals()
         server.start()  # undoes what it did before raising
     except ConfigError as err:

@@ -33,7 +33,7 @@ import errno
 import mmap
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,19 +78,24 @@ def _map(name: str, fd: int, size: int) -> _Segment:
     return _Segment(name, size, mapping, address)
 
 
-def _prefault(fd: int, segment: _Segment) -> str:
-    """Allocate every page (ENOSPC here is an error, not a SIGBUS later) and
-    map it; returns how. First touch of a tmpfs page costs ~1 GB/s, a
-    faulted page is copied at ~16 GB/s."""
-    os.posix_fallocate(fd, 0, segment.size)
+def _prefault(fd: int, segment: _Segment, start: int, length: int) -> str:
+    """Allocate every page of bytes [start, start + length) of the segment
+    (ENOSPC here is an error, not a SIGBUS later) and map it; returns how.
+    First touch of a tmpfs page costs ~1 GB/s, a faulted page is copied at
+    ~16 GB/s. `start` and `length` are whole pages."""
+    os.posix_fallocate(fd, start, length)
     try:
-        segment.mapping.madvise(MADV_POPULATE_WRITE)
+        segment.mapping.madvise(MADV_POPULATE_WRITE, start, length)
         return "fallocate+populate"
     except OSError:  # kernel older than 5.14: touch one byte per page instead
-        pages = np.frombuffer(segment.mapping, dtype=np.uint8)
+        pages = np.frombuffer(segment.mapping, dtype=np.uint8, count=length, offset=start)
         pages[::PAGE_BYTES] = 0
         del pages
         return "fallocate+touch"
+
+
+PrefaultProgress = Callable[[int, int], None]
+"""Called as the pool is prefaulted: (bytes done, bytes in all)."""
 
 
 class ShmPool:
@@ -130,6 +135,8 @@ class ShmPool:
         directory: str | None = None,
         segment_bytes: int = 1 << 30,
         prefault: bool = True,
+        progress: PrefaultProgress | None = None,
+        progress_bytes: int = 256 << 20,
     ) -> ShmPool:
         """Create segments `{prefix}.0`, `{prefix}.1`, ... (mode 0600) holding at
         least `nbytes`, each at most `segment_bytes`: POSIX shm `/{prefix}.N`, or
@@ -137,6 +144,10 @@ class ShmPool:
         `{directory}/{prefix}.N`. Sizes are whole pages: 4 KiB for POSIX shm,
         huge pages (`Place.page_bytes`) in a directory, which `segment_bytes`
         must then be a multiple of.
+
+        With `prefault`, every page is allocated and mapped at once, in parts
+        of about `progress_bytes` (whole pages), each followed by a call of
+        `progress(bytes done, bytes in all)`: a large pool takes seconds.
 
         Raises ShmPoolError if a segment of that name exists, the directory is
         not on tmpfs or hugetlbfs, or the space (or the huge pages) is lacking;
@@ -149,6 +160,8 @@ class ShmPool:
         page = place.page_bytes
         if segment_bytes % page:
             raise ValueError(f"segment_bytes must be a multiple of {page} in {place.fs}")
+        _check_positive("progress_bytes", progress_bytes)
+        part = max(page, progress_bytes - progress_bytes % page)
         total = -(-nbytes // page) * page
         check_room(place, total)
         sizes = [segment_bytes] * (total // segment_bytes)
@@ -156,7 +169,7 @@ class ShmPool:
             sizes.append(total % segment_bytes)
         segments: list[_Segment] = []
         created: list[str] = []
-        seconds, method = 0.0, "none"
+        seconds, method, done = 0.0, "none", 0
         try:
             for i, size in enumerate(sizes):
                 name = segment_name(prefix, i, directory)
@@ -165,10 +178,14 @@ class ShmPool:
                     os.fchmod(fd, SEGMENT_MODE)  # the umask may have narrowed it
                     os.ftruncate(fd, size)
                     segments.append(_map(name, fd, size))
-                    if prefault:
-                        start = time.perf_counter()
-                        method = _prefault(fd, segments[-1])
-                        seconds += time.perf_counter() - start
+                    for start in range(0, size if prefault else 0, part):
+                        length = min(part, size - start)
+                        began = time.perf_counter()
+                        method = _prefault(fd, segments[-1], start, length)
+                        seconds += time.perf_counter() - began
+                        done += length
+                        if progress is not None:
+                            progress(done, total)
         except BaseException as exc:
             for segment in segments:
                 segment.mapping.close()

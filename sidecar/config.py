@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -63,6 +64,13 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVSIDECAR_"
+CONFIG_VAR = "KVSIDECAR_CONFIG"
+"""Names the config file when none is given (`kvsidecar serve --config` wins)."""
+_NOT_KEYS = frozenset((CONFIG_VAR, *CLIENT_ONLY_VARS))
+"""KVSIDECAR_ variables that are not configuration keys."""
+_warned_variables: set[str] = set()
+
+log = logging.getLogger("kvsidecar")
 
 
 _MiB = 2**20
@@ -109,7 +117,8 @@ class Config:
     cpu_capacity: int | None = config_key(
         None,
         "size",
-        "CPU (shared-memory) tier capacity; None lets the daemon pick 10% of RAM, at most 16GiB.",
+        "CPU (shared-memory) tier capacity; None lets the daemon pick 10% of RAM (or of the "
+        "cgroup's memory limit, if lower), at most 16GiB, at least 64MiB.",
         low=_MiB,
         optional=True,
     )
@@ -407,26 +416,49 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, object] | None = None,
 ) -> Config:
-    """Defaults, then the file at `path`, then `env`, then `overrides`.
+    """Defaults, then the file at `path` (None: the file $KVSIDECAR_CONFIG
+    names, if set), then `env`, then `overrides`.
 
     `env=None` reads `os.environ`; only variables starting with KVSIDECAR_ are
-    looked at (but the clients' CURVE keys, `contract.endpoint.CLIENT_ONLY_VARS`),
-    and an unknown one is an error (it is most likely a typo).
+    looked at (but KVSIDECAR_CONFIG and the clients' CURVE keys,
+    `contract.endpoint.CLIENT_ONLY_VARS`). One that names no key is logged as
+    a warning, once per process, and ignored: deployments set such variables
+    of their own (Kubernetes: `KVSIDECAR_SERVICE_HOST`, `KVSIDECAR_PORT`, ...
+    for a Service named kvsidecar).
     File and override values must already have the key's type; environment
     strings are parsed. Raises ConfigError, naming the source, key and value.
     """
     values: dict[str, object] = {}
-    if path is not None:
-        values.update(_convert_all(_read_file(Path(path)), f"config file {os.fspath(path)!r}"))
     environ = os.environ if env is None else env
+    named = environ.get(CONFIG_VAR, "").strip()
+    if path is None and named:
+        with _blame(f"${CONFIG_VAR}"):
+            values.update(_convert_all(_read_file(Path(named)), f"config file {named!r}"))
+    elif path is not None:
+        values.update(_convert_all(_read_file(Path(path)), f"config file {os.fspath(path)!r}"))
     for name, text in environ.items():
-        if name.startswith(ENV_PREFIX) and name not in CLIENT_ONLY_VARS:
-            key = name[len(ENV_PREFIX) :].lower()
-            with _blame(f"${name}"):
-                values[key] = _spec_of(key).convert_env(key, text)
+        if not name.startswith(ENV_PREFIX) or name in _NOT_KEYS:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in SPECS:
+            _warn_unknown_variable(name, key)
+            continue
+        with _blame(f"${name}"):
+            values[key] = SPECS[key].convert_env(key, text)
     if overrides is not None:
         values.update(_convert_all(overrides, "overrides"))
     return Config(**values)
+
+
+def _warn_unknown_variable(name: str, key: str) -> None:
+    """Once per variable and process: the deployment may set KVSIDECAR_*
+    variables of its own (Kubernetes names a Service's host and port so)."""
+    if name in _warned_variables:
+        return
+    _warned_variables.add(name)
+    near = difflib.get_close_matches(key, SPECS, n=1)
+    hint = f" (did you mean ${env_var(near[0])}, key {near[0]!r}?)" if near else ""
+    log.warning("$%s names no configuration key: ignored%s", name, hint)
 
 
 def parse_overrides(pairs: Sequence[str], source: str = "--set") -> dict[str, object]:

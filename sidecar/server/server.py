@@ -7,7 +7,7 @@ before any state changes; the loop never dies on a message.
 
 Start-up: take the instance lock (proving no live sidecar owns the name),
 remove a dead predecessor's socket and shm segments, create and pre-fault
-the CPU tier, bind. Shutdown (SIGTERM/SIGINT, or under `--parent-pid` the
+the CPU tier, bind. Shutdown (SIGTERM, SIGINT or SIGHUP, or under `--parent-pid` the
 parent's exit, noticed within a second): refuse new loads and saves,
 let in-flight plans finish for up to `drain_seconds`, cancel the rest,
 then unlink the shm segments, the socket and the lock.
@@ -21,12 +21,14 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import psutil
 
 from shm.pool import ShmPool, remove_stale_segments
-from sidecar.config import Config
+from sidecar.config import Config, format_size
+from sidecar.memory_limit import cgroup_memory_limit
 from sidecar.metrics.figures import server_figures
 from sidecar.runtime import (
     InstanceLock,
@@ -35,6 +37,7 @@ from sidecar.runtime import (
     instance_paths,
     remove_created,
 )
+from sidecar.sd_notify import SdNotifier
 from sidecar.server.curve import CurveFiles
 from sidecar.server.handlers import Handlers
 from sidecar.server.publisher import EventPublisher
@@ -42,6 +45,8 @@ from sidecar.server.transport import Transport
 from sidecar.tiers.checks import check_tiers
 
 log = logging.getLogger("kvsidecar")
+start_log = logging.getLogger("kvsidecar.start")
+"""Start-up progress (INFO): `kvsidecar serve` shows it without -v."""
 
 POLL_MS = 100
 LAPSE_LEASES = 0.25
@@ -50,10 +55,42 @@ for requests renews every engine's lease: heartbeats sent meanwhile may sit
 unread in the socket, so the engines' silence proves nothing."""
 
 
-def default_cpu_capacity() -> int:
-    """10% of RAM, at most 16 GiB, at least 64 MiB."""
+def default_cpu_capacity(root: str = "/") -> int:
+    """10% of the memory this process may use (RAM, or its cgroup's memory
+    limit if lower: `sidecar.memory_limit`, reading the cgroup files under
+    `root`), at most 16 GiB, at least 64 MiB."""
     total = psutil.virtual_memory().total
+    limit = cgroup_memory_limit(root)
+    if limit is not None:
+        total = min(total, limit)
     return max(64 << 20, min(total // 10, 16 << 30))
+
+
+PREFAULT_LOG_SECONDS = 1.0
+"""Prefaulting the CPU tier logs its progress at most this often."""
+
+
+class PrefaultLog:
+    """A `ShmPool.create` progress callback that logs bytes done of the total
+    at most every `every_seconds` (a start that takes less logs nothing: the
+    banner says how long prefaulting took)."""
+
+    def __init__(self, every_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_seconds = every_seconds
+        self._clock = clock
+        self._last = clock()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self._clock()
+        if now - self._last < self.every_seconds:
+            return
+        self._last = now
+        start_log.info(
+            "prefaulting the CPU tier: %.2f of %.2f GiB (%d%%)",
+            done / 2**30,
+            total / 2**30,
+            100 * done // total,
+        )
 
 
 class Server:
@@ -63,11 +100,20 @@ class Server:
     the tiered cache), and optionally the event publisher and the metrics
     endpoint. Before `start` and after `close` it holds none of them."""
 
-    def __init__(self, config: Config, *, parent_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        parent_pid: int | None = None,
+        notifier: SdNotifier | None = None,
+    ) -> None:
         """`parent_pid`: stop, as on SIGTERM, once this process's parent is no
-        longer that process (it exited and the sidecar was re-parented)."""
+        longer that process (it exited and the sidecar was re-parented).
+        `notifier`: tell systemd READY=1 when `serve_forever` begins (the
+        socket is bound by then) and STOPPING=1 when it drains."""
         self.config = config
         self.parent_pid = parent_pid
+        self.notifier = notifier
         self.paths = instance_paths(config)
         self.endpoint = endpoint_of(config)
         self.boot_id = uuid.uuid4().hex
@@ -136,6 +182,7 @@ class Server:
                 self.capacity,
                 directory=self.config.shm_dir,
                 prefault=self.config.prefault,
+                progress=PrefaultLog(PREFAULT_LOG_SECONDS),
             )
             undo.callback(_remove_pool, pool)
             if self.config.shm_dir and pool.page_kind == "4k":
@@ -181,16 +228,27 @@ class Server:
             self._parts.resources.callback(metrics.shutdown)
 
     def handle_signals(self) -> None:
-        """Make SIGTERM and SIGINT stop the loop gracefully. Call before
-        `start`, so a signal during start-up is not fatal either."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        """Make SIGTERM, SIGINT and SIGHUP stop the loop gracefully. Call
+        before `start`, so a signal during start-up is not fatal either.
+        SIGHUP reloads nothing: most keys size or name what start built (the
+        tiers, the sockets, the shm), so a reload would be a restart anyway;
+        a clean stop at least never leaves shm behind, as its default action
+        (death) did."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
 
     def serve_forever(self) -> None:
         """Serve until `stopping` is set (by a signal), then drain and close."""
         try:
+            if self.notifier is not None:
+                self.notifier.notify(
+                    "READY=1",
+                    f"STATUS=serving on {self.endpoint}, CPU tier {format_size(self.capacity)}",
+                )
             while not self.stopping:
                 self.poll_once()
+            if self.notifier is not None:
+                self.notifier.notify("STOPPING=1", "STATUS=draining")
             self._drain()
         finally:
             self.close()
