@@ -3,8 +3,86 @@ module imports a fixture."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+
 import pytest
-from sidecar_proc import Sidecar, connect
+from sidecar_proc import TMP_PREFIX, Sidecar, connect
+
+# ---- leaks: what a test process leaves in /tmp and /dev/shm ---------------------------
+
+
+def _made_here() -> set[str]:
+    """The /tmp directories and /dev/shm segments that are this process's by
+    name: /tmp/kvs-t<pid>-* (sidecar_proc.tmp_dir) and kvsidecar.<uid>.<tag><pid>-*
+    (the instance names of Sidecar, test_sidecar_ssd's Instance, LocalSidecar
+    and the refused `serve`s of test_runtime_dir). Other processes' entries,
+    another engineer's test run's included, never match."""
+    pid = os.getpid()
+    tmp = f"{TMP_PREFIX}{pid}-"
+    shm = re.compile(rf"kvsidecar\.\d+\.[A-Za-z]*{pid}-")
+    found = {f"/tmp/{n}" for n in os.listdir("/tmp") if n.startswith(tmp)}
+    return found | {f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if shm.match(n)}
+
+
+def _uncleaned() -> list[Sidecar]:
+    """Sidecars not cleaned up yet. sidecar_proc is imported under two names
+    (`sidecar_proc`, and `tests.sidecar_proc` by the router tests): both."""
+    found: list[Sidecar] = []
+    for name in ("sidecar_proc", "tests.sidecar_proc"):
+        module = sys.modules.get(name)
+        if module is not None:
+            found += module.UNCLEANED
+    return found
+
+
+def _clean_up_sidecars_made_since(before: list[Sidecar]) -> None:
+    for s in _uncleaned():
+        if s not in before:
+            s.cleanup()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """Fails the run (an error at the teardown of this worker's last test)
+    if the tests left a directory in /tmp or a segment in /dev/shm that this
+    process made: per process, so each pytest-xdist worker checks its own,
+    and entries that were there before it started are not counted. Torn down
+    last: after every module's and test's own teardown."""
+    before = _made_here()
+    yield
+    _clean_up_sidecars_made_since([])
+    left = sorted(_made_here() - before)
+    for path in left:  # reported below; removed, so that they do not pile up
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    assert not left, f"the tests left these behind (now removed): {left}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sidecars_of_the_module() -> Iterator[None]:
+    """Cleans up the sidecars a module's fixtures made and left (a module
+    fixture that failed half way), after the module's own teardown."""
+    before = list(_uncleaned())
+    yield
+    _clean_up_sidecars_made_since(before)
+
+
+@pytest.fixture(autouse=True)
+def _sidecars_of_the_test() -> Iterator[None]:
+    """Cleans up every Sidecar a test (or its function fixtures) made and did
+    not clean up: never started, a failure before its `finally`, a twin made
+    only to be refused. Runs after the test's own fixtures' teardown."""
+    before = list(_uncleaned())
+    yield
+    _clean_up_sidecars_made_since(before)
 
 
 @pytest.fixture(scope="module")

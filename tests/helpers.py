@@ -121,8 +121,13 @@ def assert_clean(g: GlobalCacheEngine) -> None:
         assert_engine_clean(engine)
 
 
+DEADLINE = 120.0
+"""How long a router test waits for what must happen (as sidecar_proc.DEADLINE):
+long, for a loaded machine; a test that passes never waits it out."""
+
+
 def wait_until(
-    cond: Callable[[], bool], subs: Any, timeout: float = 10.0, expire: bool = False
+    cond: Callable[[], bool], subs: Any, timeout: float = DEADLINE, expire: bool = False
 ) -> None:
     """Feed a router's `Subscriptions` its waiting messages until `cond()`
     holds; with `expire`, also expire silent workers, as router serve does."""
@@ -134,3 +139,11 @@ def wait_until(
                 subs.drain(sock)
         if expire:
             subs.expire()
+
+
+def wait_subscribed(xpub: Any, timeout: float = DEADLINE) -> None:
+    """Wait for a subscription to reach `xpub` (a zmq.XPUB socket): from then
+    on what it sends reaches that subscriber, where a PUB drops whatever it
+    sends before a SUB has connected and subscribed. Call once per SUB."""
+    assert xpub.poll(int(timeout * 1000)), "no subscriber connected"
+    assert xpub.recv()[:1] == b"\x01", "not a subscription"

@@ -13,12 +13,11 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import redis
-from sidecar_proc import free_port
+from sidecar_proc import free_port, tmp_dir
 
 _LOCK = "/tmp/kvsidecar-tests-apt.lock"
 
@@ -48,7 +47,7 @@ class RedisServer:
         """`tls=True`: TLS only (a self-signed certificate made with openssl,
         clients not verified); `url` is then a rediss:// one."""
         self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvs-redis-", dir="/tmp")
+        self.dir = tmp_dir("redis-")
         self.persist = persist
         self.cluster = cluster
         self.tls = tls

@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,15 +45,51 @@ machine (pytest -n 2 beside other work) a spawned process importing torch
 takes tens of seconds. A test that passes never waits it out."""
 
 
+TMP_PREFIX = "kvs-t"
+"""Every directory a test helper makes in /tmp is named TMP_PREFIX, the pid
+of the process that made it, "-", then mkdtemp's random part: the leak guard
+(conftest.py) tells this run's leftovers from those of other runs on the
+machine by that pid."""
+
+
+def tmp_dir(kind: str = "") -> str:
+    """A new private directory /tmp/kvs-t<pid>-<kind><random> (short: an ipc
+    socket path in it stays well under the 107 bytes Linux takes). Whoever
+    makes one removes it; the leak guard fails the run if one is left."""
+    return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-{kind}", dir="/tmp")
+
+
+UNCLEANED: list[Sidecar] = []
+"""Sidecars made in this process whose `cleanup` has not run yet: the
+autouse fixtures in conftest.py clean up those a test (or a module's
+fixtures) made and left, even when it failed or never started them."""
+
+
 class Sidecar:
     """`kvsidecar serve` in a subprocess, stopped (and checked clean) by `stop`.
 
     The default lease (5 s, a heartbeat every 1.7 s) is long compared with
-    the scheduling delays of a loaded machine; a test about leases picks its own."""
+    the scheduling delays of a loaded machine; a test about leases picks its own.
 
-    def __init__(self, *args: str, capacity: str = "4MiB", lease: float = 5.0) -> None:
-        self.instance = f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.runtime_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+    Its runtime directory is a new one under /tmp (removed by `cleanup`)
+    unless `runtime_dir` names one, which is then left to its owner; its
+    instance name is a new one unless `instance` names one."""
+
+    def __init__(
+        self,
+        *args: str,
+        capacity: str = "4MiB",
+        lease: float = 5.0,
+        instance: str | None = None,
+        runtime_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.instance = instance or f"t{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._own_dir: str | None = None
+        if runtime_dir is None:
+            self._own_dir = self.runtime_dir = tmp_dir()
+        else:
+            self.runtime_dir = str(runtime_dir)
+        UNCLEANED.append(self)
         self.args = [
             "--instance",
             self.instance,
@@ -131,14 +168,18 @@ class Sidecar:
                     pipe.close()
 
     def cleanup(self) -> None:
-        """Kill if still running and remove what a killed sidecar leaves behind."""
+        """Kill if still running and remove what a killed sidecar leaves
+        behind: its shm segments, and the runtime directory if it made it
+        (a directory it was given is its owner's). Safe to call again."""
         self.kill()
         from shm.pool import remove_stale_segments
 
-        remove_stale_segments(self.shm_prefix)
-        for name in os.listdir(self.runtime_dir):
-            os.unlink(os.path.join(self.runtime_dir, name))
-        os.rmdir(self.runtime_dir)
+        if self.proc is not None:
+            remove_stale_segments(self.shm_prefix)
+        if self._own_dir is not None:
+            shutil.rmtree(self._own_dir, ignore_errors=True)
+        if self in UNCLEANED:
+            UNCLEANED.remove(self)
 
 
 SPAWN = multiprocessing.get_context("spawn")

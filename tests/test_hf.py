@@ -13,15 +13,13 @@ allow about 4x that.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 pytest.importorskip("transformers")
 
 import torch
 from hf_helpers import tokens
-from sidecar_proc import Sidecar
+from sidecar_proc import Sidecar, wait_for
 from transformers import MistralConfig, MistralForCausalLM
 
 from engine_shim import KVClient
@@ -365,10 +363,7 @@ def test_a_hit_from_ssd_after_a_restart_equals_the_split_recompute(tmp_path, mod
             lm.connect(client)
             if life == 0:
                 assert lm.prefill(ids[:480]).info.saved_tokens == 480
-                deadline = time.monotonic() + 15
-                while not _all_on_ssd(client, 30):
-                    assert time.monotonic() < deadline, "the SSD writes did not land"
-                    time.sleep(0.05)
+                wait_for(lambda c=client: _all_on_ssd(c, 30))  # the SSD writes landed
             else:
                 hit = lm.prefill(ids, save=False)
                 assert hit.info.loaded_from == TierTokens(0, 480, 0)

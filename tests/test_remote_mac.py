@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import xxhash
 from redis_servers import RedisServer, ensure_redis
-from sidecar_proc import Sidecar, tokens
-from test_sidecar_remote import BLOCK_TOKENS, blocks_of, client, kv, remote, settled, wait_for
+from sidecar_proc import Sidecar, tokens, wait_for
+from test_sidecar_remote import BLOCK_TOKENS, blocks_of, client, kv, remote, settled
 
 from sidecar.tiers.remote.redis import RedisConnector
 from sidecar.tiers.remote.store import HEADER_BYTES, ReadResult, RemoteStore

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,7 +16,7 @@ from contract import events as wire
 from router.keys import split_keys, worker
 from router.router import Router
 from router.subscriber import Source, Subscriptions
-from tests.helpers import wait_until
+from tests.helpers import wait_subscribed, wait_until
 from tests.sidecar_proc import Sidecar, connect, make_kv, tokens
 
 WORKER = worker(3)
@@ -44,11 +45,12 @@ class Loopback:
         self.ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
 
-    def bind(self, kind: int) -> tuple[zmq.Socket, str]:
-        """A socket of `kind` bound on a free port, and its endpoint."""
+    def bind(self, kind: int, transport: str = "tcp") -> tuple[zmq.Socket, str]:
+        """A socket of `kind` bound on a free port (or, with "inproc", on an
+        inproc endpoint of this context), and its endpoint."""
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind("tcp://127.0.0.1:0")
+        sock.bind("tcp://127.0.0.1:0" if transport == "tcp" else f"inproc://{uuid.uuid4().hex}")
         self._sockets.append(sock)
         return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -104,7 +106,10 @@ def test_a_gap_resyncs_or_clears_without_a_resync_endpoint(
     router = Router("radix" if with_resync else "flat")
     subs = Subscriptions(ctx, router, [Source(pub, resync if with_resync else None)])
     try:
-        time.sleep(0.3)  # let the SUB connect, so the next batch arrives
+        # Once a heartbeat (one a second) came, the SUB is connected: the next
+        # batch arrives. That first message is the gap (the router joins late).
+        wait_until(lambda: subs.counts["heartbeats"] >= 1, subs)
+        assert subs.counts["gaps"] == 1
         second = _save(sidecar.endpoint, 2, start=10_000)
         expected = 5 if with_resync else 2  # without a dump the first save is forgotten
         wait_until(lambda: router.index.workers().get(WORKER) == expected, subs)
@@ -184,7 +189,7 @@ def test_a_dead_resync_endpoint_is_not_retried_on_every_batch(loopback: Loopback
     are skipped one by one (as without a resync endpoint), instead of each
     batch clearing the worker and blocking the router for another timeout."""
     _, silent = loopback.bind(zmq.ROUTER)  # takes resync requests, never answers
-    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    pub, pub_endpoint = loopback.bind(zmq.XPUB)
     router = Router("flat")
     subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, silent)], resync_timeout=0.2)
     a, b, c, d = (bytes([i]) * 16 for i in range(1, 5))
@@ -194,7 +199,7 @@ def test_a_dead_resync_endpoint_is_not_retried_on_every_batch(loopback: Loopback
         pub.send_multipart([wire.TOPIC, wire.encode(batch)])
 
     try:
-        time.sleep(0.3)  # let the SUB connect
+        wait_subscribed(pub)
         send(5, b, a)  # joins mid-stream: a was stored before the router subscribed
         send(6, c, None)
         send(7, d, b)  # continues a block the router skipped
@@ -211,7 +216,7 @@ def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync(
     """Batches still queued from before a sidecar restart: the first one's
     resync shows the new epoch; the rest are dropped, not each resynced."""
     resync, resync_endpoint = loopback.bind(zmq.ROUTER)
-    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    pub, pub_endpoint = loopback.bind(zmq.XPUB)
     a, b = bytes([1]) * 16, bytes([2]) * 16
     dump = wire.encode(wire.DumpReply("new", 2, 3, 0, [wire.StoredMsg(a, None)]))
     stop = threading.Event()
@@ -232,7 +237,7 @@ def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync(
         pub.send_multipart([wire.TOPIC, wire.encode(batch)])
 
     try:
-        time.sleep(0.3)  # let the SUB connect
+        wait_subscribed(pub)
         for seq in (5, 6, 7):
             send("old", seq, bytes([seq]) * 16, None)
         send("new", 3, b, a)
@@ -246,20 +251,17 @@ def test_batches_of_a_restarted_publishers_old_epoch_cost_one_resync(
 
 
 def test_drain_handles_at_most_max_messages(loopback: Loopback) -> None:
-    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    pub, pub_endpoint = loopback.bind(zmq.XPUB, "inproc")
     router = Router("flat")
     subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint)])
     (sock,) = subs.sockets
     try:
-        time.sleep(0.3)  # let the SUB connect
+        wait_subscribed(pub)
         for seq in range(1, 6):
             batch = wire.EventBatch("e", seq, 3, 0, [wire.StoredMsg(bytes([seq]) * 16, None)])
             pub.send_multipart([wire.TOPIC, wire.encode(batch)])
-        deadline = time.monotonic() + 5
-        while not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            assert time.monotonic() < deadline
-            sock.poll(20)
-        time.sleep(0.2)  # the other four arrive too
+        # inproc: a message is in the SUB's queue when its send returns.
+        assert sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
         subs.drain(sock, max_messages=2)
         assert subs.counts["batches"] == 2
         wait_until(lambda: subs.counts["batches"] == 5, subs)
@@ -322,13 +324,14 @@ def test_a_worker_id_is_followed_from_one_source_only(loopback: Loopback) -> Non
     """Two sidecars left on the same events_worker_id are not merged: the
     second one's events are dropped and counted; a source that changes its
     worker id has its old worker forgotten."""
-    one, one_endpoint = loopback.bind(zmq.PUB)
-    two, two_endpoint = loopback.bind(zmq.PUB)
+    one, one_endpoint = loopback.bind(zmq.XPUB)
+    two, two_endpoint = loopback.bind(zmq.XPUB)
     router = Router("radix")
     subs = Subscriptions(loopback.ctx, router, [Source(one_endpoint), Source(two_endpoint)])
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
     try:
-        time.sleep(0.3)  # let the SUBs connect
+        wait_subscribed(one)
+        wait_subscribed(two)
         one.send_multipart(_batch("e1", 1, 3, a))
         wait_until(lambda: router.index.workers() == {WORKER: 1}, subs)
         two.send_multipart(_batch("e2", 1, 3, b))
@@ -350,12 +353,12 @@ def test_a_worker_id_is_followed_from_one_source_only(loopback: Loopback) -> Non
 def test_heartbeats_reveal_a_lost_batch(loopback: Loopback) -> None:
     """A heartbeat carries the seq of the last batch: one past what the router
     has applied means a batch was lost, and the worker is cleared (no dump)."""
-    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    pub, pub_endpoint = loopback.bind(zmq.XPUB)
     router = Router("flat")
     subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint)])
     a, b = bytes([1]) * 16, bytes([2]) * 16
     try:
-        time.sleep(0.3)
+        wait_subscribed(pub)
         pub.send_multipart(_batch("e", 1, 3, a))
         pub.send_multipart(_batch("e", 1, 3, b""))  # a heartbeat after batch 1: in step
         wait_until(lambda: subs.counts["heartbeats"] == 1, subs)
@@ -373,7 +376,7 @@ def test_heartbeats_reveal_a_lost_batch(loopback: Loopback) -> None:
 
 def test_a_rejected_dump_is_not_retried_on_every_batch(loopback: Loopback) -> None:
     resync, resync_endpoint = loopback.bind(zmq.ROUTER)
-    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    pub, pub_endpoint = loopback.bind(zmq.XPUB)
     a, b = bytes([1]) * 16, bytes([2]) * 16
     orphan = wire.StoredMsg(b, bytes([9]) * 16)  # its parent is in no run: the index refuses it
     dump = wire.encode(wire.DumpReply("e", 1, 3, 0, [wire.StoredMsg(a, None), orphan]))
@@ -392,7 +395,7 @@ def test_a_rejected_dump_is_not_retried_on_every_batch(loopback: Loopback) -> No
     router = Router("radix")
     subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, resync_endpoint)])
     try:
-        time.sleep(0.3)
+        wait_subscribed(pub)
         for seq in range(5, 10):
             pub.send_multipart(_batch("e", seq, 3, bytes([seq]) * 16))
         wait_until(lambda: subs.counts["batches"] == 5, subs)
@@ -406,12 +409,12 @@ def test_a_rejected_dump_is_not_retried_on_every_batch(loopback: Loopback) -> No
 def test_a_message_too_deeply_nested_is_dropped(loopback: Loopback) -> None:
     """msgspec raises RecursionError on deep nesting: a bad message, not the
     end of the router."""
-    pub, pub_endpoint = loopback.bind(zmq.PUB)
+    pub, pub_endpoint = loopback.bind(zmq.XPUB)
     router = Router("flat")
     subs = Subscriptions(loopback.ctx, router, [Source(pub_endpoint, None, 7)])
     good = [b"kv", (0).to_bytes(8, "big"), bytes.fromhex("92cb0000000000000000") + b"\x90"]
     try:
-        time.sleep(0.3)
+        wait_subscribed(pub)
         pub.send_multipart([b"kv", (0).to_bytes(8, "big"), b"\x91" * 10_000 + b"\xc0"])
         pub.send_multipart(good)
         wait_until(lambda: subs.counts["batches"] == 1, subs)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.sidecar_proc import ROOT, Sidecar, connect, make_kv, tokens
+from tests.sidecar_proc import DEADLINE, ROOT, Sidecar, connect, make_kv, tokens
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_routes_to_the_sidecar_holding_the_prefix(
         args += ["--secret-file", str(tmp_path / "secret")]
     router = RouterProc(*args)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + DEADLINE
         while router.ask({"op": "stats"})["index"].get("5/0") != 6:  # the start-up resync
             assert time.monotonic() < deadline
             time.sleep(0.05)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -15,7 +13,7 @@ from router.keys import vllm_key, worker
 from router.router import Router
 from router.subscriber import Source, Subscriptions
 from router.vllm_events import decode_vllm
-from tests.helpers import wait_until
+from tests.helpers import wait_subscribed, wait_until
 
 
 # The structs of vllm/distributed/kv_events.py, re-declared for the wire format:
@@ -134,17 +132,18 @@ def test_malformed_messages_are_rejected(bad: list[bytes]) -> None:
         decode_vllm(bad)
 
 
-def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap() -> None:
+def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap(tmp_path) -> None:
     ctx = zmq.Context()
-    endpoint = f"ipc:///tmp/kvs-vllm-{uuid.uuid4().hex[:8]}"
-    pub = ctx.socket(zmq.PUB)
+    endpoint = f"ipc://{tmp_path}/pub"  # under pytest's tmp_path: removed with it
+    pub = ctx.socket(zmq.XPUB)  # a PUB that tells when the router's SUB has subscribed
+    pub.setsockopt(zmq.LINGER, 0)
     pub.bind(endpoint)
     router = Router("flat")
     subs = Subscriptions(ctx, router, [Source(endpoint, vllm_worker_id=7)])
     w = worker(7, 0)
     try:
         stored = ArrayBatch(0.0, [BlockStored([1, 2, 3], None, [], 16, None)])
-        time.sleep(0.3)  # let the SUB connect (PUB sends nobody is subscribed to are lost)
+        wait_subscribed(pub)  # (PUB sends nobody is subscribed to are lost)
         pub.send_multipart(frames(0, stored))
         wait_until(lambda: w in router.index.workers(), subs)
         assert router.find_matches([vllm_key(i) for i in (1, 2, 3)]).scores == {w: 3}
@@ -167,19 +166,19 @@ def test_subscriber_indexes_a_vllm_engine_and_clears_on_a_gap() -> None:
         ctx.term()
 
 
-def test_a_vllm_restart_at_the_same_seq_clears_the_worker() -> None:
+def test_a_vllm_restart_at_the_same_seq_clears_the_worker(tmp_path) -> None:
     """vLLM numbers batches from 0 at every start: a batch with the seq just
     seen is a restart (PUB/SUB never repeats a message), not a duplicate."""
     ctx = zmq.Context()
-    endpoint = f"ipc:///tmp/kvs-vllm-{uuid.uuid4().hex[:8]}"
-    pub = ctx.socket(zmq.PUB)
+    endpoint = f"ipc://{tmp_path}/pub"
+    pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
     pub.bind(endpoint)
     router = Router("radix")
     subs = Subscriptions(ctx, router, [Source(endpoint, vllm_worker_id=7)])
     w = worker(7, 0)
     try:
-        time.sleep(0.3)  # let the SUB connect
+        wait_subscribed(pub)
         pub.send_multipart(frames(0, ArrayBatch(0.0, [BlockStored([1], None, [], 16, None)])))
         pub.send_multipart(frames(0, ArrayBatch(0.0, [BlockStored([2], None, [], 16, None)])))
         wait_until(lambda: subs.counts["batches"] == 2, subs)

@@ -50,12 +50,7 @@ def serve_fails(runtime_dir: Path | str, *args: str) -> subprocess.CompletedProc
 
 
 def sidecar_in(runtime_dir: Path) -> Sidecar:
-    s = Sidecar()
-    os.rmdir(s.runtime_dir)
-    s.runtime_dir = str(runtime_dir)
-    s.args[s.args.index("--set") + 1] = f"runtime_dir={runtime_dir}"
-    s.endpoint = f"ipc://{runtime_dir}/{s.instance}.sock"
-    return s
+    return Sidecar(runtime_dir=runtime_dir)
 
 
 def test_a_symlinked_runtime_dir_is_refused_and_its_target_left_alone(tmp_path):

@@ -48,9 +48,7 @@ def test_serve_prints_where_it_listens_and_cleans_up_on_sigterm(sidecar):
 
 
 def test_a_second_sidecar_with_the_same_name_refuses_to_start(sidecar):
-    twin = Sidecar()
-    twin.instance, twin.runtime_dir = sidecar.instance, sidecar.runtime_dir
-    twin.args[1], twin.args[3] = sidecar.instance, f"runtime_dir={sidecar.runtime_dir}"
+    twin = Sidecar(instance=sidecar.instance, runtime_dir=sidecar.runtime_dir)
     with pytest.raises(RuntimeError, match="already running"):
         twin.start()
     assert sidecar.proc.poll() is None and stats_of(sidecar)["pid"] == sidecar.proc.pid
@@ -89,9 +87,7 @@ def test_same_name_in_another_runtime_dir_leaves_the_first_sidecar_alone(sidecar
     with connect(sidecar.endpoint, kv) as client:
         assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
     inodes = {name: os.stat(f"/dev/shm/{name}").st_ino for name in sidecar.shm_segments()}
-    other = Sidecar()  # same instance name, its own runtime directory (lock scope)
-    other.instance = other.args[1] = sidecar.instance
-    other.endpoint = f"ipc://{other.runtime_dir}/{sidecar.instance}.sock"
+    other = Sidecar(instance=sidecar.instance)  # its own runtime directory (lock scope)
     try:
         other.start()
         assert other.shm_segments() and not set(other.shm_segments()) & set(inodes)
@@ -157,10 +153,10 @@ def test_a_local_sidecar_in_a_deep_work_directory_puts_its_socket_in_a_short_one
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     local = LocalSidecar(deep, cpu_capacity="4MiB")
-    socket_path = local.endpoint.removeprefix("ipc://")
-    assert len(os.fsencode(socket_path)) <= IPC_PATH_MAX
-    assert local.runtime_dir.parent == Path("/tmp")
-    try:
+    try:  # its own directory in /tmp is removed by close(), even if a check fails
+        socket_path = local.endpoint.removeprefix("ipc://")
+        assert len(os.fsencode(socket_path)) <= IPC_PATH_MAX
+        assert local.runtime_dir.parent == Path("/tmp")
         local.start()
         with connect(local.endpoint, make_kv(2)) as client:
             assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
-from sidecar_proc import MODEL, Sidecar, tokens
+from sidecar_proc import MODEL, Sidecar, stats_of, tokens, wait_for
 
 from engine_shim import KVClient
 from shm.layout import BlockLayout
@@ -48,13 +48,6 @@ def blocks_of(cache: list[torch.Tensor], ids: np.ndarray) -> list[bytes]:
 
 def remote(c: KVClient) -> dict:
     return c.stats()["tiers"]["remote"]
-
-
-def wait_for(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def settled(c: KVClient) -> bool:
@@ -164,7 +157,9 @@ def test_a_server_killed_mid_load_gives_misses_then_hits_after_its_restart(tmp_p
             c.save(tokens(N), np.arange(N)).wait()
             wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
         dst = kv(None)
-        with client(hosts.start(), dst) as c:
+        b = hosts.start()
+        with client(b, dst) as c:
+            probes = remote(c)["probes"]
             server.pause()  # the load's round trip to the store will hang...
             result: list[tuple[int, float]] = []
             start = time.monotonic()
@@ -174,7 +169,8 @@ def test_a_server_killed_mid_load_gives_misses_then_hits_after_its_restart(tmp_p
                 )
             )
             loader.start()
-            time.sleep(0.1)
+            # Asked on a channel of its own: the client is the loader's now.
+            wait_for(lambda: stats_of(b)["tiers"]["remote"]["probes"] > probes)
             server.kill()  # ...and the server dies under it
             loader.join(10)
             assert result and result[0][0] == 0 and result[0][1] < 2.0, result

@@ -7,15 +7,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
-import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
-from sidecar_proc import MODEL, Sidecar, tokens
+from sidecar_proc import MODEL, Sidecar, tmp_dir, tokens, wait_for
 
 from contract import protocol as p
 from engine_shim import KVClient
@@ -51,13 +49,6 @@ def on_ssd(c: KVClient, n: int) -> bool:
     return stats["tiers"]["ssd"]["cached_blocks"] == n and stats["plans_in_flight"] == 0
 
 
-def wait_for(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 class Instance:
     """One instance name and SSD directory, over several sidecar lives."""
 
@@ -65,8 +56,8 @@ class Instance:
         self.ssd_dir = ssd_dir
         self.extra = extra
         self.name = f"s{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.runtime_dir = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
-        self.sidecar: Sidecar | None = None
+        self.runtime_dir = tmp_dir()
+        self.sidecars: list[Sidecar] = []
 
     def start(self) -> Sidecar:
         s = Sidecar(
@@ -76,17 +67,15 @@ class Instance:
             "ssd_capacity_per_dir=8MiB",
             *self.extra,
             capacity=CPU,
+            instance=self.name,
+            runtime_dir=self.runtime_dir,
         )
-        os.rmdir(s.runtime_dir)  # the one Sidecar made: this instance keeps its own
-        s.instance, s.runtime_dir = self.name, self.runtime_dir
-        s.args[1], s.args[3] = self.name, f"runtime_dir={self.runtime_dir}"
-        s.endpoint = f"ipc://{self.runtime_dir}/{self.name}.sock"
-        self.sidecar = s.start()
-        return s
+        self.sidecars.append(s)
+        return s.start()
 
     def cleanup(self) -> None:
-        if self.sidecar is not None:
-            self.sidecar.cleanup()
+        for s in self.sidecars:
+            s.cleanup()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 
@@ -156,7 +145,11 @@ def test_a_load_short_of_cpu_slots_is_answered_once_a_cancel_frees_them(instance
             rid = channel.send(
                 request, [p.keys_frame(c.block_keys(tokens(4))), p.ids_frame(np.arange(20, 24))]
             )
-            time.sleep(0.3)
+            # Requests on one channel are handled in order: once Stats is
+            # answered the load has been handled, and its reply (a reply
+            # comes before the later Stats reply) has not come: it waits.
+            channel.call(p.Stats(v=1, id=0))
+            assert rid not in channel._early, "the load was answered before the cancel"
             channel.call(p.Cancel(v=1, id=0, session=w.session, plan_id=plan.plan_id))
             reply, _ = channel.wait_reply(rid, 3.0)
             assert reply.hit_blocks == 4
@@ -182,7 +175,7 @@ def test_write_back_writes_to_ssd_only_on_eviction(write_back):
     src = kv(2)
     with client(s.endpoint, src) as c:
         c.save(tokens(3), np.arange(3)).wait()
-        time.sleep(0.3)
+        wait_for(lambda: not c.stats()["plans_in_flight"])  # a write-down it made landed
         assert ssd_stats(c)["cached_blocks"] == 0
         for i in range(10):
             save_settled(c, 20_000 + 100 * i)
@@ -269,8 +262,9 @@ def test_write_through_selective_counts_one_hit_per_engine_load(tmp_path):
         with client(s.endpoint, kv(2)) as c:
             c.save(tokens(3), np.arange(3)).wait()
             assert c.load(tokens(3), np.arange(10, 13)).wait() == 3 * BLOCK_TOKENS
+            # A write-down is planned with the load that sets it off and is
+            # one of its plan's ops: with no plan in flight, it would have landed.
             wait_for(lambda: on_ssd(c, 0))
-            time.sleep(0.3)  # a write-down the first load started would land by now
             assert ssd_stats(c)["cached_blocks"] == 0  # one load is one hit, not two
             assert c.load(tokens(3), np.arange(20, 23)).wait() == 3 * BLOCK_TOKENS
             wait_for(lambda: on_ssd(c, 3))  # the second hit writes them down

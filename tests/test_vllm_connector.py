@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from sidecar_proc import Sidecar
+from sidecar_proc import DEADLINE, Sidecar
 from vllm_helpers import BLOCK, GEOMETRY, blocks_of, halves, kv_caches, prompt, request, settings
 
 import engine_shim.vllm_connector as glue
@@ -120,7 +120,7 @@ def test_ask_again_while_the_lookup_is_in_flight(sidecar, make_pair):
         assert sched.num_new_matched_tokens(req, 0) == (None, False)
     finally:
         sidecar.proc.send_signal(signal.SIGCONT)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + DEADLINE
     while (answer := sched.num_new_matched_tokens(req, 0))[0] is None:
         assert time.monotonic() < deadline
         time.sleep(0.005)
@@ -348,7 +348,7 @@ def test_halves_made_before_the_sidecar_starts_work_once_it_is_up():
         tokens = prompt(2 * BLOCK + 1)
         assert sched.num_new_matched_tokens(request("x", tokens), 0) == (0, False)
         late.start()
-        deadline = time.monotonic() + 20  # until the sockets have reconnected (<= 1 s apart)
+        deadline = time.monotonic() + DEADLINE  # until the sockets reconnect (<= 1 s apart)
         while sched.num_new_matched_tokens(cached(sched, worker, tokens, [0, 1]), 0)[0] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.1)

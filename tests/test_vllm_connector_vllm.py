@@ -24,7 +24,7 @@ pytest.importorskip(
     "vllm.v1.core.sched.scheduler", reason="vLLM is not installed here (see docs/engines.md)"
 )
 
-from sidecar_proc import Sidecar
+from sidecar_proc import DEADLINE, Sidecar
 from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
@@ -194,14 +194,17 @@ class Engine:
             sampled[req_id] = [7] if done else []
         return sampled
 
-    def run(self, until, steps: int = 50, before_forward=None, **step) -> list:
+    def run(self, until, before_forward=None, **step) -> list:
+        """Steps until `until()` holds (a step while an asynchronous lookup is
+        in flight schedules nothing: as many as it takes, up to DEADLINE)."""
         outputs = []
-        for _ in range(steps):
+        deadline = time.monotonic() + DEADLINE
+        while True:
             outputs.append(self.step(before_forward, **step))
             if until():
                 return outputs
+            assert time.monotonic() < deadline, "the scheduler did not get there"
             time.sleep(0.002)  # let an asynchronous lookup land
-        raise AssertionError("the scheduler did not get there")
 
     def assert_kv_of(self, req_id: str, tokens: list[int]) -> None:
         """The request's blocks hold the KV of exactly its tokens."""
