@@ -36,7 +36,7 @@ import torch
 from contract import protocol as p
 from contract import replies as r
 from contract.blocks import KeyHasher, Namespace
-from contract.endpoint import default_endpoint
+from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
 from contract.ids import BlockKeys
 from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
@@ -63,16 +63,22 @@ class TierTokens(NamedTuple):
 
 
 class KVClient:
-    def __init__(self, endpoint: str, timeout: float) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float, *, curve: CurveClientKeys | None = None
+    ) -> None:
+        """`curve`: keys for a sidecar that requires CURVE (tcp:// off
+        loopback); None: those KVSIDECAR_CURVE_SERVER_KEY and
+        KVSIDECAR_CURVE_CLIENT_KEY name, if set."""
         self.endpoint = endpoint
         self.timeout = timeout
-        self._channel = Channel(endpoint, timeout)
+        self._curve = curve_client_keys() if curve is None else curve
+        self._channel = Channel(endpoint, timeout, curve=self._curve)
         self._channel.on_stray_plan = self._give_back
         self.session = uuid.uuid4().hex
         self._lookup_request = p.Lookup(v=p.PROTOCOL_VERSION, id=0, session=self.session)
         """Every lookup sends this one (the channel numbers it as it goes)."""
         self._registered: Registration | None = None
-        """What `register` last took: None before, and once closed."""
+        """What `register` last took (None before); kept once closed, for its keys."""
         self._pool: ShmPool | None = None
         self._boot_id: str | None = None
         """The boot of the sidecar whose shm this client has mapped."""
@@ -88,11 +94,19 @@ class KVClient:
         not count): a user of this client can tell that another re-registered it."""
 
     @classmethod
-    def connect(cls, endpoint: str | None = None, *, timeout: float = 1.0) -> KVClient:
+    def connect(
+        cls,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 1.0,
+        curve: CurveClientKeys | None = None,
+    ) -> KVClient:
         """A client of the sidecar at `endpoint` (default: where `kvsidecar serve`
         listens with this environment's configuration). Connecting never
-        blocks: a sidecar that is not up yet is found when it comes."""
-        return cls(endpoint or default_endpoint(), timeout)
+        blocks: a sidecar that is not up yet is found when it comes. `curve`:
+        see `KVClient`; `contract.endpoint.load_curve_client_keys` reads them
+        from key files."""
+        return cls(endpoint or default_endpoint(), timeout, curve=curve)
 
     @property
     def tp_rank(self) -> int:
@@ -203,6 +217,7 @@ class KVClient:
                 lease=lambda: self.lease_seconds,
                 register_request=self._register_request,
                 heard=self._heard,
+                curve=self._curve,
             )
 
     def _register_request(self) -> p.Register:

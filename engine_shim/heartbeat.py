@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 
 from contract import protocol as p
+from contract.endpoint import CurveClientKeys
 from contract.protocol import ErrorCode
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 
@@ -26,9 +27,11 @@ class Heartbeat:
         lease: Callable[[], float],
         register_request: Callable[[], p.Register],
         heard: Callable[[str], None],
+        curve: CurveClientKeys | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._timeout = timeout
+        self._curve = curve
         self._request = p.Heartbeat(v=p.PROTOCOL_VERSION, id=0, session=session)
         self._lease = lease
         self._register_request = register_request
@@ -38,7 +41,7 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        channel = Channel(self._endpoint, self._timeout)
+        channel = Channel(self._endpoint, self._timeout, curve=self._curve)
         try:
             while not self._stop.wait(max(0.01, self._lease() / 3)):
                 with contextlib.suppress(SidecarUnavailable, SidecarError):

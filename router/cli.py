@@ -10,6 +10,7 @@ from pathlib import Path
 
 import zmq
 
+from contract.endpoint import CurveClientKeys, curve_client_keys, load_curve_client_keys
 from router.subscriber import Source
 
 
@@ -66,6 +67,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="forget a sidecar's blocks after this long without a message from it "
         "(sidecars send a heartbeat every second; 0 = never)",
     )
+    p.add_argument(
+        "--curve-server-key",
+        type=Path,
+        metavar="FILE",
+        help="the sidecars' public key file, for tcp:// events that require CURVE "
+        "(default: $KVSIDECAR_CURVE_SERVER_KEY)",
+    )
+    p.add_argument(
+        "--curve-client-key",
+        type=Path,
+        metavar="FILE",
+        help="this router's .key_secret file, listed by the sidecars "
+        "(default: $KVSIDECAR_CURVE_CLIENT_KEY)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -107,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
             ns = Namespace(**json.loads(args.namespace.read_text()))
             secret = b"" if args.secret_file is None else args.secret_file.read_bytes()
             hasher = KeyHasher(ns, secret=secret, algorithm=args.key_hash)
+        curve = _curve_keys(args)
         router = Router(
             args.index,
             overlap_weight=args.overlap_weight,
@@ -119,10 +135,20 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvsidecar router: {exc}", file=sys.stderr)
         return 2
     try:
-        server = RouterServer(router, args.bind, sources, args.worker_timeout)
+        server = RouterServer(router, args.bind, sources, args.worker_timeout, curve)
     except zmq.ZMQError as exc:
         print(f"kvsidecar router: cannot bind or connect: {exc}", file=sys.stderr)
         return 2
     print(f"router serving on {server.endpoint} ({len(sources)} source(s))", flush=True)
     server.serve_forever()
     return 0
+
+
+def _curve_keys(args: argparse.Namespace) -> CurveClientKeys | None:
+    """The CURVE keys the flags name, else those of the environment (None
+    when neither names any); ValueError for half a pair or a bad file."""
+    if args.curve_server_key is None and args.curve_client_key is None:
+        return curve_client_keys()
+    if args.curve_server_key is None or args.curve_client_key is None:
+        raise ValueError("--curve-server-key and --curve-client-key go together")
+    return load_curve_client_keys(args.curve_server_key, args.curve_client_key)

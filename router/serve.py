@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from contract.endpoint import CurveClientKeys
 from router.choice import NoWorkers
 from router.keys import BlockKey, Worker, split_keys, vllm_keys, worker
 from router.router import Router
@@ -70,8 +71,14 @@ class BadRequest(ValueError):
 
 class RouterServer:
     def __init__(
-        self, router: Router, bind: str, sources: list[Source], worker_timeout: float = 10.0
+        self,
+        router: Router,
+        bind: str,
+        sources: list[Source],
+        worker_timeout: float = 10.0,
+        curve: CurveClientKeys | None = None,
     ) -> None:
+        """`curve`: the keys for sidecars whose events require CURVE."""
         self.router = router
         self.ctx = zmq.Context()
         self.rep = self.ctx.socket(zmq.REP)
@@ -79,7 +86,9 @@ class RouterServer:
         self.rep.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             self.rep.bind(bind)
-            self.subs = Subscriptions(self.ctx, router, sources, worker_timeout=worker_timeout)
+            self.subs = Subscriptions(
+                self.ctx, router, sources, worker_timeout=worker_timeout, curve=curve
+            )
         except zmq.ZMQError:  # a bad endpoint: release the socket and context
             self.rep.close(0)
             self.ctx.term()

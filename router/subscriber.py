@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import zmq
 
 from contract import events as wire
+from contract.endpoint import CurveClientKeys, apply_curve
 from contract.events import Cleared, RouterEvent, WireError
 from router.index import RouterIndexError
 from router.keys import Worker, worker
@@ -83,9 +84,12 @@ class Subscriptions:
         resync_timeout: float = 2.0,
         resync_retry: float = 30.0,
         worker_timeout: float = 10.0,
+        curve: CurveClientKeys | None = None,
     ) -> None:
         """`worker_timeout`: seconds of silence after which a sidecar
-        source's worker is forgotten (0: never)."""
+        source's worker is forgotten (0: never). `curve`: the keys for
+        sidecars whose tcp:// events and resync endpoints require CURVE
+        (applied to every tcp:// source)."""
         if not worker_timeout >= 0:
             raise ValueError(f"worker_timeout must be >= 0, got {worker_timeout}")
         self.ctx = ctx
@@ -93,6 +97,7 @@ class Subscriptions:
         self.resync_timeout = resync_timeout
         self.resync_retry = resync_retry
         self.worker_timeout = worker_timeout
+        self.curve = curve
         self.counts: Counter[str] = Counter()
         self._states: dict[zmq.Socket, _State] = {}
         self._owners: dict[Worker, _State] = {}
@@ -105,6 +110,7 @@ class Subscriptions:
                 sock.setsockopt(zmq.RCVHWM, 100_000)
                 topic = b"" if src.vllm_worker_id is not None else wire.TOPIC
                 sock.setsockopt(zmq.SUBSCRIBE, topic)
+                self._secure(sock, src.endpoint)
                 sock.connect(src.endpoint)
                 if src.resync_endpoint is not None:
                     _check_endpoint(ctx, src.resync_endpoint)
@@ -255,12 +261,17 @@ class Subscriptions:
         self.counts["resyncs"] += 1
         return True
 
+    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
+        if self.curve is not None and endpoint.startswith("tcp://"):
+            apply_curve(sock, self.curve)
+
     def _request_dump(self, endpoint: str | None) -> wire.DumpReply | wire.ErrorReply | None:
         if endpoint is None:
             return None
         req = self.ctx.socket(zmq.REQ)
         req.setsockopt(zmq.LINGER, 0)
         try:
+            self._secure(req, endpoint)
             req.connect(endpoint)
             req.send(wire.DUMP_REQUEST)
             if not req.poll(int(self.resync_timeout * 1000)):

@@ -11,7 +11,10 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from redis_servers import RedisServer, ensure_redis
 from sidecar_proc import TMP_PREFIX, Sidecar, connect
+
+from sidecar.tiers.remote.redis import RedisConnector
 
 # ---- leaks: what a test process leaves in /tmp and /dev/shm ---------------------------
 
@@ -130,3 +133,27 @@ def open_client():
     yield open_
     for client in reversed(clients):
         client.close()
+
+
+# ---- a real redis-server (tests of the remote tier) --------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_bin() -> None:
+    """redis-server is installed (the Debian package), or the test fails."""
+    ensure_redis()
+
+
+@pytest.fixture
+def server(redis_bin: None) -> Iterator[RedisServer]:
+    """A fresh redis-server on 127.0.0.1, stopped and removed after the test."""
+    s = RedisServer().start()
+    yield s
+    s.cleanup()
+
+
+@pytest.fixture
+def connector(server: RedisServer) -> Iterator[RedisConnector]:
+    c = RedisConnector(server.url, timeout=2.0)
+    yield c
+    c.close()

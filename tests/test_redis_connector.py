@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from redis.cluster import key_slot
-from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
+from redis_servers import RedisClusterOf3, RedisServer
 from sidecar_proc import free_port
 
 from sidecar.tiers.remote.connector import Connector, RemoteUnavailable
@@ -20,25 +20,6 @@ from sidecar.tiers.remote.redis import RedisConnector
 from sidecar.tiers.remote.store import HEADER_BYTES, ReadResult, RemoteStore
 
 BLOCK = 64 << 10
-
-
-@pytest.fixture(scope="session")
-def redis_bin():
-    ensure_redis()
-
-
-@pytest.fixture
-def server(redis_bin):
-    s = RedisServer().start()
-    yield s
-    s.cleanup()
-
-
-@pytest.fixture
-def connector(server):
-    c = RedisConnector(server.url, timeout=2.0)
-    yield c
-    c.close()
 
 
 def slots(n: int, seed: int) -> np.ndarray:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-import pytest
 import xxhash
-from redis_servers import RedisServer, ensure_redis
 from sidecar_proc import Sidecar, tokens, wait_for
 from test_sidecar_remote import BLOCK_TOKENS, blocks_of, client, kv, remote, settled
 
@@ -18,25 +16,6 @@ from sidecar.tiers.remote.store import HEADER_BYTES, ReadResult, RemoteStore
 
 BLOCK = 64 << 10
 SECRET = b"0123456789abcdef0123456789abcdef"
-
-
-@pytest.fixture(scope="module")
-def redis_bin():
-    ensure_redis()
-
-
-@pytest.fixture
-def server(redis_bin):
-    s = RedisServer().start()
-    yield s
-    s.cleanup()
-
-
-@pytest.fixture
-def connector(server):
-    c = RedisConnector(server.url, timeout=2.0)
-    yield c
-    c.close()
 
 
 def blocks(n: int, seed: int) -> np.ndarray:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from redis_servers import RedisClusterOf3, RedisServer, ensure_redis
+from redis_servers import RedisClusterOf3, RedisServer
 from sidecar_proc import MODEL, Sidecar, stats_of, tokens, wait_for
 
 from engine_shim import KVClient
@@ -80,11 +80,6 @@ class Hosts:
     def cleanup(self) -> None:
         for s in self.sidecars:
             s.cleanup()
-
-
-@pytest.fixture(scope="module")
-def redis_bin():
-    ensure_redis()
 
 
 @pytest.fixture

@@ -132,6 +132,7 @@ def curve_sidecar(keys):
         f"events_resync_endpoint=tcp://127.0.0.1:{resync}",
     )
     s.resync = f"tcp://127.0.0.1:{resync}"  # type: ignore[attr-defined]
+    s.events = f"tcp://127.0.0.1:{events}"  # type: ignore[attr-defined]
     try:
         yield s.start()
         assert s.stop() == 0
@@ -194,6 +195,37 @@ def test_the_resync_socket_answers_only_a_listed_client_key(curve_sidecar, keys)
     assert dump(None) is None
     authorized = ep.load_curve_client_keys(keys["server_public"], keys["client_secret"])
     assert dump(authorized) is not None
+
+
+def test_a_router_follows_a_curve_sidecars_events_only_with_a_listed_key(
+    curve_sidecar, keys, monkeypatch
+):
+    from router.router import Router
+    from router.serve import RouterServer
+    from router.subscriber import Source
+
+    authorized = ep.load_curve_client_keys(keys["server_public"], keys["client_secret"])
+    source = [Source(curve_sidecar.events, curve_sidecar.resync)]
+    with_key = RouterServer(Router("radix"), "tcp://127.0.0.1:0", source, curve=authorized)
+    without = RouterServer(Router("radix"), "tcp://127.0.0.1:0", source)
+    monkeypatch.setenv(ep.CURVE_SERVER_KEY_VAR, str(keys["server_public"]))
+    monkeypatch.setenv(ep.CURVE_CLIENT_KEY_VAR, str(keys["client_secret"]))
+    try:
+        with connect(curve_sidecar.endpoint, make_kv(3)) as client:
+            assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+            keys_saved = [bytes(k) for k in client.block_keys(tokens(3))]
+
+        def held(server: RouterServer) -> int:
+            server.poll_once(50)
+            return max(server.router.find_matches(keys_saved).scores.values(), default=0)
+
+        sp.wait_for(lambda: held(with_key) == 3)  # the keyed router sees the saved blocks
+        # The other got no event in all that time (and its resync is refused too).
+        for _ in range(20):
+            assert held(without) == 0
+    finally:
+        with_key.close()
+        without.close()
 
 
 def test_a_secret_key_others_can_read_or_a_missing_key_is_refused_at_start(keys):
