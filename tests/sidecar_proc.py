@@ -6,6 +6,7 @@ run in parallel under pytest-xdist without sharing a socket or shm name.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import select
@@ -16,9 +17,11 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sidecar.runtime import InstancePaths
 
@@ -50,6 +53,23 @@ TMP_PREFIX = "kvs-t"
 of the process that made it, "-", then mkdtemp's random part: the leak guard
 (conftest.py) tells this run's leftovers from those of other runs on the
 machine by that pid."""
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mnt: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at `mnt` (made here) with mount `options` (e.g.
+    "size=8m", "ro,size=1m") for the test's length; the test is skipped where
+    mounting is not allowed. Unmounted lazily: a failed test may hold files."""
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def tmp_dir(kind: str = "") -> str:

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from sidecar_proc import MODEL, Sidecar, tmp_dir, tokens, wait_for
+from sidecar_proc import MODEL, Sidecar, mounted_tmpfs, tmp_dir, tokens, wait_for
 
 from contract import protocol as p
 from engine_shim import KVClient
@@ -372,29 +372,22 @@ def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
 
 
 def test_a_small_filesystem_caps_the_tier_and_nothing_breaks(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    inst = Instance(str(mnt / "ssd"))
-    try:
-        s = inst.start()
-        src = kv(5)
-        with client(s.endpoint, src) as c:
-            cap = ssd_stats(c)["capacity_blocks"]
-            assert 0 < cap < 16  # 2 MiB of 128 KiB blocks, not the 8 MiB asked for
-            for i in range(6):  # 24 blocks: more than the SSD tier holds
-                c.save(tokens(4, start=1000 * i), np.arange(4)).wait()
-                wait_for(lambda: c.stats()["plans_in_flight"] == 0)
-            assert ssd_stats(c)["used_blocks"] <= cap and ssd_stats(c)["io_errors"] == 0
-            assert c.lookup(tokens(4, start=5000)) == 4 * BLOCK_TOKENS
-        assert s.stop() == 0
-    finally:
-        inst.cleanup()
-        subprocess.run(["umount", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path / "small", "size=2m") as mnt:
+        inst = Instance(str(mnt / "ssd"))
+        try:
+            s = inst.start()
+            src = kv(5)
+            with client(s.endpoint, src) as c:
+                cap = ssd_stats(c)["capacity_blocks"]
+                assert 0 < cap < 16  # 2 MiB of 128 KiB blocks, not the 8 MiB asked for
+                for i in range(6):  # 24 blocks: more than the SSD tier holds
+                    c.save(tokens(4, start=1000 * i), np.arange(4)).wait()
+                    wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+                assert ssd_stats(c)["used_blocks"] <= cap and ssd_stats(c)["io_errors"] == 0
+                assert c.lookup(tokens(4, start=5000)) == 4 * BLOCK_TOKENS
+            assert s.stop() == 0
+        finally:
+            inst.cleanup()
 
 
 @pytest.fixture

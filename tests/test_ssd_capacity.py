@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sidecar_proc import mounted_tmpfs
 
 from sidecar.tiers.ssd.store import SsdStore
 
@@ -48,17 +48,8 @@ def kept(s: SsdStore) -> list[int]:
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs: room for ~121 slots of 64 KiB (the 5% margin kept of the
     free space is several slots, so the old slot count grew at each restart)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "size=8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)  # -l: a failed test may hold files
 
 
 def test_a_restart_short_of_space_keeps_the_slot_count_and_every_block(small_fs):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sidecar_proc import ROOT, Sidecar
+from sidecar_proc import ROOT, Sidecar, mounted_tmpfs
 
 from sidecar.tiers.checks import redact
 
@@ -43,17 +43,8 @@ def refused(result: subprocess.CompletedProcess[str], *words: str) -> None:
 
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_an_ssd_dir_that_is_a_file(tmp_path):

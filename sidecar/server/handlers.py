@@ -37,7 +37,8 @@ from sidecar.metrics.latency import RequestLatency
 from sidecar.server.limits import check_register
 from sidecar.server.sessions import Engines, Session, namespace_of, pid_namespace
 from sidecar.server.waiting import WaitingLoad, WaitingLoads
-from sidecar.tiers.tiered import TieredCache, open_tiered_cache
+from sidecar.tiers.build import open_tiered_cache
+from sidecar.tiers.tiered import TieredCache
 
 log = logging.getLogger("kvsidecar")
 

@@ -1,4 +1,4 @@
-"""Building the lower tiers when the block layout is known, and rebuilding the
+"""Building the tiers (a `TieredCache`) when the block layout is known, and rebuilding the
 SSD index from its journals after a restart."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import defaultdict
-from typing import NamedTuple
+from collections.abc import Callable
 
 import numpy as np
 import redis
@@ -19,12 +19,15 @@ from sidecar.config import Config, ConfigError
 from sidecar.control.admission import DoubleGetRule
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.planner import GlobalCacheEngine
+from sidecar.tiers.dataplane import DataPlane, TierOps
 from sidecar.tiers.io_pool import IoPool
 from sidecar.tiers.remote.redis import RedisConnector
 from sidecar.tiers.remote.store import RemoteStore
 from sidecar.tiers.remote.tier import Backoff, RemoteTier
 from sidecar.tiers.remote.value_check import read_secret
+from sidecar.tiers.ssd.ops import SsdOps
 from sidecar.tiers.ssd.store import Record, SsdError, SsdStore
+from sidecar.tiers.tiered import TieredCache
 
 log = logging.getLogger("kvsidecar")
 
@@ -34,16 +37,16 @@ REMOTE_INDEX_MAX_BLOCKS = 1 << 20
 past this many blocks it forgets (evicts) the coldest."""
 
 
-class Tiers(NamedTuple):
-    cache: GlobalCacheEngine
-    ssd: SsdStore | None
-    io: IoPool | None
-    remote: RemoteTier | None
-
-
-def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
-    """Every tier, once the first engine fixed the block layout. Raises
-    ProtocolError (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
+def open_tiered_cache(
+    config: Config,
+    pool: ShmPool,
+    layout: BlockLayout,
+    on_plan_ended: Callable[[int, bool], None],
+) -> TieredCache:
+    """Every tier for blocks of `layout`, once the first engine fixed it, and
+    the data plane that runs their ops; `on_plan_ended(plan_id, ok)` is
+    called when a plan the data plane ran ends. Raises ProtocolError
+    (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
     num_slots = pool.num_slots(layout.slot_stride)
     if num_slots == 0:
         raise ProtocolError(
@@ -89,7 +92,13 @@ def build_tiers(config: Config, pool: ShmPool, layout: BlockLayout) -> Tiers:
     remote = open_remote_tier(c, cache, pool, layout) if remote_engine is not None else None
     if remote_engine is not None and remote is None:
         cache.set_online("remote", False)
-    return Tiers(cache, store, io, remote)
+    ops: list[TierOps] = []
+    if store is not None and io is not None:
+        ops.append(SsdOps(store, io, pool, layout))
+    if remote is not None:
+        ops.append(remote.ops)
+    dataplane = DataPlane(cache, pool, layout, ops, on_plan_ended) if ops else None
+    return TieredCache(layout, cache, store, io, remote, dataplane)
 
 
 def open_remote_tier(

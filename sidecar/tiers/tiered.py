@@ -1,8 +1,8 @@
 """TieredCache: the cache of one block layout, every tier of it built whole.
 
 The tiers are sized by the block layout (slots of `slot_stride` bytes), which
-the first engine to register brings; `open_tiered_cache` builds all of them
-at once: the control plane's `GlobalCacheEngine`, the SSD store and its I/O
+the first engine to register brings; `sidecar.tiers.build.open_tiered_cache`
+builds all of them at once: the control plane's `GlobalCacheEngine`, the SSD store and its I/O
 pool, the remote tier, and the data plane that runs their ops of each plan.
 A tier the configuration leaves out (or that cannot be opened, logged) is
 None here, and stays so for the sidecar's life.
@@ -11,20 +11,16 @@ None here, and stays so for the sidecar's life.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Container
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
 from shm.layout import BlockLayout
-from shm.pool import ShmPool
-from sidecar.config import Config
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.tiers.build import build_tiers
-from sidecar.tiers.dataplane import DataPlane, TierOps
+from sidecar.tiers.dataplane import DataPlane
 from sidecar.tiers.io_pool import IoPool
 from sidecar.tiers.remote.tier import RemoteTier
-from sidecar.tiers.ssd.ops import SsdOps
 from sidecar.tiers.ssd.store import SsdStore
 
 log = logging.getLogger("kvsidecar")
@@ -143,22 +139,3 @@ def tier_figures(tier: CacheEngine) -> dict[str, Any]:
         "cached_blocks": tier.index.num_blocks,
         "evicted_blocks": tier.num_evicted_blocks,
     }
-
-
-def open_tiered_cache(
-    config: Config,
-    pool: ShmPool,
-    layout: BlockLayout,
-    on_plan_ended: Callable[[int, bool], None],
-) -> TieredCache:
-    """Every tier for blocks of `layout`; `on_plan_ended(plan_id, ok)` is
-    called when a plan the data plane ran ends. Raises ProtocolError
-    (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
-    cache, ssd, io, remote = build_tiers(config, pool, layout)
-    ops: list[TierOps] = []
-    if ssd is not None and io is not None:
-        ops.append(SsdOps(ssd, io, pool, layout))
-    if remote is not None:
-        ops.append(remote.ops)
-    dataplane = DataPlane(cache, pool, layout, ops, on_plan_ended) if ops else None
-    return TieredCache(layout, cache, ssd, io, remote, dataplane)
