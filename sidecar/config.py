@@ -122,6 +122,14 @@ class Config:
         low=_MiB,
         optional=True,
     )
+    cpu_extent_size: int | None = config_key(
+        None,
+        "size",
+        "Unit in which block geometries (models) share the CPU tier: its shm segments. None = "
+        "capacity/16, between 4MiB and 256MiB (and at most the capacity); a block must fit one.",
+        low=_MiB,
+        optional=True,
+    )
     shm_dir: str | None = config_key(
         None,
         "str",

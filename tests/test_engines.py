@@ -46,9 +46,13 @@ class Sidecar:
         self.pool.allocate(8)  # slots 4-6 are the plan's; the rest other blocks'
         self.deferred = deferred
         self.pending: list[int] = []
-        self.engines = Engines(self.cancel, self.pool.hold, self.pool.release)
+        self.engines = Engines(
+            self.cancel,
+            lambda _group, slots: self.pool.hold(slots),
+            lambda _group, slots: self.pool.release(slots),
+        )
 
-    def cancel(self, plan_id: int) -> None:
+    def cancel(self, _group: object, plan_id: int) -> None:
         self.pending.append(plan_id)
         if not self.deferred:
             self.finish_rollbacks()

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 import sidecar_proc as sp
+import torch
 from sidecar_proc import (
     SPAWN,
     Sidecar,
@@ -35,9 +36,10 @@ def test_a_refused_register_again_leaves_the_working_registration(sidecar):
     with connect(sidecar.endpoint, kv) as client:
         assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
         assert client.registration == 1
-        other = [layer.double() for layer in make_kv(None)]  # a layout this sidecar does not serve
+        # A block of 32 MiB does not fit the 4 MiB CPU tier: refused.
+        other = [torch.zeros(2, 2, sp.TOKENS_PER_BLOCK, 2, 1 << 16) for _ in range(2)]
         with pytest.raises(SidecarError) as info:
-            client.register(other, **sp.MODEL)
+            client.register(other, **{**sp.MODEL, "head_dim": 1 << 16})
         assert info.value.code == "layout_mismatch"
         assert client.registration == 1
         # still the first registration: same keys, same tensors, same copier

@@ -159,9 +159,8 @@ def test_refusals_are_structured_and_change_nothing(sidecar, open_client):
             channel.call(request, arrays)
         assert info.value.code == code, request
     assert stats_of(sidecar)["tiers"]["cpu"] == before
-    with pytest.raises(SidecarError) as info:
-        connect(sidecar.endpoint, make_kv(None, num_blocks=8)[:1], engine_id="c")
-    assert info.value.code == "layout_mismatch"
+    # Another geometry is another engine's to bring, not a refusal (issue 28):
+    connect(sidecar.endpoint, make_kv(None, num_blocks=8)[:1], engine_id="c").close()
     for c in (a, b):
         c.close()
     channel.close()

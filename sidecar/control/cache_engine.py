@@ -56,6 +56,12 @@ class CacheEngine:
         """Called with the slots `remove` frees (the SSD tier clears their
         journal records, so that a restart does not bring the blocks back)."""
         self.num_evicted_blocks = 0
+        self.grow: Callable[[int, bool], int] | None = None
+        """Set by the CPU tier's arena (`control.arena`) for a tier that shares
+        it: `grow(n, steal)` asks for more slots before this tier evicts its
+        own blocks; a free extent always, another geometry's extent when
+        `steal` and its next victim is older than this tier's. Returns the
+        slots granted."""
 
     @property
     def capacity(self) -> int:
@@ -72,10 +78,15 @@ class CacheEngine:
         """Up to n free slots, evicting as the thresholds say; fewer when the
         rest of the tier is locked, in flight or being written back. Lock
         what must survive (the prefix being extended) before calling."""
-        if n <= 0 or self.capacity == 0:
+        if n <= 0 or (self.capacity == 0 and self.grow is None):
             return SlotIds(np.empty(0, dtype=np.int64))
         free, used = self.mempool.num_free, self.mempool.num_used
         threshold = self.evict_start_threshold * self.capacity
+        grow = self.grow
+        # Room from the arena before evicting our own blocks:
+        if (used >= threshold or free < n) and grow is not None and grow(n, free < n):
+            free, used = self.mempool.num_free, self.mempool.num_used
+            threshold = self.evict_start_threshold * self.capacity
         if used >= threshold or free < n:
             want = max(
                 n - free,
@@ -84,6 +95,10 @@ class CacheEngine:
             )
             self._evict(want)
         return self.mempool.allocate(min(n, self.mempool.num_free))
+
+    def evict(self, num_blocks: int) -> None:
+        """Evict up to `num_blocks` blocks now, in the policy's order."""
+        self._evict(num_blocks)
 
     def _evict(self, num_blocks: int) -> None:
         hook = self.evict_hook

@@ -321,6 +321,14 @@ class RadixIndex:
 
     # ---- eviction -------------------------------------------------------------
 
+    def next_victim_age(self) -> float | None:
+        """`last_access` of the node `evict` would take next (None: none)."""
+        victim = self.policy.pop()
+        if victim is None:
+            return None
+        self.policy.add(victim)
+        return victim.last_access
+
     def evict(
         self, num_blocks: int, on_run: Callable[[EvictedRun], None] | None = None
     ) -> EvictResult:

@@ -16,7 +16,7 @@ class OutOfSlots(RuntimeError):
 
 
 class Mempool:
-    """`num_slots` slots numbered 0..num_slots-1.
+    """Slots numbered 0..space-1, of which `num_slots` are this pool's to hand out.
 
     allocate(n) and free(slots) cost O(n) numpy work, O(1) Python work: the
     free slots are a stack in one preallocated array, a boolean mask catches
@@ -26,16 +26,28 @@ class Mempool:
     `hold(slots)` keeps used slots from being handed out again until
     `release(slots)`, however they are freed meanwhile: a writer may still
     be copying into them (sidecar/server/sessions.py, orphans).
+
+    Ownership: a pool made with `owned=False` starts with no slots of its
+    own; `grant` gives it ranges, `retire_free` and `retire` take them back.
+    The CPU tier's geometries share one shm arena this way (`control.arena`):
+    each geometry's pool spans every slot of its stride in the arena and
+    owns the extents it was granted. A slot it does not own is neither
+    handed out nor accepted back.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, *, owned: bool = True) -> None:
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        self.num_slots = num_slots
+        self.space = num_slots
+        """Slots addressable: 0..space-1."""
+        self.num_slots = num_slots if owned else 0
+        """Slots owned: the pool's capacity."""
         # Lowest slots on top of the stack, so a fresh pool hands out 0, 1, 2...
         self._stack = np.arange(num_slots - 1, -1, -1, dtype=SLOT_DTYPE)
-        self._top = num_slots
-        self._is_free = np.ones(num_slots, dtype=np.bool_)
+        self._top = num_slots if owned else 0
+        self._is_free = np.full(num_slots, owned, dtype=np.bool_)
+        self._owned: np.ndarray | None = None if owned else np.zeros(num_slots, dtype=np.bool_)
+        """None while every slot is owned (the common case costs no check)."""
         # _scratch[s] = position of s in the current free() call (duplicate check).
         self._scratch = np.zeros(num_slots, dtype=np.int64)
         self._positions = np.arange(0, dtype=np.int64)
@@ -68,8 +80,10 @@ class Mempool:
             return
         if slots.dtype.kind not in "iu":
             raise MempoolError(f"slots must be integers, got dtype {slots.dtype}")
-        if slots.min() < 0 or slots.max() >= self.num_slots:
-            raise MempoolError(f"slot out of range 0..{self.num_slots - 1}: {slots}")
+        if slots.min() < 0 or slots.max() >= self.space:
+            raise MempoolError(f"slot out of range 0..{self.space - 1}: {slots}")
+        if self._owned is not None and not self._owned[slots].all():
+            raise MempoolError(f"slots not owned by this pool: {slots[~self._owned[slots]]}")
         freed = self._is_free[slots]
         if self._num_held:
             freed = freed | self._freed_held[slots]  # freed already, while held
@@ -98,8 +112,10 @@ class Mempool:
         slots = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
         if slots.size == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.num_slots:
-            raise MempoolError(f"slot out of range 0..{self.num_slots - 1}")
+        if slots.min() < 0 or slots.max() >= self.space:
+            raise MempoolError(f"slot out of range 0..{self.space - 1}")
+        if self._owned is not None and not self._owned[slots].all():
+            raise MempoolError("only owned slots can be held")
         if self._is_free[slots].any() or self._held[slots].any():
             raise MempoolError("only used slots that are not held already can be held")
         self._held[slots] = True
@@ -110,7 +126,7 @@ class Mempool:
         slots = np.unique(np.asarray(slots, dtype=np.int64).reshape(-1))
         if slots.size == 0:
             return
-        if slots.min() < 0 or slots.max() >= self.num_slots or not self._held[slots].all():
+        if slots.min() < 0 or slots.max() >= self.space or not self._held[slots].all():
             raise MempoolError("release of slots that are not held")
         self._held[slots] = False
         self._num_held -= int(slots.size)
@@ -134,8 +150,10 @@ class Mempool:
         slots = np.asarray(slots).reshape(-1)
         if slots.size == 0:
             return
-        if slots.dtype.kind not in "iu" or slots.min() < 0 or slots.max() >= self.num_slots:
-            raise MempoolError(f"slots out of range 0..{self.num_slots - 1}")
+        if slots.dtype.kind not in "iu" or slots.min() < 0 or slots.max() >= self.space:
+            raise MempoolError(f"slots out of range 0..{self.space - 1}")
+        if self._owned is not None and not self._owned[slots].all():
+            raise MempoolError("slots not owned by this pool")
         if np.unique(slots).size != slots.size or not self._is_free[slots].all():
             raise MempoolError("slots repeated or not free")
         self._is_free[slots] = False
@@ -145,3 +163,70 @@ class Mempool:
 
     def is_free(self, slot: int) -> bool:
         return bool(self._is_free[slot])
+
+    # ---- ownership (`owned=False` pools) ---------------------------------------------
+
+    def owns(self, slot: int) -> bool:
+        return self._owned is None or bool(self._owned[slot])
+
+    def grant(self, lo: int, hi: int) -> None:
+        """Own slots lo..hi-1, all free. MempoolError, nothing changed, if
+        one is out of range or owned already."""
+        owned = self._ownership(lo, hi)
+        if owned[lo:hi].any():
+            raise MempoolError(f"slots {lo}..{hi - 1} are partly owned already")
+        n = hi - lo
+        owned[lo:hi] = True
+        self._is_free[lo:hi] = True
+        self._stack[self._top : self._top + n] = np.arange(hi - 1, lo - 1, -1)
+        self._top += n
+        self.num_slots += n
+
+    def retire_free(self, lo: int, hi: int) -> int:
+        """Give up the free slots among lo..hi-1 (owned, not held); returns how
+        many. Used slots of the range stay owned until `retire`d."""
+        owned = self._ownership(lo, hi)
+        free = self._stack[: self._top]
+        leaving = (free >= lo) & (free < hi)
+        n = int(np.count_nonzero(leaving))
+        if n:
+            gone = free[leaving]
+            kept = free[~leaving]
+            self._stack[: kept.size] = kept
+            self._top = int(kept.size)
+            self._is_free[gone] = False
+            owned[gone] = False
+            self.num_slots -= n
+        return n
+
+    def retire(self, slots: np.ndarray) -> None:
+        """Give up used, owned, unheld slots (their blocks moved elsewhere)."""
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size == 0:
+            return
+        owned = self._ownership(int(slots.min()), int(slots.max()) + 1)
+        if (
+            not owned[slots].all()
+            or self._is_free[slots].any()
+            or self._held[slots].any()
+            or np.unique(slots).size != slots.size
+        ):
+            raise MempoolError("only used, owned slots that are not held can be retired")
+        owned[slots] = False
+        self.num_slots -= int(slots.size)
+
+    def num_used_in(self, lo: int, hi: int) -> int:
+        """Owned slots of lo..hi-1 that are not free."""
+        owned = self._ownership(lo, hi)
+        return int(np.count_nonzero(owned[lo:hi] & ~self._is_free[lo:hi]))
+
+    def held_in(self, lo: int, hi: int) -> bool:
+        """Whether a slot of lo..hi-1 is held (`hold`)."""
+        return bool(self._num_held) and bool(self._held[lo:hi].any())
+
+    def _ownership(self, lo: int, hi: int) -> np.ndarray:
+        if not 0 <= lo <= hi <= self.space:
+            raise MempoolError(f"slots {lo}..{hi - 1} out of range 0..{self.space - 1}")
+        if self._owned is None:
+            raise MempoolError("this pool owns every slot: it was not made with owned=False")
+        return self._owned

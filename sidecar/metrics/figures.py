@@ -22,6 +22,49 @@ def pool_figures(pool: ShmPool, capacity: int) -> dict[str, Any]:
     }
 
 
+_SUMMED = ("capacity_blocks", "used_blocks", "cached_blocks", "evicted_blocks")
+
+
+def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The tiers' figures over every geometry (CPU block counts summed, with
+    bytes; `block_bytes` and `slot_stride` are the first geometry's, like
+    the SSD and remote tiers, which only it has), and each geometry's own."""
+    geometries = []
+    arena = handlers.arena
+    for layout, realm in handlers.realms.items():
+        tiers = realm.figures()
+        # What it holds, and what it may take without taking it from another geometry:
+        tiers["cpu"]["capacity_blocks"] += arena.unowned_slots(layout.slot_stride)
+        geometries.append(
+            {
+                "num_layers": layout.num_layers,
+                "layer_block_bytes": layout.layer_block_bytes,
+                "tp_size": layout.tp_size,
+                "extents": handlers.arena.extents_of(realm.cache.cpu),
+                "engines": sorted(
+                    g.engine_id for g in handlers.engines.groups.values() if g.realm is realm
+                ),
+                "tiers": tiers,
+            }
+        )
+    if not geometries:
+        return {}, []
+    first = geometries[0]["tiers"]
+    cpu = dict(first["cpu"])
+    for name in _SUMMED:
+        cpu[name] = sum(g["tiers"]["cpu"][name] for g in geometries)
+    # The unowned extents count once, at the first geometry's stride:
+    cpu["capacity_blocks"] -= sum(
+        arena.unowned_slots(layout.slot_stride) for layout in list(handlers.realms)[1:]
+    )
+    for name in ("used", "cached"):
+        cpu[f"{name}_bytes"] = sum(
+            g["tiers"]["cpu"][f"{name}_blocks"] * g["tiers"]["cpu"]["slot_stride"]
+            for g in geometries
+        )
+    return {**first, "cpu": cpu}, geometries
+
+
 def server_figures(
     *,
     instance: str,
@@ -34,14 +77,16 @@ def server_figures(
     num_lapses: int,
 ) -> dict[str, Any]:
     """Every figure `kvsidecar stats` prints and the metrics endpoint exports."""
-    tiers = handlers.tiers.figures() if handlers.tiers is not None else {}
+    tiers, geometries = realm_figures(handlers)
+    cpu = {**pool_figures(pool, capacity), **handlers.arena.figures(), **tiers.pop("cpu", {})}
     return {
         "instance": instance,
         "endpoint": endpoint,
         "pid": os.getpid(),
         "boot_id": boot_id,
         "uptime_seconds": time.time() - started,
-        "tiers": {"cpu": {**pool_figures(pool, capacity), **tiers.pop("cpu", {})}, **tiers},
+        "tiers": {"cpu": cpu, **tiers},
+        "geometries": geometries,
         **handlers.figures(),
         "loop_lapses": num_lapses,
     }

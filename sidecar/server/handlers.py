@@ -29,13 +29,13 @@ from shm.copy import has_repeats
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.config import Config
+from sidecar.control.arena import ExtentArena
 from sidecar.control.hits import HitStats, split_hits
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import Plan, PlanError, TierCounts
-from sidecar.control.planner import GlobalCacheEngine
 from sidecar.metrics.latency import RequestLatency
 from sidecar.server.limits import check_register
-from sidecar.server.sessions import Engines, Session, namespace_of, pid_namespace
+from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
 from sidecar.server.waiting import WaitingLoad, WaitingLoads
 from sidecar.tiers.build import open_tiered_cache
 from sidecar.tiers.tiered import TieredCache
@@ -56,10 +56,12 @@ class Answer(NamedTuple):
 
 
 class Handlers:
-    """The protocol ops. Built whole at start-up with the parts they use; the
-    tiered cache is built when the first engine registers, since its tiers
-    are sized by that engine's block layout (until then every op but
-    Register and Stats is refused: the others need a session)."""
+    """The protocol ops. Built whole at start-up with the parts they use.
+    Each block geometry (layout) an engine brings gets a tiered cache of its
+    own when its first engine registers (`realms`); their CPU tiers share
+    the shm pool through one `ExtentArena`. The first geometry also gets the
+    SSD and remote tiers (docs/sidecar.md, "Many models"). Every op but
+    Register and Stats needs a session, so a cache exists for it."""
 
     def __init__(
         self,
@@ -79,7 +81,9 @@ class Handlers:
         self._send_frames = send
         self._watch = watch
         self._figures = figures
-        self.tiers: TieredCache | None = None
+        self.realms: dict[BlockLayout, TieredCache] = {}
+        """Per block geometry, its cache; the first one built has the lower tiers."""
+        self.arena = ExtentArena(pool.segment_sizes, self._move_blocks)
         self.engines = Engines(self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots)
         self.hits = HitStats(config.hit_window)
         self.waiting = WaitingLoads()
@@ -144,15 +148,22 @@ class Handlers:
             self._send(identity, Answer(r.error(req.id, ErrorCode.SHUTTING_DOWN, "shutting down")))
             self.latency.answered(identity, req.id)
 
+    @property
+    def primary(self) -> TieredCache | None:
+        """The first geometry's cache: the one with the SSD and remote tiers."""
+        return next(iter(self.realms.values()), None)
+
     def close(self) -> None:
         """Close the tiers (their I/O threads first; idempotent)."""
-        if self.tiers is not None:
-            self.tiers.close()
+        for realm in self.realms.values():
+            realm.close()
 
     def figures(self) -> dict[str, Any]:
         """What the handlers count: requests and errors by kind, hit ratios,
         plans in flight, the engines served."""
-        plans = self.engines.plans.keys() | (self.tiers.plan_ids() if self.tiers else set())
+        plans = set(self.engines.plans)
+        for realm in self.realms.values():
+            plans |= realm.plan_ids()
         return {
             "hits": self.hits.snapshot(),
             # A plan with engine and sidecar ops is tracked by both: count it once.
@@ -171,28 +182,33 @@ class Handlers:
             "latency": self.latency.figures(),
         }
 
-    def _cache(self) -> GlobalCacheEngine:
-        """The cache, for an op of a registered session (so it exists)."""
-        assert self.tiers is not None, "a session exists only after a register built the cache"
-        return self.tiers.cache
-
     def _adopt_background(self) -> None:
-        if self.tiers is not None:
-            self.tiers.adopt_background()
+        primary = self.primary
+        if primary is not None:  # only lower tiers make background plans
+            primary.adopt_background()
 
     def _session(self, request: Any) -> Session:
         return self.engines.session(request.session)
 
-    def _cancel_plan(self, plan_id: int) -> None:
+    @staticmethod
+    def _realm(session: Session) -> TieredCache:
+        realm: TieredCache = session.group.realm
+        return realm
+
+    def _cancel_plan(self, group: EngineGroup, plan_id: int) -> None:
         """Roll a plan back (at once, or when its ops on I/O threads return)."""
-        if self.tiers is not None:
-            self.tiers.cancel(plan_id)
+        group.realm.cancel(plan_id)
 
-    def _hold_cpu_slots(self, slots: np.ndarray) -> None:
-        self._cache().cpu.mempool.hold(slots)
+    def _hold_cpu_slots(self, group: EngineGroup, slots: np.ndarray) -> None:
+        group.realm.cache.cpu.mempool.hold(slots)
 
-    def _release_cpu_slots(self, slots: np.ndarray) -> None:
-        self._cache().cpu.mempool.release(slots)
+    def _release_cpu_slots(self, group: EngineGroup, slots: np.ndarray) -> None:
+        group.realm.cache.cpu.mempool.release(slots)
+
+    def _move_blocks(self, stride: int, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy CPU slots (an extent changing geometry: `ExtentArena`)."""
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            np.copyto(self.pool.slot_view(d, stride), self.pool.slot_view(s, stride))
 
     def _not_stopping(self) -> None:
         if self.stopping:
@@ -204,38 +220,36 @@ class Handlers:
         kv = req.kv
         namespace = namespace_of(kv)
         layout = _layout_of(kv)
-        if self.tiers is not None and layout != self.tiers.layout:
-            raise ProtocolError(
-                ErrorCode.LAYOUT_MISMATCH,
-                f"this sidecar serves blocks of {self.tiers.layout}, not {layout}; "
-                "run one sidecar instance per KV layout",
-            )
         self.engines.check_join(req.engine_id, req.session, kv, namespace)
-        # Checks done: from here on the request changes state.
-        if self.tiers is None:
-            self.tiers = open_tiered_cache(self.config, self.pool, layout, self._plan_ended)
-            for fd in self.tiers.fds:  # results wake the loop through their eventfds
+        # Checks done (a new geometry's cache checks that its blocks fit before
+        # it changes anything): from here on the request changes state.
+        realm = self.realms.get(layout)
+        if realm is None:
+            first = not self.realms
+            realm = open_tiered_cache(
+                self.config, self.pool, layout, self._plan_ended, self.arena, lower=first
+            )
+            self.realms[layout] = realm
+            for fd in realm.fds:  # results wake the loop through their eventfds
                 self._watch(fd)
         pid = req.pid if req.pid_ns and req.pid_ns == pid_namespace() else 0
-        self.engines.join(req.engine_id, req.session, kv, namespace, pid)
+        self.engines.join(req.engine_id, req.session, kv, namespace, pid, realm)
         reply = r.RegisterReply(
             id=req.id,
             boot_id=self.boot_id,
             segments=list(self.pool.segment_names),
             segment_sizes=list(self.pool.segment_sizes),
-            slot_stride=self.tiers.layout.slot_stride,
-            num_slots=self.tiers.cache.cpu.capacity,
+            slot_stride=layout.slot_stride,
+            num_slots=self.arena.space(layout.slot_stride),
             lease_seconds=self.config.lease_seconds,
         )
         return Answer(reply)
 
     def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> Answer | None:
         # Every lookup of every engine runs this while the others wait: kept flat.
-        self.engines.session(req.session)
+        tiers: TieredCache = self.engines.session(req.session).group.realm
         frame = arrays[0]
         num = p.num_keys(frame)
-        tiers = self.tiers
-        assert tiers is not None  # a session exists
         cache = tiers.cache
         if not cache.lower:  # a CPU-only cache: counted from the frame's bytes
             hits = TierCounts(cache.cpu.index.ready_blocks(frame))
@@ -244,7 +258,7 @@ class Handlers:
             if (
                 tiers.remote is not None  # else no probe: and no closure made for one
                 and not probed
-                and self._probe(keys, req.id, lambda: self._lookup(req, arrays, True))
+                and self._probe(tiers, keys, req.id, lambda: self._lookup(req, arrays, True))
             ):
                 return None
             hits = split_hits(cache.lookup(keys))
@@ -259,16 +273,16 @@ class Handlers:
         return Answer(reply)
 
     def _exists(self, req: p.Exists, arrays: list[bytes]) -> Answer:
-        self._session(req)
+        cache = self._realm(self._session(req)).cache
         keys = p.parse_keys(arrays[0])
-        exists = split_hits(self._cache().lookup(keys)).total == len(keys)
+        exists = split_hits(cache.lookup(keys)).total == len(keys)
         return Answer(r.ExistsReply(id=req.id, exists=exists))
 
     def _delete(self, req: p.Delete, arrays: list[bytes]) -> Answer:
-        self._session(req)
+        cache = self._realm(self._session(req)).cache
         keys = p.parse_keys(arrays[0])
         try:
-            removed = self._cache().delete(keys)
+            removed = cache.delete(keys)
         except IndexConflict as err:
             raise ProtocolError(ErrorCode.BUSY, str(err)) from None
         return Answer(r.DeleteReply(id=req.id, deleted_blocks=removed))
@@ -284,11 +298,12 @@ class Handlers:
         keys, gpu = self._keys_and_blocks(session, arrays)
         if not 0 <= req.skip <= len(keys):
             raise ProtocolError(ErrorCode.BAD_VALUE, f"skip must be in [0, {len(keys)}]")
-        cache = self._cache()
+        realm = self._realm(session)
+        cache = realm.cache
         resume = functools.partial(self._load, req, arrays, 0, True)
-        if attempt == 0 and not probed and self._probe(keys, req.id, resume):
+        if attempt == 0 and not probed and self._probe(realm, keys, req.id, resume):
             return None
-        dataplane = self.tiers.dataplane if self.tiers is not None else None
+        dataplane = realm.dataplane
         if dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
             stage = cache.get(keys, gpu, len(keys), hit=False)  # lower tiers -> CPU only
             # Its evictions may have started write-backs (write_back policy):
@@ -332,7 +347,7 @@ class Handlers:
         self._not_stopping()
         session = self._session(req)
         keys, gpu = self._keys_and_blocks(session, arrays)
-        plan = self._cache().put(keys, gpu)
+        plan = self._realm(session).cache.put(keys, gpu)
         ops, op_arrays = self._engine_ops(session, plan)
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += plan.stored_blocks
@@ -347,12 +362,14 @@ class Handlers:
         )
         return Answer(reply, op_arrays)
 
-    def _probe(self, keys: Any, rid: int, resume: Callable[[], Answer | None]) -> bool:
+    def _probe(
+        self, realm: TieredCache, keys: Any, rid: int, resume: Callable[[], Answer | None]
+    ) -> bool:
         """Ask the remote store about keys past what this sidecar knows, when
         the double-get rule says so; `resume` answers the request once the
         probe is back. False when there is nothing to ask."""
-        remote = self.tiers.remote if self.tiers is not None else None
-        start = None if remote is None else self._cache().remote_probe_start(keys)
+        remote = realm.remote
+        start = None if remote is None else realm.cache.remote_probe_start(keys)
         if remote is None or start is None:
             return False
         identity = self._identity
@@ -418,7 +435,7 @@ class Handlers:
         ops: list[r.PlanOp] = []
         arrays: list[bytes] = []
         if not plan.finished_on_return:
-            dataplane = self.tiers.dataplane if self.tiers is not None else None
+            dataplane = self._realm(session).dataplane
             if dataplane is not None:
                 dataplane.adopt(plan)  # its sidecar ops start when their deps are done
             state = self.engines.track(plan, session)
@@ -433,7 +450,8 @@ class Handlers:
         session = self._session(req)
         state = self.engines.owned_plan(session, req.plan_id)
         state.check_report(session.rank, req.op_ids)
-        cache = self._cache()
+        realm = self._realm(session)
+        cache = realm.cache
         finished = False
         for op_id in req.op_ids:
             if state.report(session.rank, op_id):
@@ -445,7 +463,7 @@ class Handlers:
             # The engine's part is done; what is left (SSD writes) runs on the
             # I/O pool and no longer depends on the engine staying alive.
             self.engines.end(req.plan_id, cancel=False)
-        dataplane = self.tiers.dataplane if self.tiers is not None else None
+        dataplane = realm.dataplane
         if dataplane is not None:
             if finished:  # the sidecar's ops of this plan (if any) landed before
                 dataplane.ended(req.plan_id)

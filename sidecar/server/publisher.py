@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -76,7 +76,7 @@ class EventPublisher:
         self.pub.send_multipart([wire.TOPIC, wire.encode(batch)], copy=False)
         self._last_sent = now
 
-    def serve_resync(self, index: RadixIndex | None, most: int = 16) -> None:
+    def serve_resync(self, indexes: Sequence[RadixIndex], most: int = 16) -> None:
         """Answer the waiting resync requests, at most `most` (call after
         `publish`). One dump, made once, answers them all: a crowd of
         routers resyncing at once must not hold the control loop for a
@@ -97,7 +97,7 @@ class EventPublisher:
                 )
             else:
                 if dump is None:
-                    runs = [] if index is None else index_runs(index)
+                    runs = [run for index in indexes for run in index_runs(index)]
                     dump = wire.encode(
                         wire.DumpReply(self.epoch, self.seq, self.worker_id, 0, runs)
                     )

@@ -66,6 +66,21 @@ def default_cpu_capacity(root: str = "/") -> int:
     return max(64 << 20, min(total // 10, 16 << 30))
 
 
+EXTENT_ROUND = 2 << 20
+"""A default extent is a multiple of this (a 2 MiB huge page)."""
+
+
+def extent_size(config: Config, capacity: int) -> int:
+    """The unit in which geometries share the CPU tier (its shm segments):
+    `cpu_extent_size`, or capacity/16 between 4 MiB and 256 MiB, in whole
+    2 MiB, at most the capacity (rounded up to 4 KiB)."""
+    if config.cpu_extent_size is not None:
+        return config.cpu_extent_size
+    size = min(256 << 20, max(4 << 20, capacity // 16))
+    size -= size % EXTENT_ROUND
+    return min(size, -(-capacity // 4096) * 4096)
+
+
 PREFAULT_LOG_SECONDS = 1.0
 """Prefaulting the CPU tier logs its progress at most this often."""
 
@@ -181,6 +196,7 @@ class Server:
                 self.paths.shm_prefix,
                 self.capacity,
                 directory=self.config.shm_dir,
+                segment_bytes=extent_size(self.config, self.capacity),
                 prefault=self.config.prefault,
                 progress=PrefaultLog(PREFAULT_LOG_SECONDS),
             )
@@ -263,9 +279,9 @@ class Server:
         parts.transport.wait(timeout_ms, self._collect)
         handlers.retry_parked()
         if parts.publisher is not None:
-            index = handlers.tiers.cache.cpu.index if handlers.tiers is not None else None
-            parts.publisher.publish([] if index is None else index.drain_events())
-            parts.publisher.serve_resync(index)
+            indexes = [realm.cache.cpu.index for realm in handlers.realms.values()]
+            parts.publisher.publish([e for index in indexes for e in index.drain_events()])
+            parts.publisher.serve_resync(indexes)
         now = time.monotonic()
         lapse = now - self._loop_mark - timeout_ms / 1000 - self._busy_poll
         if self._loop_mark and lapse > LAPSE_LEASES * self.config.lease_seconds:
@@ -291,9 +307,8 @@ class Server:
         self.parts.handlers.serve(frames)
 
     def _collect(self, ready: dict[Any, int]) -> None:
-        tiers = self.parts.handlers.tiers
-        if tiers is not None:
-            tiers.collect(ready)
+        for realm in self.parts.handlers.realms.values():
+            realm.collect(ready)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         log.info("signal %d: draining", signum)
@@ -307,16 +322,16 @@ class Server:
 
     def _drain(self) -> None:
         handlers = self.parts.handlers
-        engines, tiers = handlers.engines, handlers.tiers
+        engines, realms = handlers.engines, handlers.realms.values()
         deadline = time.monotonic() + self.config.drain_seconds
 
         def busy() -> bool:
-            return bool(engines.plans) or (tiers is not None and tiers.busy())
+            return bool(engines.plans) or any(realm.busy() for realm in realms)
 
         while busy() and time.monotonic() < deadline:
             self.poll_once(20)
-        if tiers is not None:
-            tiers.abandon()
+        for realm in realms:
+            realm.abandon()
         for plan_id in list(engines.plans):
             engines.end(plan_id, cancel=True)
         engines.release_orphans()

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import psutil
@@ -85,6 +86,10 @@ class EngineGroup:
     namespace: Namespace
     kv: KVLayoutMsg
     """Rank 0's view of the layout (tp_rank aside, every rank must agree)."""
+    realm: Any = None
+    """The cache of its block geometry (a `TieredCache`, given by `join`)."""
+    ns_id: int = 0
+    """Its (model, revision, tenant) namespace's number (`Namespaces`)."""
     sessions: dict[int, Session] = field(default_factory=dict)
     plans: dict[int, PlanState] = field(default_factory=dict)
 
@@ -146,6 +151,8 @@ class Orphan:
     writers: dict[str, int]
     """Session id -> pid (0: not known here) of each rank that may still write."""
     since: float
+    group: EngineGroup
+    """The engine whose save it was (its geometry holds the slots)."""
     slots: np.ndarray
     """The plan's CPU slots the writers may fill (its D2H destinations): held
     (Mempool.hold) until they stop, however the plan's rollback frees them,
@@ -170,12 +177,13 @@ class Engines:
 
     def __init__(
         self,
-        cancel: Callable[[int], None],
-        hold_slots: Callable[[np.ndarray], None],
-        release_slots: Callable[[np.ndarray], None],
+        cancel: Callable[[EngineGroup, int], None],
+        hold_slots: Callable[[EngineGroup, np.ndarray], None],
+        release_slots: Callable[[EngineGroup, np.ndarray], None],
     ) -> None:
-        """`cancel(plan_id)` rolls a plan back; `hold_slots(slots)` keeps CPU
-        slots from reuse until `release_slots(slots)`."""
+        """`cancel(group, plan_id)` rolls a plan of that engine back;
+        `hold_slots(group, slots)` keeps CPU slots of the engine's geometry
+        from reuse until `release_slots(group, slots)`."""
         self._cancel = cancel
         self._hold_slots = hold_slots
         self._release_slots = release_slots
@@ -211,7 +219,14 @@ class Engines:
             group.check_compatible(kv, ns)
 
     def join(
-        self, engine_id: str, session_id: str, kv: KVLayoutMsg, ns: Namespace, pid: int
+        self,
+        engine_id: str,
+        session_id: str,
+        kv: KVLayoutMsg,
+        ns: Namespace,
+        pid: int,
+        realm: Any = None,
+        ns_id: int = 0,
     ) -> Session:
         """Add a rank's session (call `check_join` first). A new session for a
         rank that has one replaces it: that rank's process restarted, or
@@ -225,7 +240,7 @@ class Engines:
             self.drop(prior, "registered again as another engine or rank")
         group = self.groups.get(engine_id)
         if group is None:
-            group = self.groups[engine_id] = EngineGroup(engine_id, ns, kv)
+            group = self.groups[engine_id] = EngineGroup(engine_id, ns, kv, realm, ns_id)
         old = group.sessions.get(kv.tp_rank)
         if old is not None and old.session_id != session_id:
             self.drop(old, "replaced by a new registration of its rank", may_write=True)
@@ -258,7 +273,7 @@ class Engines:
         self.num_ended += 1
         state.group.plans.pop(plan_id, None)
         if cancel:
-            self._cancel(plan_id)
+            self._cancel(state.group, plan_id)
 
     def give_up(self, session: Session, plan_id: int) -> None:
         """A rank failed or cancelled the plan (it copies no more): roll it
@@ -363,11 +378,11 @@ class Engines:
         state = self.plans[plan_id]
         d2h = [op.dst for op in state.plan.graph.ops if op.kind is OpKind.D2H]
         slots = np.unique(np.concatenate(d2h)) if d2h else np.empty(0, np.int64)
-        self._hold_slots(slots)  # first: if it raises, the plan is as it was
+        self._hold_slots(state.group, slots)  # first: if it raises, the plan is as it was
         del self.plans[plan_id]
         state.group.plans.pop(plan_id, None)
-        self._cancel(plan_id)
-        self.orphans[plan_id] = Orphan(writers, time.monotonic(), slots)
+        self._cancel(state.group, plan_id)
+        self.orphans[plan_id] = Orphan(writers, time.monotonic(), state.group, slots)
         self.num_ended += 1
         log.info(
             "plan %d held until %d engine rank(s) stop copying into its slots",
@@ -377,7 +392,8 @@ class Engines:
 
     def _release(self, plan_id: int) -> None:
         """The writers stopped: the held slots the rollback freed come free."""
-        self._release_slots(self.orphans.pop(plan_id).slots)
+        orphan = self.orphans.pop(plan_id)
+        self._release_slots(orphan.group, orphan.slots)
         self.num_ended += 1
 
     def describe(self) -> list[dict[str, object]]:

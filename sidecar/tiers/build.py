@@ -17,6 +17,7 @@ from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.config import Config, ConfigError
 from sidecar.control.admission import DoubleGetRule
+from sidecar.control.arena import ExtentArena
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.tiers.dataplane import DataPlane, TierOps
@@ -42,37 +43,47 @@ def open_tiered_cache(
     pool: ShmPool,
     layout: BlockLayout,
     on_plan_ended: Callable[[int, bool], None],
+    arena: ExtentArena,
+    *,
+    lower: bool = True,
 ) -> TieredCache:
-    """Every tier for blocks of `layout`, once the first engine fixed it, and
+    """Every tier for blocks of `layout` (a geometry an engine brought), and
     the data plane that runs their ops; `on_plan_ended(plan_id, ok)` is
-    called when a plan the data plane ran ends. Raises ProtocolError
-    (LAYOUT_MISMATCH) if a block does not fit the CPU tier."""
-    num_slots = pool.num_slots(layout.slot_stride)
-    if num_slots == 0:
-        raise ProtocolError(
-            ErrorCode.LAYOUT_MISMATCH,
-            f"a block of {layout.block_bytes} bytes does not fit the CPU tier "
-            f"({pool.nbytes} bytes)",
-        )
+    called when a plan the data plane ran ends. Its CPU tier joins the
+    `arena` the geometries share; the SSD and remote tiers only with
+    `lower` (the first geometry: see docs/sidecar.md, "Many models").
+    Raises ProtocolError (LAYOUT_MISMATCH) if a block does not fit an
+    extent of the CPU tier."""
     c = config
     cpu = CacheEngine(
         "cpu",
-        num_slots,
+        0,
         c.eviction_policy,
         c.evict_start_threshold,
         c.evict_ratio,
         c.hit_reward_seconds,
         record_events=c.events_endpoint is not None,
     )
-    log.info("CPU tier: %d slots of %d bytes", num_slots, layout.slot_stride)
-    ssd = open_ssd_tier(c, layout)
+    try:
+        arena.join(cpu, layout.slot_stride)
+    except ValueError as err:
+        raise ProtocolError(
+            ErrorCode.LAYOUT_MISMATCH, f"{err}: raise cpu_extent_size (or cpu_capacity)"
+        ) from None
+    log.info(
+        "CPU tier: geometry %s, slots of %d bytes, %d in the arena",
+        layout,
+        layout.slot_stride,
+        arena.space(layout.slot_stride),
+    )
+    ssd = open_ssd_tier(c, layout) if lower else None
     ssd_engine, store, io = None, None, None
     if ssd is not None:
         ssd_engine, store = ssd
         ssd_engine.remove_hook = store.drop_slots
         io = IoPool("ssd", c.ssd_io_threads)
     remote_engine = None
-    if c.remote_url is not None:
+    if c.remote_url is not None and lower:
         num = min(c.remote_capacity // layout.slot_stride, REMOTE_INDEX_MAX_BLOCKS)
         remote_engine = CacheEngine(
             "remote", num, c.eviction_policy, c.evict_start_threshold, c.evict_ratio
