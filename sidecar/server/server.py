@@ -27,15 +27,19 @@ from typing import Any, NamedTuple
 import psutil
 
 from shm.pool import ShmPool, remove_stale_segments
-from sidecar.config import Config, format_size
+from shm.segments import SEGMENT_MODE
+from sidecar.config import Config, format_size, group_id
 from sidecar.memory_limit import cgroup_memory_limit
 from sidecar.metrics.figures import server_figures
 from sidecar.runtime import (
+    SHARED_FILE_MODE,
     InstanceLock,
+    check_group_member,
     endpoint_of,
     ensure_runtime_dir,
     instance_paths,
     remove_created,
+    share_socket_file,
 )
 from sidecar.sd_notify import SdNotifier
 from sidecar.server.curve import CurveFiles
@@ -119,6 +123,8 @@ class Server:
         self.boot_id = uuid.uuid4().hex
         self.started = time.time()
         self.capacity = config.cpu_capacity or default_cpu_capacity()
+        self.gid = group_id(config.group)
+        """The group whose members' engines may connect (None: the owner's only)."""
         self.stopping = False
         self._parts: _Parts | None = None
         self.snapshot: dict[str, Any] = {}
@@ -163,7 +169,9 @@ class Server:
         the first registration). On failure, undo what was done (the
         directories it created included, when empty) and re-raise."""
         check_tiers(self.config)
-        created = ensure_runtime_dir(self.paths.runtime_dir)
+        if self.gid is not None:
+            check_group_member(self.gid)
+        created = ensure_runtime_dir(self.paths.runtime_dir, self.gid)
         try:
             self._start_parts()
         except BaseException:
@@ -183,6 +191,8 @@ class Server:
                 directory=self.config.shm_dir,
                 prefault=self.config.prefault,
                 progress=PrefaultLog(PREFAULT_LOG_SECONDS),
+                mode=SEGMENT_MODE if self.gid is None else SHARED_FILE_MODE,
+                gid=self.gid,
             )
             undo.callback(_remove_pool, pool)
             if self.config.shm_dir and pool.page_kind == "4k":
@@ -193,6 +203,8 @@ class Server:
             curve = CurveFiles.of(self.config)
             transport = Transport(self.endpoint, self._serve, self._busy_poll, curve)
             undo.callback(transport.close)
+            if self.gid is not None:
+                share_socket_file(self.endpoint, self.gid)
             handlers = Handlers(
                 self.config, self.boot_id, pool, transport.send, transport.watch, self.stats
             )
