@@ -374,7 +374,6 @@ class Config:
                 f"remote_io_threads ({self.remote_io_threads}): each stream is one thread"
             )
         self._check_remote_endpoints()
-        group_id(self.group)  # a group this host does not know is a configuration error
         bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
         if len(set(bound)) != len(bound):
             raise ConfigError(
@@ -417,7 +416,10 @@ def group_id(group: str | None) -> int | None:
     """The gid the `group` key names: digits are a gid as they are (a
     container may know a gid without a name for it), anything else a group
     name looked up in the host's group database. None for None; ConfigError
-    naming the key for an unknown name or an impossible gid."""
+    naming the key for an unknown name or an impossible gid.
+
+    Called where the group is used (the daemon's start), not by `Config`:
+    a configuration loads the same on any host."""
     if group is None:
         return None
     if group.isdigit():

@@ -123,7 +123,7 @@ class Server:
         self.boot_id = uuid.uuid4().hex
         self.started = time.time()
         self.capacity = config.cpu_capacity or default_cpu_capacity()
-        self.gid = group_id(config.group)
+        self.gid = group_id(config.group)  # ConfigError for a group the host does not know
         """The group whose members' engines may connect (None: the owner's only)."""
         self.stopping = False
         self._parts: _Parts | None = None
@@ -166,8 +166,9 @@ class Server:
         it), lock the instance, clean a dead predecessor's leftovers, create
         the CPU tier and bind. Raises ConfigError, before anything is done,
         for a lower tier's setting that cannot work (those tiers are built at
-        the first registration). On failure, undo what was done (the
-        directories it created included, when empty) and re-raise."""
+        the first registration) or a `group` this process is not in. On
+        failure, undo what was done (the directories it created included,
+        when empty) and re-raise."""
         check_tiers(self.config)
         if self.gid is not None:
             check_group_member(self.gid)
