@@ -147,12 +147,15 @@ def test_the_runtime_dir_socket_and_segments_are_the_groups_and_the_lock_the_own
 ) -> None:
     """As any user: the group is this process's own primary group."""
     gid = os.getgid()
-    s = Sidecar("--set", f"group={gid}", runtime_dir=shared_dir / "run").start()
+    run = shared_dir / "run"
+    events = f"ipc://{run}/events.sock"
+    s = Sidecar(
+        "--set", f"group={gid}", "--set", f"events_endpoint={events}", runtime_dir=run
+    ).start()
     try:
-        run = Path(s.runtime_dir)
         assert mode_gid(run) == (0o750, gid)
-        assert mode_gid(run / f"{s.instance}.sock") == (0o660, gid)
-        assert stat.S_ISSOCK(os.lstat(run / f"{s.instance}.sock").st_mode)
+        for sock in (run / f"{s.instance}.sock", run / "events.sock"):
+            assert stat.S_ISSOCK(os.lstat(sock).st_mode) and mode_gid(sock) == (0o660, gid)
         assert mode_gid(run / f"{s.instance}.lock")[0] == 0o600
         segments = s.shm_segments()
         assert segments
@@ -160,7 +163,8 @@ def test_the_runtime_dir_socket_and_segments_are_the_groups_and_the_lock_the_own
             assert mode_gid(f"/dev/shm/{name}") == (0o660, gid)
         assert sp.stats_of(s)["pid"] == s.proc.pid  # type: ignore[union-attr]
         assert s.stop() == 0
-        assert s.shm_segments() == [] and os.listdir(run) == []
+        assert s.shm_segments() == []
+        assert not {f"{s.instance}.sock", f"{s.instance}.lock"} & set(os.listdir(run))
     finally:
         s.cleanup()
 

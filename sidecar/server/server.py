@@ -204,8 +204,6 @@ class Server:
             curve = CurveFiles.of(self.config)
             transport = Transport(self.endpoint, self._serve, self._busy_poll, curve)
             undo.callback(transport.close)
-            if self.gid is not None:
-                share_socket_file(self.endpoint, self.gid)
             handlers = Handlers(
                 self.config, self.boot_id, pool, transport.send, transport.watch, self.stats
             )
@@ -222,6 +220,14 @@ class Server:
                 undo.callback(publisher.close)
                 if publisher.resync is not None:
                     transport.watch(publisher.resync)
+            if self.gid is not None:  # each ipc:// socket: a router may be a member too
+                bound = (
+                    self.endpoint,
+                    self.config.events_endpoint,
+                    self.config.events_resync_endpoint,
+                )
+                for endpoint in filter(None, bound):
+                    share_socket_file(endpoint, self.gid)
             self._parts = _Parts(pool, transport, handlers, publisher, undo.pop_all())
         self.snapshot = self.stats()
         if self.config.metrics_port is not None:
