@@ -40,7 +40,8 @@ def endpoint_of(config: Config) -> str:
 
 class UnsafeRuntimeDir(PermissionError):
     """The runtime directory is not one only we control: a symlink, not a
-    directory, another user's, or writable by group or others."""
+    directory, another user's, or writable by group or others; or, with a
+    `group` to serve, one that group cannot search."""
 
 
 RUNTIME_DIR_MODE = 0o700
