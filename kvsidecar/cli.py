@@ -8,11 +8,15 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvsidecar import logs
 from sidecar.config import Config, ConfigError, format_size, load_config, parse_overrides
+
+if TYPE_CHECKING:
+    from sidecar.cleanup import Removed
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "stats":
             p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=_status if name == "status" else _stats)
+    _add_cleanup(sub)
     keygen = sub.add_parser(
         "keygen",
         help="make a CURVE key pair for a sidecar or a client (DIR/NAME.key, NAME.key_secret)",
@@ -119,6 +124,27 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
+def _add_cleanup(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "cleanup",
+        help="remove the shm segments, socket and lock file a crashed sidecar of this user left",
+        description="Remove the shm segments, socket and lock file that a crashed sidecar "
+        "instance of this user left in its runtime directory, printing each and the bytes "
+        "freed. The instance (--instance, else the configured one, else 'default') must be "
+        "dead: cleanup takes its instance lock as a starting sidecar would, and while a live "
+        "process holds it refuses (exit 1) and removes nothing. --all does this for every "
+        "instance of this user in the runtime directory: live ones are listed and left "
+        "alone. Reads the same configuration as serve (runtime_dir, shm_dir).",
+    )
+    _config_args(p)
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every dead instance of this user in the runtime directory, not one",
+    )
+    p.set_defaults(func=_cleanup)
+
+
 def _load(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
     """The configuration these flags give, over `env` (None: os.environ)."""
     overrides = parse_overrides(args.set)
@@ -197,6 +223,48 @@ def _serve(args: argparse.Namespace) -> int:
     server.serve_forever()
     logs.lifecycle("stopped", {"instance": config.instance, "pid": os.getpid()})
     return 0
+
+
+def _cleanup(args: argparse.Namespace) -> int:
+    from sidecar.cleanup import clean_instance, instances_in
+    from sidecar.runtime import InstanceRunning, UnsafeRuntimeDir, instance_paths
+
+    config = _load(args)
+    paths = instance_paths(config)
+    if args.all and args.instance is not None:
+        print("kvsidecar: cleanup takes --instance or --all, not both", file=sys.stderr)
+        return 2
+    names = instances_in(paths.runtime_dir, config.shm_dir) if args.all else [config.instance]
+    live = 0
+    for name in names:
+        try:
+            removed = clean_instance(replace(paths, instance=name), config.shm_dir)
+        except InstanceRunning as err:
+            print(f"kvsidecar: {err}: nothing removed", file=sys.stderr)
+            live += 1
+            continue
+        except UnsafeRuntimeDir as err:
+            print(f"kvsidecar: {err}", file=sys.stderr)
+            return 1
+        _print_removed(removed)
+    if not names:
+        print(f"kvsidecar: no instance of uid {os.getuid()} in {paths.runtime_dir}")
+    return 1 if live and not args.all else 0
+
+
+def _print_removed(removed: Removed) -> None:
+    for segment in removed.segments:
+        print(f"removed shm segment {segment}")
+    for path in removed.files:
+        print(f"removed {path}")
+    if removed.segments or removed.files:
+        print(
+            f"instance {removed.instance!r}: removed {len(removed.segments)} shm segment(s) "
+            f"and {len(removed.files)} file(s), {format_size(removed.freed_bytes)} of shared "
+            "memory freed"
+        )
+    else:
+        print(f"instance {removed.instance!r}: nothing to remove")
 
 
 def _keygen(args: argparse.Namespace) -> int:

@@ -137,8 +137,10 @@ class ShmPool:
         prefault: bool = True,
         progress: PrefaultProgress | None = None,
         progress_bytes: int = 256 << 20,
+        mode: int = SEGMENT_MODE,
+        gid: int | None = None,
     ) -> ShmPool:
-        """Create segments `{prefix}.0`, `{prefix}.1`, ... (mode 0600) holding at
+        """Create segments `{prefix}.0`, `{prefix}.1`, ... (`mode`) holding at
         least `nbytes`, each at most `segment_bytes`: POSIX shm `/{prefix}.N`, or
         with `directory` (absolute; a hugetlbfs or tmpfs mount) files
         `{directory}/{prefix}.N`. Sizes are whole pages: 4 KiB for POSIX shm,
@@ -148,6 +150,10 @@ class ShmPool:
         With `prefault`, every page is allocated and mapped at once, in parts
         of about `progress_bytes` (whole pages), each followed by a call of
         `progress(bytes done, bytes in all)`: a large pool takes seconds.
+
+        Each segment is created 0600, then given to group `gid` (if set) and
+        only then `mode` (say 0660 to let that group map it): nobody else
+        can open it before it has both.
 
         Raises ShmPoolError if a segment of that name exists, the directory is
         not on tmpfs or hugetlbfs, or the space (or the huge pages) is lacking;
@@ -161,6 +167,8 @@ class ShmPool:
         if segment_bytes % page:
             raise ValueError(f"segment_bytes must be a multiple of {page} in {place.fs}")
         _check_positive("progress_bytes", progress_bytes)
+        if mode & ~0o666:
+            raise ValueError(f"segment mode {mode:#o} may only hold read and write bits")
         part = max(page, progress_bytes - progress_bytes % page)
         total = -(-nbytes // page) * page
         check_room(place, total)
@@ -175,7 +183,9 @@ class ShmPool:
                 name = segment_name(prefix, i, directory)
                 with open_segment(name, create=True) as fd:
                     created.append(name)
-                    os.fchmod(fd, SEGMENT_MODE)  # the umask may have narrowed it
+                    if gid is not None:
+                        os.fchown(fd, -1, gid)
+                    os.fchmod(fd, mode)  # also: the umask may have narrowed it
                     os.ftruncate(fd, size)
                     segments.append(_map(name, fd, size))
                     for start in range(0, size if prefault else 0, part):

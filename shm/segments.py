@@ -21,6 +21,7 @@ from shm.names import SHM_DIR, is_file_path, validate_directory
 from shm.pages import backing_of, hugetlb_pages_free, statfs
 
 SEGMENT_MODE = 0o600
+"""What a segment is created with; `ShmPool.create` may widen it afterwards."""
 
 
 class ShmPoolError(RuntimeError):

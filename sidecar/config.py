@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import grp
 import json
 import logging
 import os
@@ -58,6 +59,7 @@ __all__ = [
     "config_table_markdown",
     "env_var",
     "format_size",
+    "group_id",
     "load_config",
     "parse_overrides",
     "parse_size",
@@ -254,10 +256,21 @@ class Config:
     runtime_dir: str | None = config_key(
         None,
         "str",
-        "Absolute path of the directory for the socket and lock: created with mode 0700 if "
-        "missing; an existing one must be ours, not a symlink, and writable by no one else. "
+        "Absolute path of the directory for the socket and lock: created with mode 0700 "
+        "(0750 with group) if missing; an existing one must be ours, not a symlink, and "
+        "writable by no one else. "
         "None = $XDG_RUNTIME_DIR/kvsidecar, else /tmp/kvsidecar-<uid>.",
         prefixes=("/",),
+        optional=True,
+    )
+    group: str | None = config_key(
+        None,
+        "name_or_id",
+        "Unix group (name or gid) whose members' engines may use this sidecar: the runtime "
+        "directory it creates is 0750, the ipc socket and the shm segments 0660, all of this "
+        "group; the lock and key files stay owner-only. Any member can read and write every "
+        "cached block. None = the owner only (a 0700 directory, 0600 segments).",
+        pattern=r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}",
         optional=True,
     )
     endpoint: str | None = config_key(
@@ -405,6 +418,30 @@ class Config:
         """Plain values (lists, not tuples) that `load_config` accepts back."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def group_id(group: str | None) -> int | None:
+    """The gid the `group` key names: digits are a gid as they are (a
+    container may know a gid without a name for it), anything else a group
+    name looked up in the host's group database. None for None; ConfigError
+    naming the key for an unknown name or an impossible gid.
+
+    Called where the group is used (the daemon's start), not by `Config`:
+    a configuration loads the same on any host."""
+    if group is None:
+        return None
+    if group.isdigit():
+        gid = int(group)
+        if gid >= 2**32 - 1:  # (gid_t)-1 means "leave unchanged" to chown
+            raise ConfigError(f"group: gid {gid} is out of range; allowed: 0 <= gid < 4294967295")
+        return gid
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"group: {group!r} names no group on this host (getent group {group}); "
+            "allowed: an existing group name or a numeric gid"
+        ) from None
 
 
 SPECS: dict[str, FieldSpec] = {f.name: f.metadata[SPEC] for f in fields(Config)}

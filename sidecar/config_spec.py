@@ -18,7 +18,7 @@ from typing import Any, Literal, NamedTuple
 SPEC = "spec"
 """Metadata key under which a Config field keeps its FieldSpec."""
 
-Kind = Literal["int", "float", "bool", "str", "size", "str_list"]
+Kind = Literal["int", "float", "bool", "str", "size", "str_list", "name_or_id"]
 
 
 class ConfigError(ValueError):
@@ -98,6 +98,13 @@ def _to_str(value: object) -> str:
     raise TypeError
 
 
+def _to_name_or_id(value: object) -> str:
+    """A name, or a numeric id (a YAML int included) kept as its digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return str(value)
+    return _to_str(value)
+
+
 def _to_size(value: object) -> int:
     return parse_size(value) if isinstance(value, str) else _to_int(value)
 
@@ -134,6 +141,7 @@ _KINDS: dict[Kind, _KindInfo] = {
     "str": _KindInfo("str", "a string", _to_str, str),
     "size": _KindInfo("size", f"a size ({_SIZE_HELP})", _to_size, parse_size),
     "str_list": _KindInfo("list[str]", "a list of strings", _to_str_tuple, _comma_list),
+    "name_or_id": _KindInfo("str", "a name or a numeric id", _to_name_or_id, str),
 }
 
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import stat
 from pathlib import Path
 
 from contract import endpoint
 from contract.endpoint import InstancePaths
-from sidecar.config import Config
+from sidecar.config import Config, ConfigError
+
+log = logging.getLogger("kvsidecar")
 
 
 class InstanceRunning(RuntimeError):
@@ -37,38 +40,70 @@ def endpoint_of(config: Config) -> str:
 
 class UnsafeRuntimeDir(PermissionError):
     """The runtime directory is not one only we control: a symlink, not a
-    directory, another user's, or writable by group or others."""
+    directory, another user's, or writable by group or others; or, with a
+    `group` to serve, one that group cannot search."""
 
 
-def ensure_runtime_dir(path: Path) -> list[Path]:
+RUNTIME_DIR_MODE = 0o700
+SHARED_RUNTIME_DIR_MODE = 0o750
+"""With `group` set: members may reach the socket, but not replace it or the lock."""
+SHARED_FILE_MODE = 0o660
+"""With `group` set: the ipc socket and the shm segments."""
+
+
+def ensure_runtime_dir(path: Path, gid: int | None = None) -> list[Path]:
     """Make `path` a directory only we control, for the socket and lock.
 
-    Missing directories (parents included) are created with mode 0700; an
-    existing one is never changed (chmod), only checked: UnsafeRuntimeDir if
-    it is a symlink, not a directory, owned by another user, or writable by
-    group or others. A symlink in a parent is followed (/var/run -> /run is
-    common); the last component is opened O_NOFOLLOW and checked by its fd,
-    so what is checked is what the socket and lock go in.
+    Missing directories (parents included) are created with mode 0700, or
+    with `gid` 0750 and of group `gid`; an existing one is never changed
+    (chmod, chown), only checked: UnsafeRuntimeDir if it is a symlink, not a
+    directory, owned by another user, or writable by group or others; with
+    `gid` also if that group cannot search it. A symlink in a parent is
+    followed (/var/run -> /run is common); the last component is opened
+    O_NOFOLLOW and checked by its fd, so what is checked is what the socket
+    and lock go in. With `gid`, a parent the group cannot search is logged
+    as a warning (an ACL may still let it through).
 
     Returns the directories this call created, outermost first, for
     `remove_created` to take back after a failed start.
     """
     if not path.is_absolute():
         raise UnsafeRuntimeDir(f"runtime dir {path} is not an absolute path")
+    mode = RUNTIME_DIR_MODE if gid is None else SHARED_RUNTIME_DIR_MODE
     created: list[Path] = []
-    for directory in (*reversed(path.parents), path):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            continue
-        except OSError:
-            remove_created(created)
-            raise
-        created.append(directory)
+    try:
+        for directory in (*reversed(path.parents), path):
+            try:
+                os.mkdir(directory, mode)
+            except FileExistsError:
+                continue
+            created.append(directory)
+            _set_access(directory, mode, gid)
+        _check_runtime_dir(path, gid)
+    except BaseException:
+        remove_created(created)
+        raise
+    if gid is not None:
+        _warn_unsearchable_parents(path, gid)
+    return created
+
+
+def _set_access(directory: Path, mode: int, gid: int | None) -> None:
+    """Give a directory we just made its group, then its mode (whatever the
+    umask took off), through an fd: a name swapped meanwhile is not followed."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _check_runtime_dir(path: Path, gid: int | None) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as err:
-        remove_created(created)
         if err.errno == errno.ELOOP or os.path.islink(path):
             raise UnsafeRuntimeDir(
                 f"runtime dir {path} is a symlink; a sidecar never follows one there: "
@@ -81,25 +116,68 @@ def ensure_runtime_dir(path: Path) -> list[Path]:
         raise
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.getuid():
-            raise UnsafeRuntimeDir(
-                f"runtime dir {path} belongs to uid {st.st_uid}, not to uid {os.getuid()}: "
-                "set runtime_dir to a directory of your own"
-            )
-        if path in created:
-            os.fchmod(fd, 0o700)  # ours: whatever the umask took off
-        elif st.st_mode & 0o022:
-            raise UnsafeRuntimeDir(
-                f"runtime dir {path} (mode {stat.S_IMODE(st.st_mode):04o}) is writable by "
-                "group or others, who could replace the socket: set runtime_dir to a "
-                f"private directory (mode 0700), or run chmod go-w {path} if it is yours alone"
-            )
-    except BaseException:
-        remove_created(created)
-        raise
     finally:
         os.close(fd)
-    return created
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.getuid():
+        raise UnsafeRuntimeDir(
+            f"runtime dir {path} belongs to uid {st.st_uid}, not to uid {os.getuid()}: "
+            "set runtime_dir to a directory of your own"
+        )
+    if mode & 0o022:
+        raise UnsafeRuntimeDir(
+            f"runtime dir {path} (mode {mode:04o}) is writable by "
+            "group or others, who could replace the socket: set runtime_dir to a "
+            f"private directory (mode 0700), or run chmod go-w {path} if it is yours alone"
+        )
+    if gid is not None and not (st.st_gid == gid and mode & 0o010):
+        raise UnsafeRuntimeDir(
+            f"runtime dir {path} (mode {mode:04o}, gid {st.st_gid}) cannot be searched by "
+            f"group {gid}, whose engines then cannot reach the socket: run "
+            f"chgrp {gid} {path} && chmod 0750 {path}, or let the sidecar make it"
+        )
+
+
+def _warn_unsearchable_parents(path: Path, gid: int) -> None:
+    for parent in path.parents:
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue
+        if not (st.st_mode & 0o001 or (st.st_gid == gid and st.st_mode & 0o010)):
+            log.warning(
+                "group %d cannot search %s (mode %04o), a parent of the runtime dir %s: "
+                "its engines will not reach the socket unless an ACL lets them",
+                gid,
+                parent,
+                stat.S_IMODE(st.st_mode),
+                path,
+            )
+            return
+
+
+def check_group_member(gid: int) -> None:
+    """ConfigError (naming the `group` key) unless this process may give
+    its files to group `gid`: it is root, or a member of the group."""
+    if os.geteuid() == 0 or gid == os.getegid() or gid in os.getgroups():
+        return
+    raise ConfigError(
+        f"group: this sidecar's user (uid {os.geteuid()}) is not in group {gid}, so it "
+        "cannot give the socket and shm segments to it: add the user to the group "
+        "(usermod -aG), or run the sidecar with that group (systemd Group=)"
+    )
+
+
+def share_socket_file(endpoint: str, gid: int) -> None:
+    """Give the ipc socket file `endpoint` binds (nothing for tcp:// or an
+    abstract ipc://@name) to group `gid`, mode 0660, once it is bound. Until
+    then it has the mode the umask left, never more than 0660 for the group
+    once changed; the runtime directory (0750) keeps others away meanwhile."""
+    path = endpoint.removeprefix("ipc://")
+    if endpoint == path or path.startswith("@"):
+        return
+    os.chown(path, -1, gid, follow_symlinks=False)
+    os.chmod(path, SHARED_FILE_MODE)
 
 
 def remove_created(created: list[Path]) -> None:

@@ -17,7 +17,7 @@ import yaml
 
 from contract.endpoint import default_endpoint
 from kvsidecar.cli import _load, build_parser
-from sidecar.config import Config
+from sidecar.config import Config, group_id
 from sidecar.runtime import endpoint_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +76,12 @@ def test_the_unit_runs_a_notifying_sidecar_in_its_runtime_directory() -> None:
     env = dict(v.partition("=")[::2] for s, k, v in unit_settings() if k == "Environment")
     config = serve_config(shlex.split(unit_value("ExecStart")), env)
     assert config.runtime_dir == f"/run/{unit_value('RuntimeDirectory')}"
-    assert int(unit_value("RuntimeDirectoryMode"), 8) & 0o077 == 0  # else the sidecar refuses it
+    mode = int(unit_value("RuntimeDirectoryMode"), 8)
+    assert mode & 0o027 == 0  # writable by group or others: the sidecar refuses it
     assert unit_value("User") and unit_value("Group")
+    # Engines of other users in Group reach the socket and map the segments.
+    assert config.group == unit_value("Group") != unit_value("User")
+    assert mode & 0o050 == 0o050  # else the sidecar refuses it with group set
     # The engines map the segments in the host's /dev/shm.
     assert not [k for s, k, v in unit_settings() if k in HIDE_DEV_SHM], "hides /dev/shm"
 
@@ -144,13 +148,20 @@ def test_the_engine_finds_the_sidecar_on_a_shared_volume() -> None:
     assert runtime_dir != mount
 
 
-def test_both_containers_run_as_one_user() -> None:
+def test_the_sidecar_serves_the_engines_group_as_a_user_of_its_own() -> None:
     spec = pod()["spec"]
-    uids = {
-        c.get("securityContext", {}).get("runAsUser", spec["securityContext"]["runAsUser"])
-        for c in containers(spec)
-    }
-    assert len(uids) == 1 and None not in uids
+    sidecar, engine = containers(spec)
+
+    def run_as(container: dict[str, Any], key: str) -> int:
+        value = container.get("securityContext", {}).get(key, spec["securityContext"][key])
+        assert isinstance(value, int)
+        return value
+
+    config = serve_config(sidecar["command"] + sidecar["args"], env_of(sidecar))
+    gid = group_id(config.group)
+    assert run_as(sidecar, "runAsUser") != run_as(engine, "runAsUser")
+    # The sidecar may give its files to the group; the engine is in it.
+    assert run_as(sidecar, "runAsGroup") == gid == run_as(engine, "runAsGroup")
 
 
 def test_the_sidecar_settings_are_a_valid_configuration() -> None:

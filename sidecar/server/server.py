@@ -27,15 +27,19 @@ from typing import Any, NamedTuple
 import psutil
 
 from shm.pool import ShmPool, remove_stale_segments
-from sidecar.config import Config, format_size
+from shm.segments import SEGMENT_MODE
+from sidecar.config import Config, format_size, group_id
 from sidecar.memory_limit import cgroup_memory_limit
 from sidecar.metrics.figures import server_figures
 from sidecar.runtime import (
+    SHARED_FILE_MODE,
     InstanceLock,
+    check_group_member,
     endpoint_of,
     ensure_runtime_dir,
     instance_paths,
     remove_created,
+    share_socket_file,
 )
 from sidecar.sd_notify import SdNotifier
 from sidecar.server.curve import CurveFiles
@@ -134,6 +138,8 @@ class Server:
         self.boot_id = uuid.uuid4().hex
         self.started = time.time()
         self.capacity = config.cpu_capacity or default_cpu_capacity()
+        self.gid = group_id(config.group)  # ConfigError for a group the host does not know
+        """The group whose members' engines may connect (None: the owner's only)."""
         self.stopping = False
         self._parts: _Parts | None = None
         self.snapshot: dict[str, Any] = {}
@@ -175,10 +181,13 @@ class Server:
         it), lock the instance, clean a dead predecessor's leftovers, create
         the CPU tier and bind. Raises ConfigError, before anything is done,
         for a lower tier's setting that cannot work (those tiers are built at
-        the first registration). On failure, undo what was done (the
-        directories it created included, when empty) and re-raise."""
+        the first registration) or a `group` this process is not in. On
+        failure, undo what was done (the directories it created included,
+        when empty) and re-raise."""
         check_tiers(self.config)
-        created = ensure_runtime_dir(self.paths.runtime_dir)
+        if self.gid is not None:
+            check_group_member(self.gid)
+        created = ensure_runtime_dir(self.paths.runtime_dir, self.gid)
         try:
             self._start_parts()
         except BaseException:
@@ -199,6 +208,8 @@ class Server:
                 segment_bytes=extent_size(self.config, self.capacity),
                 prefault=self.config.prefault,
                 progress=PrefaultLog(PREFAULT_LOG_SECONDS),
+                mode=SEGMENT_MODE if self.gid is None else SHARED_FILE_MODE,
+                gid=self.gid,
             )
             undo.callback(_remove_pool, pool)
             if self.config.shm_dir and pool.page_kind == "4k":
@@ -225,6 +236,14 @@ class Server:
                 undo.callback(publisher.close)
                 if publisher.resync is not None:
                     transport.watch(publisher.resync)
+            if self.gid is not None:  # each ipc:// socket: a router may be a member too
+                bound = (
+                    self.endpoint,
+                    self.config.events_endpoint,
+                    self.config.events_resync_endpoint,
+                )
+                for endpoint in filter(None, bound):
+                    share_socket_file(endpoint, self.gid)
             self._parts = _Parts(pool, transport, handlers, publisher, undo.pop_all())
         self.snapshot = self.stats()
         if self.config.metrics_port is not None:

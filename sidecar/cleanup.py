@@ -1,0 +1,126 @@
+"""Removing what a dead sidecar left: its shm segments, socket and lock file.
+
+A sidecar killed by SIGKILL (or the OOM killer) cannot unlink its segments;
+the next sidecar of the same name removes them when it starts. `kvsidecar
+cleanup` does the same without starting one: it takes the instance lock
+exactly as a starting sidecar does (`InstanceLock`, whose flock the kernel
+drops when its holder dies), so it removes nothing while a live process
+holds the name, then removes the leftovers and releases the lock.
+
+Only this user's instances in one runtime directory are in reach: the shm
+names carry the uid and a digest of the runtime directory
+(`contract.endpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+from typing import NamedTuple
+
+from contract.endpoint import INSTANCE_PATTERN, InstancePaths
+from shm.names import SHM_DIR, is_file_path, remove_stale_segments, segment_name
+from sidecar.runtime import InstanceLock, ensure_runtime_dir, remove_created
+
+
+class Removed(NamedTuple):
+    """What cleaning one instance removed."""
+
+    instance: str
+    segments: tuple[str, ...]
+    """Segment names, as `shm.names.segment_name` gives them."""
+    files: tuple[Path, ...]
+    """The socket and the lock file, those that were there."""
+    freed_bytes: int
+    """The segments' sizes added up: shared memory given back once no
+    process maps them any more."""
+
+
+def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
+    """Remove the shm segments (in `shm_dir`, None: POSIX shm), the socket
+    and the lock file of the instance `paths` names, after proving with its
+    lock that no live process holds it.
+
+    Raises InstanceRunning, having removed nothing, while one does; and
+    UnsafeRuntimeDir for a runtime directory a sidecar would refuse. A
+    missing runtime directory is made for the lock and removed again.
+    """
+    had_lock = paths.lock_path.exists()
+    created = ensure_runtime_dir(paths.runtime_dir)
+    try:
+        lock = InstanceLock(paths)
+        try:
+            sizes = _segment_sizes(paths.shm_prefix, shm_dir)
+            segments = tuple(remove_stale_segments(paths.shm_prefix, shm_dir))
+            files = [paths.socket_path] if _remove_socket(paths.socket_path) else []
+        finally:
+            lock.release()
+    finally:
+        remove_created(created)
+    if had_lock:
+        files.append(paths.lock_path)
+    freed = sum(sizes.get(name, 0) for name in segments)
+    return Removed(paths.instance, segments, tuple(files), freed)
+
+
+def instances_in(runtime_dir: Path, shm_dir: str | None = None) -> list[str]:
+    """The instance names this user has anything of in `runtime_dir`: a
+    lock file, a socket, or shm segments (in `shm_dir`, None: POSIX shm)
+    whose names carry this directory's digest. Live instances included."""
+    names = set()
+    try:
+        entries = os.listdir(runtime_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    for entry in entries:
+        stem, dot, suffix = entry.rpartition(".")
+        if dot and suffix in ("lock", "sock") and re.fullmatch(INSTANCE_PATTERN, stem):
+            names.add(stem)
+    # kvsidecar.<uid>.<instance>.<digest>: the instance is what lies between.
+    head, _, digest = InstancePaths(runtime_dir, "x").shm_prefix.rpartition(".")
+    head = head.removesuffix(".x")
+    segment = re.compile(
+        rf"{re.escape(head)}\.({INSTANCE_PATTERN})\.{re.escape(digest)}\.(0|[1-9][0-9]*)"
+    )
+    for entry in _shm_entries(shm_dir):
+        match = segment.fullmatch(entry)
+        if match:
+            names.add(match.group(1))
+    return sorted(names)
+
+
+def _shm_entries(shm_dir: str | None) -> list[str]:
+    try:
+        return os.listdir(SHM_DIR if shm_dir is None else shm_dir)
+    except FileNotFoundError:
+        return []
+
+
+def _segment_sizes(prefix: str, shm_dir: str | None) -> dict[str, int]:
+    """Segment name -> size, for the segments `remove_stale_segments` would remove."""
+    pattern = re.compile(re.escape(prefix) + r"\.(0|[1-9][0-9]*)")
+    sizes = {}
+    for entry in _shm_entries(shm_dir):
+        match = pattern.fullmatch(entry)
+        if match is None:
+            continue
+        name = segment_name(prefix, int(match.group(1)), shm_dir)
+        path = name if is_file_path(name) else str(SHM_DIR) + name
+        try:
+            sizes[name] = os.stat(path, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+    return sizes
+
+
+def _remove_socket(path: Path) -> bool:
+    """Unlink `path` if it is a socket (never anything else); whether it was."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
