@@ -369,13 +369,15 @@ class RadixIndex:
         assert parent is not None
         del parent.children[node.first_key]
         node.parent = None
-        self.num_blocks -= len(node)
+        n = node.slots.size
+        self.num_blocks -= n
         self.num_nodes -= 1
         space = self._spaces[node.ns]
-        space.blocks -= len(node)
-        space.policy.on_remove(node)
+        space.blocks -= n
+        policy = space.policy
+        policy.on_remove(node)
         if parent.evictable:  # the root never is; any other parent shares the namespace
-            space.policy.add(parent)
+            policy.add(parent)
 
     # ---- locks ----------------------------------------------------------------
 
@@ -427,9 +429,11 @@ class RadixIndex:
         elif len(self._spaces) > 1:
             fixed = None  # choose per victim across namespaces
         while left > 0:
-            policy = fixed or self._next_victim_policy()
-            victim = policy.pop() if policy is not None else None
-            if victim is None or policy is None:
+            policy = fixed if fixed is not None else self._next_victim_policy()
+            if policy is None:
+                break
+            victim = policy.pop()
+            if victim is None:
                 break
             parent = victim.parent
             assert parent is not None
