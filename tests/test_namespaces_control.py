@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import FakeClock, chain, finish, gpu, key_ids, make_engine, make_index, walk
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sidecar.control import policies
 from sidecar.control.events import BlockRemoved
@@ -144,6 +146,41 @@ def test_heap_peek_skips_stale_entries_and_changes_nothing(heap_type):
     assert heap.peek() is nodes[1] and heap.size == 3
     assert [heap.pop() for _ in range(4)] == [nodes[1], nodes[0], nodes[2], None]
     assert heap.peek() is None
+
+
+HEAP_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["push", "push", "remove", "pop", "peek"]),
+        st.integers(0, 5),
+        st.sampled_from([0.0, 1.0, 2.0]),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=HEAP_OPS)
+def test_c_heap_peek_matches_the_reference(ops):
+    """peek() is what the next pop() returns, on both heaps, and changes no size."""
+    pair = []
+    for heap_type in (LazyHeap, policies.NodeHeap):
+        nodes = [RadixNode(b"", np.empty(0, dtype=np.int64), None, True, 0.0, i) for i in range(6)]
+        pair.append((heap_type(), nodes))
+    for op, i, k0 in ops:
+        seen = []
+        for heap, nodes in pair:
+            if op == "push":
+                heap.push(nodes[i], k0, 0.0, i)
+            elif op == "remove":
+                heap.remove(nodes[i])
+            else:
+                size = heap.size
+                peeked = heap.peek()
+                got = heap.pop() if op == "pop" else heap.peek()
+                assert got is peeked
+                assert heap.size == size - (op == "pop" and got is not None)
+                seen.append(None if got is None else nodes.index(got))
+        assert len(set(seen)) <= 1
 
 
 # ---- quotas ------------------------------------------------------------------------

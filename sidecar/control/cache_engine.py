@@ -79,7 +79,7 @@ class CacheEngine:
         When `ns` has a quota, its own blocks are evicted first (in the
         policy's order) to make room under it, and no more is handed out
         than fits under it (possibly nothing)."""
-        if self._quotas and ns in self._quotas:
+        if self._quotas and n > 0 and ns in self._quotas:
             n = self._room_under_quota(n, ns, self._quotas[ns])
         if n <= 0 or self.capacity == 0:
             return SlotIds(np.empty(0, dtype=np.int64))
