@@ -213,14 +213,15 @@ def test_a_quota_hands_out_only_what_fits_when_the_rest_is_locked():
 
 def test_general_eviction_takes_namespaces_over_quota_first():
     clock = FakeClock()
-    engine = make_engine("cpu", 8, clock=clock)
-    for ns, start in ((2, 1), (1, 1)):
-        clock.set(float(ns))
-        keys = ns_keys(ns, 4, start)
-        engine.insert(keys, engine.allocate(4, ns=ns), ready=True, ns=ns)
-    engine._quotas[1] = 2  # over quota without evicting yet (as after a claim)
-    engine.allocate(2, ns=3)
-    assert engine.index.namespace_blocks() == {1: 2, 2: 4}  # not the older ns 2
+    engine = make_engine("cpu", 10, clock=clock)
+    engine.set_quota(1, 2)
+    engine.insert(ns_keys(2, 4), engine.allocate(4, ns=2), ready=True, ns=2)  # the oldest
+    clock.set(1.0)
+    engine.insert(ns_keys(1, 4), engine.allocate(4), ready=True)  # recovered: namespace 0
+    engine.insert(ns_keys(1, 5), engine.allocate(1, ns=1), ready=True, ns=1)  # claims it
+    assert engine.index.namespace_blocks() == {1: 5, 2: 4}  # over its quota
+    assert engine.allocate(2, ns=3).size == 2
+    assert engine.index.namespace_blocks() == {1: 4, 2: 4}  # not the older ns 2
 
 
 def test_set_quota_evicts_down_and_rejects_negative():
@@ -296,14 +297,18 @@ def test_expire_after_a_split_of_the_top_drops_the_whole_tree():
 # ---- clear by namespace ------------------------------------------------------------
 
 
+def branch_of(ns: int):
+    """A 2-block branch off the first 2 blocks of ns_keys(ns, ...)."""
+    return np.concatenate([ns_keys(ns, 2), chain(2, 80, high=100 + ns)])
+
+
 def test_clear_namespace_removes_its_unlocked_blocks_only():
     engine = make_engine("cpu", 32, record_events=True)
     dropped: list[np.ndarray] = []
     engine.remove_hook = dropped.append
     for ns in (1, 2):
         engine.insert(ns_keys(ns, 4), engine.allocate(4, ns=ns), ready=True, ns=ns)
-        branch = np.concatenate([ns_keys(ns, 2), chain(2, 80, high=100 + ns)])
-        engine.insert(branch, engine.allocate(2, ns=ns), ready=True, ns=ns)
+        engine.insert(branch_of(ns), engine.allocate(2, ns=ns), ready=True, ns=ns)
     pending = engine.insert(ns_keys(1, 5), engine.allocate(1, ns=1), ns=1).node
     engine.lock(engine.match(branch_of(1)).node)
     engine.index.drain_events()
@@ -317,10 +322,6 @@ def test_clear_namespace_removes_its_unlocked_blocks_only():
     assert engine.mempool.num_used == 6
     assert sum(s.size for s in dropped) == 6  # every namespace 1 block, once
     assert any(isinstance(e, BlockRemoved) for e in engine.index.drain_events())
-
-
-def branch_of(ns: int):
-    return np.concatenate([ns_keys(ns, 2), chain(2, 80, high=100 + ns)])
 
 
 def test_clear_namespace_reports_kept_blocks():
