@@ -193,6 +193,26 @@ static PyObject *NodeHeap_pop(NodeHeap *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+/* The node pop() would return, left in place; stale entries on top are dropped. */
+static PyObject *NodeHeap_peek(NodeHeap *self, PyObject *Py_UNUSED(ignored)) {
+    while (self->len > 0) {
+        int live = entry_live(&self->data[0]);
+        if (live < 0) return NULL;
+        if (live) {
+            Py_INCREF(self->data[0].node);
+            return self->data[0].node;
+        }
+        Entry top = self->data[0];
+        self->len--;
+        if (self->len > 0) {
+            self->data[0] = self->data[self->len];
+            sift_down(self->data, self->len, 0);
+        }
+        Py_DECREF(top.node);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *NodeHeap_get_size(NodeHeap *self, void *Py_UNUSED(closure)) {
     return PyLong_FromSsize_t(self->size);
 }
@@ -223,6 +243,7 @@ static PyMethodDef NodeHeap_methods[] = {
      "push(node, k0, k1, k2): (re)insert node with key (k0, k1, k2)."},
     {"remove", (PyCFunction)NodeHeap_remove, METH_O, "remove(node): drop node's live entry."},
     {"pop", (PyCFunction)NodeHeap_pop, METH_NOARGS, "pop() -> node with the least key, or None."},
+    {"peek", (PyCFunction)NodeHeap_peek, METH_NOARGS, "peek() -> what pop() would return, left in place."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,6 +27,7 @@ class CacheEngine:
     `evict_start_threshold`, or when fewer slots are free than asked for, and
     then evicts the largest of: what the request lacks, what brings
     utilisation back under the threshold, and `evict_ratio` x capacity.
+    Namespaces over their quota (`set_quota`) are evicted first.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class CacheEngine:
         own blocks; a free extent always, another geometry's extent when
         `steal` and its next victim is older than this tier's. Returns the
         slots granted."""
+        self._quotas: dict[int, int] = {}
 
     @property
     def capacity(self) -> int:
@@ -74,10 +76,17 @@ class CacheEngine:
     def match(self, keys: BlockKeys, *, touch: bool = False) -> MatchResult:
         return self.index.match(keys, touch=touch)
 
-    def allocate(self, n: int) -> SlotIds:
-        """Up to n free slots, evicting as the thresholds say; fewer when the
-        rest of the tier is locked, in flight or being written back. Lock
-        what must survive (the prefix being extended) before calling."""
+    def allocate(self, n: int, ns: int = 0) -> SlotIds:
+        """Up to n free slots for blocks of namespace `ns`, evicting as the
+        thresholds say; fewer when the rest of the tier is locked, in flight
+        or being written back. Lock what must survive (the prefix being
+        extended) before calling.
+
+        When `ns` has a quota, its own blocks are evicted first (in the
+        policy's order) to make room under it, and no more is handed out
+        than fits under it (possibly nothing)."""
+        if self._quotas and n > 0 and ns in self._quotas:
+            n = self._room_under_quota(n, ns, self._quotas[ns])
         if n <= 0 or (self.capacity == 0 and self.grow is None):
             return SlotIds(np.empty(0, dtype=np.int64))
         free, used = self.mempool.num_free, self.mempool.num_used
@@ -100,23 +109,41 @@ class CacheEngine:
         """Evict up to `num_blocks` blocks now, in the policy's order."""
         self._evict(num_blocks)
 
+    def _room_under_quota(self, n: int, ns: int, limit: int) -> int:
+        over = self.index.blocks_of(ns) + n - limit
+        if over > 0:
+            self._evict_from(over, ns)
+        return max(0, min(n, limit - self.index.blocks_of(ns)))
+
     def _evict(self, num_blocks: int) -> None:
+        """Evict num_blocks, from the namespaces over their quota first."""
+        for ns, limit in self._quotas.items():
+            over = self.index.blocks_of(ns) - limit
+            if over > 0 and num_blocks > 0:
+                num_blocks -= self._evict_from(min(over, num_blocks), ns)
+        if num_blocks > 0:
+            self._evict_from(num_blocks, None)
+
+    def _evict_from(self, num_blocks: int, ns: int | None) -> int:
         hook = self.evict_hook
         kept: list[np.ndarray] = []
         if hook is None:
-            result = self.index.evict(num_blocks)
+            result = self.index.evict(num_blocks, ns=ns)
         else:
-            result = self.index.evict(num_blocks, lambda run: kept.append(hook(run)))
+            result = self.index.evict(num_blocks, lambda run: kept.append(hook(run)), ns=ns)
         if not result.runs:
-            return
+            return 0
         self.num_evicted_blocks += result.num_blocks
         slots: np.ndarray = result.slots
         if kept:
             slots = np.setdiff1d(slots, np.concatenate(kept), assume_unique=True)
         self.mempool.free(slots)
+        return result.num_blocks
 
-    def insert(self, keys: BlockKeys, slots: SlotIds, *, ready: bool = False) -> InsertResult:
-        return self.index.insert(keys, slots, ready=ready)
+    def insert(
+        self, keys: BlockKeys, slots: SlotIds, *, ready: bool = False, ns: int = 0
+    ) -> InsertResult:
+        return self.index.insert(keys, slots, ready=ready, ns=ns)
 
     def set_ready(self, node: RadixNode) -> None:
         self.index.set_ready(node)
@@ -129,11 +156,49 @@ class CacheEngine:
     def remove(self, keys: BlockKeys) -> int:
         """Drop block keys[-1] and everything below it (see RadixIndex.remove);
         returns the number of blocks dropped."""
-        slots = self.index.remove(keys)
-        if self.remove_hook is not None:
+        return self._drop(self.index.remove(keys))
+
+    def _drop(self, slots: np.ndarray) -> int:
+        """Free the slots of removed (not evicted) blocks, through `remove_hook`."""
+        if self.remove_hook is not None and slots.size:
             self.remove_hook(slots)
         self.mempool.free(slots)
         return int(slots.size)
+
+    # ---- namespaces -------------------------------------------------------------
+
+    def set_quota(self, ns: int, max_blocks: int | None) -> None:
+        """Hold namespace `ns` to at most `max_blocks` blocks in this tier
+        (None: no quota). Evicts its own blocks down to a lower quota now;
+        what is locked or in flight stays until a later allocation."""
+        if max_blocks is None:
+            self._quotas.pop(ns, None)
+            return
+        if max_blocks < 0:
+            raise ValueError(f"a quota must be >= 0 blocks or None, got {max_blocks}")
+        self._quotas[ns] = max_blocks
+        over = self.index.blocks_of(ns) - max_blocks
+        if over > 0:
+            self._evict_from(over, ns)
+
+    def quota(self, ns: int) -> int | None:
+        return self._quotas.get(ns)
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop the expired trees (RadixIndex.expire), through `remove_hook`;
+        returns the blocks dropped."""
+        return self._drop(self.index.expire(now))
+
+    def clear_namespace(self, ns: int) -> tuple[int, int]:
+        """Drop namespace `ns`'s blocks (RadixIndex.clear_namespace), through
+        `remove_hook`; returns (blocks dropped, blocks kept: locked or in flight)."""
+        slots, kept = self.index.clear_namespace(ns)
+        return self._drop(slots), kept
+
+    def clear(self) -> tuple[int, int]:
+        """Drop every ready, unlocked block, through `remove_hook` (nothing is
+        written back); returns (blocks dropped, blocks kept)."""
+        return self._drop(self.index.clear()), self.index.num_blocks
 
     def free(self, slots: np.ndarray) -> None:
         self.mempool.free(slots)

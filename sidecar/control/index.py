@@ -11,7 +11,11 @@ Invariants (checked by the property tests):
 - `lock_count` of a node counts locks on it and on its descendants, so a
   locked node and all its ancestors are never evicted;
 - only ready, unlocked leaves are eviction candidates, tracked incrementally
-  by the policy: O(log n) per evicted node.
+  by the policy: O(log n) per evicted node;
+- every node below a child of the root has that child's namespace, and
+  each namespace's block count is the sum of its nodes' blocks
+  (`sidecar/control/namespaces.py`); each namespace's candidates are in its
+  own policy instance, namespace 0's being `policy`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from contract.ids import KEY_BYTES, KEY_DTYPE, SLOT_DTYPE, BlockKeys, SlotIds, key_bytes
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from sidecar.control.namespaces import Namespace
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import EvictionPolicy
 
@@ -59,6 +64,8 @@ class EvictedRun(NamedTuple):
     slots: SlotIds
     parent: RadixNode
     """The node the run hung from; still in the index (possibly the root)."""
+    ns: int = 0
+    """The run's namespace."""
 
 
 class EvictResult(NamedTuple):
@@ -97,6 +104,11 @@ class RadixIndex:
         record_events: bool = False,
     ) -> None:
         self.policy = policy
+        """Namespace 0's policy, and the template of the other namespaces' (`spawn`)."""
+        self._spaces: dict[int, Namespace] = {0: Namespace(0, policy)}
+        self._ttl_spaces: dict[int, Namespace] = {}
+        """The namespaces with a TTL: empty unless one is set, so lookups
+        pay one truthiness test for TTLs when there are none."""
         self._clock = clock
         self._seq = 0
         self.root = RadixNode(b"", _EMPTY_SLOTS, None, True, clock(), 0)
@@ -112,6 +124,8 @@ class RadixIndex:
         KEY_BYTES): the ready prefix, counted without gathering its slots or
         making an array of the keys; changes nothing. Every lookup of every
         engine runs it on the sidecar's one loop."""
+        if self._ttl_spaces and self._expired_top(kb):
+            return 0
         children = self.root.children
         pos, total = 0, len(kb) // KEY_BYTES
         while pos < total:
@@ -129,8 +143,15 @@ class RadixIndex:
         """Longest ready prefix of `keys`. With `touch`, counts a hit on every
         matched node (recency, hit count), first splitting a node the match
         ends inside so its unmatched tail is not refreshed; without `touch`,
-        changes nothing."""
+        changes nothing.
+
+        A tree whose namespace has a TTL and whose top was born longer ago
+        is served as absent (num_blocks 0) but reported present (in
+        `num_present`), so nothing is stored over it until `expire`."""
         kb = _key_bytes(keys)
+        if self._ttl_spaces and self._expired_top(kb):
+            _, present, _ = self._walk(kb)
+            return MatchResult(0, _EMPTY_SLOTS, None, present, None)
         node, pos = self.root, 0
         deepest: RadixNode | None = None
         runs: list[np.ndarray] = []
@@ -161,17 +182,25 @@ class RadixIndex:
         slots = runs[0] if len(runs) == 1 else (np.concatenate(runs) if runs else _EMPTY_SLOTS)
         return MatchResult(pos, SlotIds(slots), deepest, num_present, pending)
 
+    def _expired_top(self, kb: bytes) -> bool:
+        top = self.root.children.get(kb[:KEY_BYTES])
+        if top is None:
+            return False
+        space = self._ttl_spaces.get(top.ns)
+        return space is not None and space.expired(top, self._clock())
+
     def _touch_path(self, node: RadixNode) -> None:
         now = self._clock()
         self._seq += 1
         seq = self._seq
+        policy = self._spaces[node.ns].policy  # one namespace along a path
         while node.parent is not None:
             node.last_access = now
             node.access_seq = seq
             node.hit_count += 1
-            self.policy.on_hit(node)
+            policy.on_hit(node)
             if node.heap_token is not None:
-                self.policy.add(node)  # stats changed: refresh its priority
+                policy.add(node)  # stats changed: refresh its priority
             node = node.parent
 
     def touch(self, node: RadixNode | None) -> None:
@@ -193,11 +222,18 @@ class RadixIndex:
 
     # ---- insert / ready / remove -------------------------------------------
 
-    def insert(self, keys: BlockKeys, slots: SlotIds, *, ready: bool = False) -> InsertResult:
+    def insert(
+        self, keys: BlockKeys, slots: SlotIds, *, ready: bool = False, ns: int = 0
+    ) -> InsertResult:
         """Add the last len(slots) keys, whose prefix keys[:-len(slots)] must be present.
 
         The prefix must end in a ready node (an in-flight node gets no
         children). Raises IndexConflict and changes nothing otherwise.
+
+        The new blocks join namespace `ns` when they start a tree; below a
+        present prefix they join its tree's namespace (keys are salted by
+        namespace, so the tree is right), except that a tree of namespace 0
+        (unknown: recovered from disk) is first claimed whole for `ns`.
         """
         kb = _key_bytes(keys)
         total, num_new = len(kb) // KEY_BYTES, len(slots)
@@ -212,8 +248,14 @@ class RadixIndex:
             return InsertResult(None, 0)
         if not node.ready:
             raise IndexConflict("cannot insert below a block that is still in flight")
-        if node.parent is not None and m < len(node):
-            node = self._split(node, m)
+        if node.parent is not None:
+            if m < len(node):
+                node = self._split(node, m)
+            if node.ns != ns:
+                if ns and not node.ns:
+                    self._claim(node, ns)
+                ns = node.ns
+        space = self._spaces.get(ns) or self._add_space(ns)
         now = self._clock()
         self._seq += 1
         child = RadixNode(
@@ -223,16 +265,46 @@ class RadixIndex:
             ready,
             now,
             self._seq,
+            ns,
         )
         if node.heap_token is not None:
-            self.policy.discard(node)
+            space.policy.discard(node)
         node.children[child.first_key] = child
         self.num_blocks += num_new
+        space.blocks += num_new
         self.num_nodes += 1
-        self.policy.on_insert(child)
+        space.policy.on_insert(child)
+        if node is self.root:
+            space.track(child)
         if ready:
             self._became_ready(child)
         return InsertResult(child, num_new)
+
+    def _add_space(self, ns: int) -> Namespace:
+        space = Namespace(ns, self.policy.spawn())
+        self._spaces[ns] = space
+        return space
+
+    def _claim(self, node: RadixNode, ns: int) -> None:
+        """Move the namespace-0 tree holding `node` to namespace `ns`:
+        O(tree), once per recovered tree a namespaced request extends."""
+        top = node
+        while top.parent is not self.root:
+            assert top.parent is not None
+            top = top.parent
+        old, new = self._spaces[top.ns], self._spaces.get(ns) or self._add_space(ns)
+        for cur in self._subtree(top):
+            candidate = cur.heap_token is not None
+            if candidate:
+                old.policy.discard(cur)
+            old.policy.on_remove(cur)
+            old.blocks -= len(cur)
+            cur.ns = ns
+            new.blocks += len(cur)
+            new.policy.on_insert(cur)
+            if candidate:
+                new.policy.add(cur)
+        new.track(top)
 
     def _walk(self, kb: bytes) -> tuple[RadixNode, int, int]:
         """Deepest node matching the keys `kb` (ready or not), blocks matched
@@ -254,7 +326,9 @@ class RadixIndex:
         parent = node.parent
         assert parent is not None and 0 < m < len(node)
         cut = m * KEY_BYTES
-        upper = RadixNode(node.key_bytes[:cut], SlotIds(node.slots[:m]), parent, node.ready, 0.0, 0)
+        upper = RadixNode(
+            node.key_bytes[:cut], SlotIds(node.slots[:m]), parent, node.ready, 0.0, 0, node.ns
+        )
         upper.copy_stats_from(node)
         upper.lock_count = node.lock_count
         node.key_bytes, node.slots = node.key_bytes[cut:], SlotIds(node.slots[m:])
@@ -262,7 +336,10 @@ class RadixIndex:
         upper.children[node.first_key] = node
         node.parent = upper
         self.num_nodes += 1
-        self.policy.on_split(upper, node)
+        space = self._spaces[node.ns]
+        space.policy.on_split(upper, node)
+        if parent is self.root:
+            space.track(upper)  # the tree's new top
         return upper
 
     def set_ready(self, node: RadixNode) -> None:
@@ -278,7 +355,7 @@ class RadixIndex:
             parent_key = None if parent is None or parent.parent is None else parent.last_key
             self._events.append(BlockStored(node.keys, parent_key))
         if node.evictable:
-            self.policy.add(node)
+            self._spaces[node.ns].policy.add(node)
 
     def discard(self, node: RadixNode) -> SlotIds:
         """Drop an unready, unlocked node (its data never landed); returns its slots."""
@@ -292,18 +369,22 @@ class RadixIndex:
         assert parent is not None
         del parent.children[node.first_key]
         node.parent = None
-        self.num_blocks -= len(node)
+        n = node.slots.size
+        self.num_blocks -= n
         self.num_nodes -= 1
-        self.policy.on_remove(node)
-        if parent.evictable:
-            self.policy.add(parent)
+        space = self._spaces[node.ns]
+        space.blocks -= n
+        policy = space.policy
+        policy.on_remove(node)
+        if parent.evictable:  # the root never is; any other parent shares the namespace
+            policy.add(parent)
 
     # ---- locks ----------------------------------------------------------------
 
     def lock(self, node: RadixNode) -> None:
         """Protect node and its ancestors from eviction until `unlock(node)`."""
         if node.heap_token is not None:
-            self.policy.discard(node)
+            self._spaces[node.ns].policy.discard(node)
         cur: RadixNode | None = node
         while cur is not None:
             cur.lock_count += 1
@@ -317,32 +398,41 @@ class RadixIndex:
             cur.lock_count -= 1
             cur = cur.parent
         if node.evictable:
-            self.policy.add(node)
+            self._spaces[node.ns].policy.add(node)
 
     # ---- eviction -------------------------------------------------------------
 
-    def next_victim_age(self) -> float | None:
-        """`last_access` of the node `evict` would take next (None: none)."""
-        victim = self.policy.pop()
-        if victim is None:
-            return None
-        self.policy.add(victim)
-        return victim.last_access
-
     def evict(
-        self, num_blocks: int, on_run: Callable[[EvictedRun], None] | None = None
+        self,
+        num_blocks: int,
+        on_run: Callable[[EvictedRun], None] | None = None,
+        *,
+        ns: int | None = None,
     ) -> EvictResult:
         """Evict at least `num_blocks` blocks if that many are evictable, whole
         leaves first; the last victim is cut so the total is exactly
-        min(num_blocks, evictable). evict(0) does nothing.
+        min(num_blocks, evictable). evict(0) does nothing. With `ns`, only
+        that namespace's blocks go, in its policy's order; without, every
+        victim is the first in the order of all namespaces' policies.
 
         `on_run` sees each run as it leaves, while its parent is still in the
         index: `path(run.parent)` is its prefix, and locking the parent there
         keeps the parent from being the next victim."""
         runs: list[EvictedRun] = []
         left = num_blocks
+        fixed: EvictionPolicy | None = self.policy
+        if ns is not None:
+            space = self._spaces.get(ns)
+            fixed = space.policy if space is not None else None
+            if fixed is None:
+                return EvictResult(0, runs)
+        elif len(self._spaces) > 1:
+            fixed = None  # choose per victim across namespaces
         while left > 0:
-            victim = self.policy.pop()
+            policy = fixed if fixed is not None else self._next_victim_policy()
+            if policy is None:
+                break
+            victim = policy.pop()
             if victim is None:
                 break
             parent = victim.parent
@@ -351,15 +441,16 @@ class RadixIndex:
                 keep = len(victim) - left
                 cut = keep * KEY_BYTES
                 tail = SlotIds(victim.slots[keep:])
-                runs.append(EvictedRun(victim.key_bytes[cut:], tail, victim))
-                self.policy.on_truncate(victim, left)
+                runs.append(EvictedRun(victim.key_bytes[cut:], tail, victim, victim.ns))
+                policy.on_truncate(victim, left)
                 victim.key_bytes = victim.key_bytes[:cut]
                 victim.slots = SlotIds(victim.slots[:keep])
                 self.num_blocks -= left
-                self.policy.add(victim)
+                self._spaces[victim.ns].blocks -= left
+                policy.add(victim)
                 left = 0
             else:
-                runs.append(EvictedRun(victim.key_bytes, victim.slots, parent))
+                runs.append(EvictedRun(victim.key_bytes, victim.slots, parent, victim.ns))
                 left -= len(victim)
                 self._unlink(victim)
             if self._record_events:
@@ -367,6 +458,29 @@ class RadixIndex:
             if on_run is not None:
                 on_run(runs[-1])
         return EvictResult(num_blocks - left, runs)
+
+    def _next_victim_policy(self) -> EvictionPolicy | None:
+        """The policy whose next victim comes first in the order of all:
+        O(namespaces) per victim."""
+        best, best_key = None, None
+        for space in self._spaces.values():
+            key = space.policy.peek_key()
+            if key is not None and (best_key is None or key < best_key):
+                best, best_key = space.policy, key
+        return best
+
+    def next_victim_age(self) -> float | None:
+        """`last_access` of the node `evict` would take next (None: nothing
+        is evictable); changes nothing. For S3-FIFO an approximation (see
+        `S3FifoPolicy.peek`). Lets an owner of several indexes evict from the
+        one whose next victim is oldest."""
+        policy = self.policy if len(self._spaces) == 1 else self._next_victim_policy()
+        node = policy.peek() if policy is not None else None
+        return None if node is None else node.last_access
+
+    @property
+    def num_candidates(self) -> int:
+        return sum(space.policy.num_candidates for space in self._spaces.values())
 
     def remove(self, keys: BlockKeys) -> SlotIds:
         """Drop the block `keys[-1]` and every block below it; returns their slots.
@@ -379,15 +493,19 @@ class RadixIndex:
         node, m, subtree = self._removal(keys)
         if m > 1:
             self._split(node, m - 1)  # `node` keeps the tail from keys[-1] on
+        return _concat(self._drop(subtree))
+
+    def _drop(self, subtree: list[RadixNode]) -> list[np.ndarray]:
+        """Unlink the nodes of a subtree (listed parents first); their slots."""
         removed: list[np.ndarray] = []
         for victim in reversed(subtree):  # leaves first, so each unlink takes a leaf
             if victim.heap_token is not None:
-                self.policy.discard(victim)
+                self._spaces[victim.ns].policy.discard(victim)
             removed.append(victim.slots)
             self._unlink(victim)
             if self._record_events:
                 self._events.append(BlockRemoved(victim.keys))
-        return SlotIds(np.concatenate(removed))
+        return removed
 
     def check_removable(self, keys: BlockKeys) -> None:
         """Raise IndexConflict if `remove(keys)` would; changes nothing."""
@@ -422,6 +540,77 @@ class RadixIndex:
             self._events.append(AllBlocksCleared())
         return result.slots
 
+    # ---- namespaces -------------------------------------------------------------
+
+    def namespace_blocks(self) -> dict[int, int]:
+        """Blocks (ready or in flight) per namespace holding any."""
+        return {ns: space.blocks for ns, space in self._spaces.items() if space.blocks}
+
+    def blocks_of(self, ns: int) -> int:
+        space = self._spaces.get(ns)
+        return space.blocks if space is not None else 0
+
+    def clear_namespace(self, ns: int) -> tuple[SlotIds, int]:
+        """Drop every block of namespace `ns` that is ready, unlocked and has
+        nothing locked or in flight below it. Returns their slots and the
+        number of the namespace's blocks kept (locked, in flight, or above
+        such a block). O(the namespace's nodes)."""
+        removed: list[np.ndarray] = []
+        for top in [c for c in self.root.children.values() if c.ns == ns]:
+            removed.extend(self._drop_free_parts(top))
+        return _concat(removed), self.blocks_of(ns)
+
+    def _drop_free_parts(self, top: RadixNode) -> list[np.ndarray]:
+        order = self._subtree(top)
+        busy: set[int] = set()
+        for node in reversed(order):  # children before parents
+            if (
+                node.lock_count
+                or not node.ready
+                or any(id(c) in busy for c in node.children.values())
+            ):
+                busy.add(id(node))
+        if id(top) not in busy:
+            return self._drop(order)
+        removed: list[np.ndarray] = []
+        for node in order:
+            if id(node) in busy:
+                for child in [c for c in node.children.values() if id(c) not in busy]:
+                    removed.extend(self._drop(self._subtree(child)))
+        return removed
+
+    def set_ttl(self, ns: int, seconds: float | None) -> None:
+        """Serve and keep namespace `ns`'s blocks at most `seconds` after
+        their insertion (None: no limit). A tree is as old as its top (born
+        never decreases down a path): once the top is expired, `match` and
+        `ready_blocks` treat the whole tree as absent and `expire` drops it.
+        Starting a TTL costs O(children of the root)."""
+        space = self._spaces.get(ns) or self._add_space(ns)
+        tops = [c for c in self.root.children.values() if c.ns == ns]
+        space.set_ttl(seconds, tops)
+        if seconds is None:
+            self._ttl_spaces.pop(ns, None)
+        else:
+            self._ttl_spaces[ns] = space
+
+    def expire(self, now: float | None = None) -> SlotIds:
+        """Drop every expired tree that nothing locks and nothing in it is in
+        flight; returns the slots. Trees held back are retried at the next
+        call. Cost: O(log n) per tree that comes due plus its nodes."""
+        now = self._clock() if now is None else now
+        removed: list[np.ndarray] = []
+        for space in list(self._ttl_spaces.values()):
+            for entry in space.due(now):
+                top = entry[2]
+                if top.parent is not self.root or top.ns != space.ns:
+                    continue  # split (its upper half is queued), gone, or claimed
+                subtree = self._subtree(top)
+                if top.lock_count or not all(n.ready for n in subtree):
+                    space.requeue(entry)
+                else:
+                    removed.extend(self._drop(subtree))
+        return _concat(removed)
+
     # ---- events ---------------------------------------------------------------
 
     def drain_events(self) -> list[KVEvent]:
@@ -433,6 +622,10 @@ def _key_bytes(keys: BlockKeys) -> bytes:
     if not isinstance(keys, np.ndarray) or keys.dtype != KEY_DTYPE or keys.ndim != 1:
         raise TypeError(f"keys must be a 1-D numpy array of dtype {KEY_DTYPE}")
     return key_bytes(keys)
+
+
+def _concat(runs: list[np.ndarray]) -> SlotIds:
+    return SlotIds(np.concatenate(runs)) if runs else _EMPTY_SLOTS
 
 
 def _as_keys(key_bytes: bytes) -> BlockKeys:

@@ -14,18 +14,22 @@ class RadixNode:
     matches whole costs one bytes comparison. `slots` holds its tier slots.
     The root holds no blocks. Invariants kept by `RadixIndex`: an unready
     node has no children; `lock_count` of a node is the number of locks held
-    on it or on any descendant.
+    on it or on any descendant; every node below a child of the root has
+    that child's namespace `ns` (0: none or unknown); `born` (the clock
+    reading when its blocks were inserted) never decreases down a path.
     """
 
     __slots__ = (
         "access_seq",
         "birth",
+        "born",
         "children",
         "heap_token",
         "hit_count",
         "key_bytes",
         "last_access",
         "lock_count",
+        "ns",
         "parent",
         "policy_state",
         "ready",
@@ -40,6 +44,7 @@ class RadixNode:
         ready: bool,
         now: float,
         seq: int,
+        ns: int = 0,
     ) -> None:
         self.key_bytes = key_bytes
         self.slots = slots
@@ -50,6 +55,8 @@ class RadixNode:
         self.last_access = now
         self.access_seq = seq
         self.birth = seq
+        self.born = now
+        self.ns = ns
         self.hit_count = 0
         # Owned by the eviction policy: a token marking the node's live heap
         # entry (None: not a candidate), and any per-policy fields.
@@ -87,6 +94,7 @@ class RadixNode:
         self.last_access = other.last_access
         self.access_seq = other.access_seq
         self.birth = other.birth
+        self.born = other.born
         self.hit_count = other.hit_count
         self.policy_state = other.policy_state
 

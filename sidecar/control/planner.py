@@ -19,6 +19,11 @@ it is read only when the double-get rule allows it, and its writes are
 bounded by an in-flight quota (blocks past it are DENIED and counted). A
 lower tier marked offline (`set_online`) is neither read nor written.
 
+Every request carries a namespace id (`ns`, 0 when none): each block it
+inserts in any tier joins that namespace and each allocation counts against
+the namespace's quota in that tier. A TTL applies to every tier; GET and
+PUT drop expired trees first, so fresh blocks can replace them.
+
 Plans in flight are tracked by the `PlanTable` base (`control/plans.py`).
 Every block a plan reads or writes stays locked until the plan ends; every
 block it inserts stays unready until its op completes. Failing or cancelling
@@ -87,6 +92,7 @@ class GlobalCacheEngine(PlanTable):
         self.remote_rule = remote_rule or DoubleGetRule()
         self.offline: set[str] = set()
         self._background: list[Plan] = []
+        self._ttls: dict[int, float] = {}
         if self.write_policy is WritePolicy.WRITE_BACK and self.lower:
             cpu.evict_hook = self._write_back
 
@@ -127,7 +133,7 @@ class GlobalCacheEngine(PlanTable):
         have = max(m.num_blocks, self.cpu.match(keys).num_blocks, *local)
         return m.num_blocks if self.remote_rule.allows(len(keys) - have, len(keys)) else None
 
-    def learn_remote(self, keys: BlockKeys, num_blocks: int) -> int:
+    def learn_remote(self, keys: BlockKeys, num_blocks: int, ns: int = 0) -> int:
         """The remote store holds keys[:num_blocks] (a probe found them, or
         another host saved them): the remote index adds what it lacked, ready.
         Returns the blocks added (fewer when its index is full of locked
@@ -142,12 +148,13 @@ class GlobalCacheEngine(PlanTable):
         if m.node is not None:
             remote.lock(m.node)  # the allocation may evict: keep the prefix
         try:
-            slots = remote.allocate(num_blocks - m.num_blocks)
+            slots = remote.allocate(num_blocks - m.num_blocks, ns)
         finally:
             if m.node is not None:
                 remote.unlock(m.node)
         if slots.size:
-            remote.insert(BlockKeys(prefix[: m.num_blocks + slots.size]), slots, ready=True)
+            end = m.num_blocks + slots.size
+            remote.insert(BlockKeys(prefix[:end]), slots, ready=True, ns=ns)
         return int(slots.size)
 
     def drain_background(self) -> list[Plan]:
@@ -165,6 +172,7 @@ class GlobalCacheEngine(PlanTable):
         *,
         stage: bool = True,
         hit: bool = True,
+        ns: int = 0,
     ) -> Plan:
         """Plan loading keys[skip:matched] into gpu_blocks[skip:matched].
 
@@ -175,10 +183,13 @@ class GlobalCacheEngine(PlanTable):
         CPU tier without copying anything to the GPU. With `hit=False` (such
         a staging pass ahead of the GET itself) the CPU prefix is not touched
         and no selective write-down is planned: one engine load is one hit.
+        Blocks staged or written down join namespace `ns`.
         """
         n = _check_request(keys, gpu_blocks)
         if not 0 <= skip <= n:
             raise ValueError(f"skip must be in [0, {n}], got {skip}")
+        if self._ttls:
+            self.expire()
         run, graph = self._start(PlanKind.GET)
         cpu_m = self.cpu.match(keys, touch=hit)
         c = cpu_m.num_blocks
@@ -187,11 +198,11 @@ class GlobalCacheEngine(PlanTable):
             graph.add(OpKind.H2D, cpu_m.slots[skip:c], gpu_blocks[skip:c])
         counts = {"cpu": max(0, c - skip)}
         if stage and cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
-            counts.update(self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip))
+            counts.update(self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip, ns))
         selective = self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         if hit and selective and cpu_m.node is not None:
             hot = self._hot_prefix(cpu_m.node, c)
-            self._write_down(run, graph, keys[:hot], cpu_m.slots[:hot], None, 0)
+            self._write_down(run, graph, keys[:hot], cpu_m.slots[:hot], None, 0, ns)
         hits = TierCounts(counts["cpu"], counts.get("ssd", 0), counts.get("remote", 0))
         return self._launch(run, graph, hit_blocks=hits)
 
@@ -203,6 +214,7 @@ class GlobalCacheEngine(PlanTable):
         gpu_blocks: GpuBlockIds,
         cpu_m: MatchResult,
         skip: int,
+        ns: int,
     ) -> dict[str, int]:
         """Fragments 2 and 3: lower-tier blocks past the CPU prefix, staged
         through one new CPU node that becomes ready when every load landed."""
@@ -222,11 +234,11 @@ class GlobalCacheEngine(PlanTable):
         # write-back that writes to the lower tiers, which may evict in turn.
         for name, m, _, _ in frags:
             run.lock(self.lower[name], m.node)
-        slots = self.cpu.allocate(end - c)  # the CPU prefix is locked by now
+        slots = self.cpu.allocate(end - c, ns)  # the CPU prefix is locked by now
         end = c + slots.size
         if slots.size == 0:
             return {}
-        node = self.cpu.insert(BlockKeys(keys[:end]), slots).node
+        node = self.cpu.insert(BlockKeys(keys[:end]), slots, ns=ns).node
         assert node is not None
         run.inserted.append((self.cpu, node))
         run.lock(self.cpu, node)
@@ -267,11 +279,13 @@ class GlobalCacheEngine(PlanTable):
 
     # ---- PUT ---------------------------------------------------------------------
 
-    def put(self, keys: BlockKeys, gpu_blocks: GpuBlockIds) -> Plan:
+    def put(self, keys: BlockKeys, gpu_blocks: GpuBlockIds, ns: int = 0) -> Plan:
         """Plan saving keys (from gpu_blocks) to the CPU tier and, per the
-        write policy, below it. Blocks another plan is already saving are
-        left to it."""
+        write policy, below it, as blocks of namespace `ns`. Blocks another
+        plan is already saving are left to it."""
         n = _check_request(keys, gpu_blocks)
+        if self._ttls:
+            self.expire()
         run, graph = self._start(PlanKind.PUT)
         m = self.cpu.match(keys)
         c = m.num_blocks
@@ -280,10 +294,10 @@ class GlobalCacheEngine(PlanTable):
         d2h = None
         stored = 0
         if m.num_present == c and c < n:
-            slots = self.cpu.allocate(n - c)
+            slots = self.cpu.allocate(n - c, ns)
             stored = slots.size
             if stored:
-                node = self.cpu.insert(BlockKeys(keys[: c + stored]), slots).node
+                node = self.cpu.insert(BlockKeys(keys[: c + stored]), slots, ns=ns).node
                 assert node is not None
                 run.inserted.append((self.cpu, node))
                 run.lock(self.cpu, node)
@@ -291,7 +305,7 @@ class GlobalCacheEngine(PlanTable):
                 run.waits.append(ReadyWait(self.cpu, node, {d2h}))
                 cpu_slots = np.concatenate([m.slots, slots])
         if self.write_policy is WritePolicy.WRITE_THROUGH:
-            self._write_down(run, graph, keys[: c + stored], cpu_slots, d2h, c)
+            self._write_down(run, graph, keys[: c + stored], cpu_slots, d2h, c, ns)
         in_flight = m.num_present - c
         return self._launch(
             run, graph, skipped_blocks=c, stored_blocks=stored, in_flight_blocks=in_flight
@@ -305,6 +319,7 @@ class GlobalCacheEngine(PlanTable):
         cpu_slots: np.ndarray,
         after: int | None,
         after_from: int,
+        ns: int,
     ) -> None:
         """Copy the blocks of `keys` each lower tier lacks from `cpu_slots`.
 
@@ -323,11 +338,11 @@ class GlobalCacheEngine(PlanTable):
                 if not want:
                     continue
             run.lock(tier, m.node)
-            slots = tier.allocate(want)
+            slots = tier.allocate(want, ns)
             if slots.size == 0:
                 continue
             end = t + slots.size
-            node = tier.insert(BlockKeys(keys[:end]), slots).node
+            node = tier.insert(BlockKeys(keys[:end]), slots, ns=ns).node
             assert node is not None
             run.inserted.append((tier, node))
             deps = (after,) if after is not None and end > after_from else ()
@@ -350,7 +365,7 @@ class GlobalCacheEngine(PlanTable):
         keys = np.concatenate([above_keys, np.frombuffer(evicted.key_bytes, dtype=KEY_DTYPE)])
         slots = np.concatenate([above_slots, evicted.slots])
         run.lock(self.cpu, parent if parent.parent is not None else None)
-        self._write_down(run, graph, keys, slots, None, 0)
+        self._write_down(run, graph, keys, slots, None, 0, evicted.ns)
         kept = evicted.slots if graph.ops else evicted.slots[:0]
         if kept.size:
             run.held.append((self.cpu, kept))
@@ -380,6 +395,53 @@ class GlobalCacheEngine(PlanTable):
         for tier in holding:
             tier.index.check_removable(keys)
         return sum(tier.remove(keys) for tier in holding)
+
+    # ---- namespaces ---------------------------------------------------------------
+
+    def set_quota(self, tier: str, ns: int, max_blocks: int | None) -> None:
+        """Hold namespace `ns` to `max_blocks` blocks in `tier` (None: no quota)."""
+        self._tiers([tier])[tier].set_quota(ns, max_blocks)
+
+    def set_ttl(self, ns: int, seconds: float | None) -> None:
+        """Serve and keep namespace `ns`'s blocks, in every tier, at most
+        `seconds` after they were stored there (None: no limit)."""
+        for tier in self._tiers(None).values():
+            tier.index.set_ttl(ns, seconds)
+        if seconds is None:
+            self._ttls.pop(ns, None)
+        else:
+            self._ttls[ns] = seconds
+
+    def expire(self) -> dict[str, int]:
+        """Drop the expired trees nothing holds, in every tier; blocks dropped per tier."""
+        return {name: tier.expire() for name, tier in self._tiers(None).items()}
+
+    def clear_namespace(
+        self, ns: int, tiers: list[str] | None = None
+    ) -> dict[str, tuple[int, int]]:
+        """Drop namespace `ns`'s blocks from `tiers` (None: all, offline ones
+        too); per tier (blocks dropped, blocks kept: locked or in flight).
+        The remote tier forgets the blocks; deleting them from the store is
+        its remove_hook's business."""
+        return {name: tier.clear_namespace(ns) for name, tier in self._tiers(tiers).items()}
+
+    def clear(self, tiers: list[str] | None = None) -> dict[str, tuple[int, int]]:
+        """Drop every ready, unlocked block from `tiers` (None: all); per tier
+        (blocks dropped, blocks kept)."""
+        return {name: tier.clear() for name, tier in self._tiers(tiers).items()}
+
+    def namespace_usage(self) -> dict[str, dict[int, int]]:
+        """Blocks per namespace in each tier (namespaces holding none left out)."""
+        return {name: tier.index.namespace_blocks() for name, tier in self._tiers(None).items()}
+
+    def _tiers(self, names: list[str] | None) -> dict[str, CacheEngine]:
+        every = {"cpu": self.cpu, **self.lower}
+        if names is None:
+            return every
+        unknown = [n for n in names if n not in every]
+        if unknown:
+            raise ValueError(f"no tier {unknown[0]!r}; tiers: {', '.join(every)}")
+        return {n: every[n] for n in names}
 
     def _online(self) -> list[tuple[str, CacheEngine]]:
         return [(n, t) for n, t in self.lower.items() if n not in self.offline]

@@ -42,6 +42,11 @@ class EvictionPolicy(ABC):
       stats changed; `discard(node)` when it stops being evictable.
     `pop()` removes and returns the next victim among the candidates, or
     None when there are none. The index then evicts all or part of it.
+    `peek()` returns the node `pop()` would look at first, changing nothing
+    the index can see, and `peek_key()` its place in the eviction order:
+    keys of two policies of one kind compare (lowest goes first), so an
+    index holding one policy per namespace (`spawn()`: a fresh, empty
+    policy of the same kind and settings) evicts across them in one order.
     """
 
     name: str = ""
@@ -69,6 +74,15 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def pop(self) -> RadixNode | None: ...
+
+    @abstractmethod
+    def peek(self) -> RadixNode | None: ...
+
+    @abstractmethod
+    def peek_key(self) -> tuple[float, float, int] | None: ...
+
+    @abstractmethod
+    def spawn(self) -> EvictionPolicy: ...
 
     @property
     @abstractmethod
@@ -123,6 +137,16 @@ class LazyHeap:
                 return node
         return None
 
+    def peek(self) -> RadixNode | None:
+        """The node `pop` would return, left in place (stale entries on top are dropped)."""
+        heap = self._heap
+        while heap:
+            top = heap[0]
+            if top[4].heap_token == top[3]:
+                return top[4]
+            heapq.heappop(heap)
+        return None
+
 
 class CandidateHeap(Protocol):
     """What a policy needs of its candidate heap: LazyHeap or the C NodeHeap."""
@@ -132,6 +156,7 @@ class CandidateHeap(Protocol):
     def push(self, node: RadixNode, k0: float, k1: float, k2: int, /) -> None: ...
     def remove(self, node: RadixNode, /) -> None: ...
     def pop(self) -> RadixNode | None: ...
+    def peek(self) -> RadixNode | None: ...
 
 
 NodeHeap: type[CandidateHeap]
@@ -159,6 +184,16 @@ class PriorityPolicy(EvictionPolicy):
 
     def pop(self) -> RadixNode | None:
         return self._heap.pop()
+
+    def peek(self) -> RadixNode | None:
+        return self._heap.peek()
+
+    def peek_key(self) -> tuple[float, float, int] | None:
+        node = self._heap.peek()
+        return None if node is None else self._priority(node)
+
+    def spawn(self) -> PriorityPolicy:
+        return PriorityPolicy(self._priority, self.name)
 
     @property
     def num_candidates(self) -> int:

@@ -11,6 +11,11 @@ Only candidates (evictable leaves) are considered, so a parent is visited
 once its children are gone. Each node is moved at most once from S to M and
 reinserted at most `MAX_FREQ` times per hit, so a victim costs amortised
 O(log n).
+
+`peek()` is an approximation: the head of the queue `pop` would look at
+first, which `pop` may yet move to M instead of evicting. Its `peek_key()`
+is that node's (last access, 0, access seq), so policies of several
+namespaces compare by the age of their heads, as memcached balances slabs.
 """
 
 from __future__ import annotations
@@ -106,13 +111,27 @@ class S3FifoPolicy(EvictionPolicy):
     def num_candidates(self) -> int:
         return self._heaps[SMALL].size + self._heaps[MAIN].size
 
+    def spawn(self) -> S3FifoPolicy:
+        return S3FifoPolicy(self._min_ghost)
+
+    def _next_queue(self) -> int:
+        total = self._blocks[SMALL] + self._blocks[MAIN]
+        small_first = self._blocks[SMALL] > SMALL_SHARE * total
+        queue = SMALL if small_first and self._heaps[SMALL].size else MAIN
+        return queue if self._heaps[queue].size else SMALL
+
+    def peek(self) -> RadixNode | None:
+        if not self.num_candidates:
+            return None
+        return self._heaps[self._next_queue()].peek()
+
+    def peek_key(self) -> tuple[float, float, int] | None:
+        node = self.peek()
+        return None if node is None else (node.last_access, 0.0, node.access_seq)
+
     def pop(self) -> RadixNode | None:
         while self.num_candidates:
-            total = self._blocks[SMALL] + self._blocks[MAIN]
-            small_first = self._blocks[SMALL] > SMALL_SHARE * total
-            queue = SMALL if small_first and self._heaps[SMALL].size else MAIN
-            if not self._heaps[queue].size:
-                queue = SMALL
+            queue = self._next_queue()
             node = self._heaps[queue].pop()
             assert node is not None
             state = self._state(node)
