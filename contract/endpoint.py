@@ -62,6 +62,11 @@ class InstancePaths:
         return self.runtime_dir / f"{self.instance}.sock"
 
     @property
+    def admin_token_path(self) -> Path:
+        """The admin token: read by `kvsidecar clear` (owner-only: 0600)."""
+        return self.runtime_dir / f"{self.instance}.admin"
+
+    @property
     def default_endpoint(self) -> str:
         return f"ipc://{self.socket_path}"
 

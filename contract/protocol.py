@@ -55,6 +55,8 @@ class ErrorCode(str, enum.Enum):
     """A load or save from an engine some of whose TP ranks are not registered
     (yet, or no longer): its plan could never complete."""
     SHUTTING_DOWN = "shutting_down"
+    FORBIDDEN = "forbidden"
+    """An administrator's op without the admin token."""
     INTERNAL = "internal"
 
 
@@ -156,6 +158,19 @@ class Stats(_Request, tag="stats"):
     pass
 
 
+class Clear(_Request, tag="clear"):
+    """Drop cached blocks (an administrator's `kvsidecar clear`): those of the
+    namespaces the non-empty fields select (none: every block), from `tier`
+    ("": every tier). Blocks locked by a plan in flight stay."""
+
+    token: str
+    """The sidecar's admin token (`InstancePaths.admin_token_path`)."""
+    tier: str = ""
+    model: str = ""
+    revision: str = ""
+    tenant: str = ""
+
+
 Request = (
     Register
     | Lookup
@@ -169,6 +184,7 @@ Request = (
     | Heartbeat
     | Unregister
     | Stats
+    | Clear
 )
 
 ARRAY_FRAMES: dict[type, int] = {Lookup: 1, Exists: 1, Delete: 1, Load: 2, Save: 2}

@@ -111,6 +111,15 @@ class StatsReply(Ok, kw_only=True):
     stats: dict[str, Any]
 
 
+class ClearReply(Ok, kw_only=True):
+    removed: dict[str, int]
+    """Tier -> blocks dropped."""
+    kept: dict[str, int]
+    """Tier -> blocks of the chosen namespaces kept (locked or in flight)."""
+    namespaces: int
+    """Namespaces the request selected."""
+
+
 Reply = Ok | ErrorReply
 """Every reply type is an `Ok` or the `ErrorReply`."""
 
@@ -123,6 +132,7 @@ REPLY_OF: dict[type, type[Ok]] = {
     p.Save: SaveReply,
     p.Complete: CompleteReply,
     p.Fail: Ok,
+    p.Clear: ClearReply,
     p.Cancel: Ok,
     p.Heartbeat: HeartbeatReply,
     p.Unregister: Ok,

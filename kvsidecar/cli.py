@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=_status if name == "status" else _stats)
     _add_cleanup(sub)
+    from kvsidecar.admin import add_parsers as add_admin_parsers
+
+    add_admin_parsers(sub, _config_args, _fetch, _load)
     keygen = sub.add_parser(
         "keygen",
         help="make a CURVE key pair for a sidecar or a client (DIR/NAME.key, NAME.key_secret)",

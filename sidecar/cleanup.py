@@ -32,7 +32,7 @@ class Removed(NamedTuple):
     segments: tuple[str, ...]
     """Segment names, as `shm.names.segment_name` gives them."""
     files: tuple[Path, ...]
-    """The socket and the lock file, those that were there."""
+    """The socket, the admin token and the lock file, those that were there."""
     freed_bytes: int
     """The segments' sizes added up: shared memory given back once no
     process maps them any more."""
@@ -55,6 +55,8 @@ def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
             sizes = _segment_sizes(paths.shm_prefix, shm_dir)
             segments = tuple(remove_stale_segments(paths.shm_prefix, shm_dir))
             files = [paths.socket_path] if _remove_socket(paths.socket_path) else []
+            if _remove_file(paths.admin_token_path):
+                files.append(paths.admin_token_path)
         finally:
             lock.release()
     finally:
@@ -76,7 +78,7 @@ def instances_in(runtime_dir: Path, shm_dir: str | None = None) -> list[str]:
         entries = []
     for entry in entries:
         stem, dot, suffix = entry.rpartition(".")
-        if dot and suffix in ("lock", "sock") and re.fullmatch(INSTANCE_PATTERN, stem):
+        if dot and suffix in ("lock", "sock", "admin") and re.fullmatch(INSTANCE_PATTERN, stem):
             names.add(stem)
     # kvsidecar.<uid>.<instance>.<digest>: the instance is what lies between.
     head, _, digest = InstancePaths(runtime_dir, "x").shm_prefix.rpartition(".")
@@ -119,6 +121,17 @@ def _remove_socket(path: Path) -> bool:
     """Unlink `path` if it is a socket (never anything else); whether it was."""
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _remove_file(path: Path) -> bool:
+    """Remove a regular file (not a link); whether there was one."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
             return False
         os.unlink(path)
     except FileNotFoundError:

@@ -50,6 +50,7 @@ from sidecar.config_spec import (
     format_size,
     parse_size,
 )
+from sidecar.namespace_limits import parse_rules
 
 __all__ = [
     "SPECS",
@@ -366,6 +367,14 @@ class Config:
         high=2**63 - 1,  # a msgpack int64: larger ids would fail at the first publish
     )
 
+    namespace_limits: tuple[str, ...] = config_key(
+        (),
+        "str_list",
+        "Per-namespace limits, one entry each: a selector (model=, revision=, tenant=; left out: "
+        "any) and limits (cpu=, ssd=, remote= sizes; ttl= seconds), space-separated, e.g. "
+        "'tenant=trial cpu=512MiB ttl=600'. Matching entries apply in order.",
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             # The documented way to normalise a field of a frozen dataclass.
@@ -382,6 +391,10 @@ class Config:
                 f"remote_io_threads ({self.remote_io_threads}): each stream is one thread"
             )
         self._check_remote_endpoints()
+        try:
+            parse_rules(self.namespace_limits)
+        except ValueError as err:
+            raise ConfigError(f"namespace_limits: {err}") from None
         bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
         if len(set(bound)) != len(bound):
             raise ConfigError(

@@ -11,10 +11,12 @@ directory (see `contract.endpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -246,3 +248,34 @@ def _read_pid(fd: int) -> int | None:
         return int(text) if text else None
     except (OSError, ValueError):
         return None
+
+
+class AdminToken:
+    """What proves a client may administer this sidecar (`kvsidecar clear`):
+    a random token in `<runtime_dir>/<instance>.admin`, mode 0600, so only
+    the sidecar's own user (and root) can read it. Engines of other users
+    that the `group` setting lets connect cannot. Made once the instance
+    lock is held (a dead predecessor's is replaced), removed at close."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.value = secrets.token_hex(32)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        try:
+            os.write(fd, self.value.encode())
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def read_admin_token(path: Path) -> str:
+    """The token a running sidecar wrote; OSError (e.g. PermissionError for
+    another user, FileNotFoundError with no sidecar) as open raises it."""
+    return path.read_text(encoding="ascii").strip()

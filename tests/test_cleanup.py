@@ -56,7 +56,7 @@ def test_cleanup_removes_what_a_killed_sidecar_left_and_says_what(sidecar: Sidec
     sidecar.proc.wait(DEADLINE)
     assert leftovers(sidecar) == (
         segments,
-        [f"{sidecar.instance}.lock", f"{sidecar.instance}.sock"],
+        [f"{sidecar.instance}.admin", f"{sidecar.instance}.lock", f"{sidecar.instance}.sock"],
     )
     done = cleanup(sidecar.runtime_dir, "--instance", sidecar.instance)
     assert done.returncode == 0, done.stderr
@@ -64,6 +64,7 @@ def test_cleanup_removes_what_a_killed_sidecar_left_and_says_what(sidecar: Sidec
         assert f"removed shm segment /{name}" in done.stdout
     assert f"removed {sidecar.runtime_dir}/{sidecar.instance}.sock" in done.stdout
     assert f"removed {sidecar.runtime_dir}/{sidecar.instance}.lock" in done.stdout
+    assert f"removed {sidecar.runtime_dir}/{sidecar.instance}.admin" in done.stdout
     assert "4MiB of shared memory freed" in done.stdout
     assert leftovers(sidecar) == ([], [])
 
@@ -103,11 +104,11 @@ def test_cleanup_all_sweeps_the_dead_instances_and_leaves_the_live_one() -> None
         assert f"instance {live.instance!r}" not in done.stdout
         assert f"{live.instance!r} is already running" in done.stderr
         for s in (dead, other_dead):
-            assert f"instance {s.instance!r}: removed 1 shm segment(s) and 2 file(s)" in done.stdout
+            assert f"instance {s.instance!r}: removed 1 shm segment(s) and 3 file(s)" in done.stdout
             assert s.shm_segments() == []
         assert leftovers(live) == (
             live_segments,
-            [f"{live.instance}.lock", f"{live.instance}.sock"],
+            [f"{live.instance}.admin", f"{live.instance}.lock", f"{live.instance}.sock"],
         )
         assert live.stop() == 0
         assert os.listdir(runtime_dir) == []

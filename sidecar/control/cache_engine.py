@@ -189,16 +189,18 @@ class CacheEngine:
         returns the blocks dropped."""
         return self._drop(self.index.expire(now))
 
-    def clear_namespace(self, ns: int) -> tuple[int, int]:
+    def clear_namespace(self, ns: int, keys_out: list[bytes] | None = None) -> tuple[int, int]:
         """Drop namespace `ns`'s blocks (RadixIndex.clear_namespace), through
-        `remove_hook`; returns (blocks dropped, blocks kept: locked or in flight)."""
-        slots, kept = self.index.clear_namespace(ns)
+        `remove_hook`; returns (blocks dropped, blocks kept: locked or in
+        flight). The dropped keys' bytes are appended to `keys_out`."""
+        slots, kept = self.index.clear_namespace(ns, keys_out)
         return self._drop(slots), kept
 
-    def clear(self) -> tuple[int, int]:
+    def clear(self, keys_out: list[bytes] | None = None) -> tuple[int, int]:
         """Drop every ready, unlocked block, through `remove_hook` (nothing is
-        written back); returns (blocks dropped, blocks kept)."""
-        return self._drop(self.index.clear()), self.index.num_blocks
+        written back); returns (blocks dropped, blocks kept). The dropped
+        keys' bytes are appended to `keys_out`."""
+        return self._drop(self.index.clear(keys_out)), self.index.num_blocks
 
     def free(self, slots: np.ndarray) -> None:
         self.mempool.free(slots)

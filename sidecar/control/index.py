@@ -495,13 +495,18 @@ class RadixIndex:
             self._split(node, m - 1)  # `node` keeps the tail from keys[-1] on
         return _concat(self._drop(subtree))
 
-    def _drop(self, subtree: list[RadixNode]) -> list[np.ndarray]:
-        """Unlink the nodes of a subtree (listed parents first); their slots."""
+    def _drop(
+        self, subtree: list[RadixNode], keys_out: list[bytes] | None = None
+    ) -> list[np.ndarray]:
+        """Unlink the nodes of a subtree (listed parents first); their slots
+        (and their keys' bytes appended to `keys_out`)."""
         removed: list[np.ndarray] = []
         for victim in reversed(subtree):  # leaves first, so each unlink takes a leaf
             if victim.heap_token is not None:
                 self._spaces[victim.ns].policy.discard(victim)
             removed.append(victim.slots)
+            if keys_out is not None:
+                keys_out.append(victim.key_bytes)
             self._unlink(victim)
             if self._record_events:
                 self._events.append(BlockRemoved(victim.keys))
@@ -532,10 +537,13 @@ class RadixIndex:
             stack.extend(cur.children.values())
         return out
 
-    def clear(self) -> SlotIds:
-        """Drop every ready, unlocked block; returns their slots. Pending or
-        locked nodes (and their ancestors) stay."""
+    def clear(self, keys_out: list[bytes] | None = None) -> SlotIds:
+        """Drop every ready, unlocked block; returns their slots (and appends
+        their keys' bytes to `keys_out`). Pending or locked nodes (and their
+        ancestors) stay."""
         result = self.evict(self.num_blocks)
+        if keys_out is not None:
+            keys_out.extend(run.key_bytes for run in result.runs)
         if self._record_events and self.num_blocks == 0:
             self._events.append(AllBlocksCleared())
         return result.slots
@@ -550,17 +558,18 @@ class RadixIndex:
         space = self._spaces.get(ns)
         return space.blocks if space is not None else 0
 
-    def clear_namespace(self, ns: int) -> tuple[SlotIds, int]:
+    def clear_namespace(self, ns: int, keys_out: list[bytes] | None = None) -> tuple[SlotIds, int]:
         """Drop every block of namespace `ns` that is ready, unlocked and has
-        nothing locked or in flight below it. Returns their slots and the
-        number of the namespace's blocks kept (locked, in flight, or above
-        such a block). O(the namespace's nodes)."""
+        nothing locked or in flight below it. Returns their slots (their
+        keys' bytes appended to `keys_out`) and the number of the namespace's
+        blocks kept (locked, in flight, or above such a block). O(the
+        namespace's nodes)."""
         removed: list[np.ndarray] = []
         for top in [c for c in self.root.children.values() if c.ns == ns]:
-            removed.extend(self._drop_free_parts(top))
+            removed.extend(self._drop_free_parts(top, keys_out))
         return _concat(removed), self.blocks_of(ns)
 
-    def _drop_free_parts(self, top: RadixNode) -> list[np.ndarray]:
+    def _drop_free_parts(self, top: RadixNode, keys_out: list[bytes] | None) -> list[np.ndarray]:
         order = self._subtree(top)
         busy: set[int] = set()
         for node in reversed(order):  # children before parents
@@ -571,12 +580,12 @@ class RadixIndex:
             ):
                 busy.add(id(node))
         if id(top) not in busy:
-            return self._drop(order)
+            return self._drop(order, keys_out)
         removed: list[np.ndarray] = []
         for node in order:
             if id(node) in busy:
                 for child in [c for c in node.children.values() if id(c) not in busy]:
-                    removed.extend(self._drop(self._subtree(child)))
+                    removed.extend(self._drop(self._subtree(child), keys_out))
         return removed
 
     def set_ttl(self, ns: int, seconds: float | None) -> None:

@@ -87,6 +87,7 @@ def server_figures(
         "uptime_seconds": time.time() - started,
         "tiers": {"cpu": cpu, **tiers},
         "geometries": geometries,
+        "namespaces": handlers.namespaces.figures(handlers.realms.values()),
         **handlers.figures(),
         "loop_lapses": num_lapses,
     }

@@ -35,6 +35,7 @@ class StatsCollector(Collector):
         yield from _tier_metrics(s["tiers"])
         yield from _lookup_metrics(s["hits"], s["tiers"])
         yield from _request_metrics(s)
+        yield from _namespace_metrics(s.get("namespaces", []))
         if "ssd" in s["tiers"]:
             yield from _lower_tier_metrics("ssd", _SSD_GAUGES, _SSD_COUNTERS, s["tiers"]["ssd"])
         if "remote" in s["tiers"]:
@@ -51,6 +52,46 @@ class StatsCollector(Collector):
         ):
             if tier in s["tiers"]:
                 yield _histogram(name, doc, s["tiers"][tier].get("latency", {}))
+
+
+MAX_LABELED_NAMESPACES = 32
+"""Namespaces given labels of their own (the largest by bytes); the rest are
+summed under model="_other", so the label cardinality stays bounded."""
+
+
+def _namespace_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    def size(row: dict[str, Any]) -> int:
+        return sum(t["bytes"] for t in row["tiers"].values())
+
+    ranked = sorted(rows, key=size, reverse=True)
+    labeled, rest = ranked[:MAX_LABELED_NAMESPACES], ranked[MAX_LABELED_NAMESPACES:]
+    labels = ["model", "revision", "tenant"]
+    stored = GaugeMetricFamily(
+        "kvsidecar_namespace_bytes",
+        "bytes of a namespace's blocks in a tier",
+        labels=[*labels, "tier"],
+    )
+    asked = CounterMetricFamily(
+        "kvsidecar_namespace_lookup_blocks", "blocks a namespace's lookups asked for", labels=labels
+    )
+    hit = CounterMetricFamily(
+        "kvsidecar_namespace_hit_blocks", "of those, blocks found in a tier", labels=labels
+    )
+    groups = [([r["model"], r["revision"], r["tenant"]], [r]) for r in labeled]
+    if rest:
+        groups.append((["_other", "", ""], rest))
+    for names, members in groups:
+        tiers: dict[str, int] = {}
+        for row in members:
+            for tier, use in row["tiers"].items():
+                tiers[tier] = tiers.get(tier, 0) + use["bytes"]
+        for tier, nbytes in tiers.items():
+            stored.add_metric([*names, tier], float(nbytes))
+        asked.add_metric(names, float(sum(r["lookup_blocks"] for r in members)))
+        hit.add_metric(names, float(sum(r["hit_blocks"] for r in members)))
+    yield stored
+    yield asked
+    yield hit
 
 
 def _tier_metrics(tiers: dict[str, Any]) -> Iterator[Metric]:

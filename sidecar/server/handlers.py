@@ -13,6 +13,7 @@ into the CPU tier, returns None and is answered later by `_resume`.
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ import numpy as np
 
 from contract import protocol as p
 from contract import replies as r
-from contract.ids import GpuBlockIds
+from contract.ids import KEY_BYTES, GpuBlockIds
 from contract.protocol import ErrorCode, ProtocolError
 from shm.copy import has_repeats
 from shm.layout import BlockLayout
@@ -34,7 +35,9 @@ from sidecar.control.hits import HitStats, split_hits
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import Plan, PlanError, TierCounts
 from sidecar.metrics.latency import RequestLatency
+from sidecar.namespace_limits import NamespaceName, parse_rules
 from sidecar.server.limits import check_register
+from sidecar.server.namespaces import Namespaces
 from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
 from sidecar.server.waiting import WaitingLoad, WaitingLoads
 from sidecar.tiers.build import open_tiered_cache
@@ -71,12 +74,14 @@ class Handlers:
         send: Callable[[bytes, Any, Sequence[bytes]], None],
         watch: Callable[[int], None],
         figures: Callable[[], dict[str, Any]],
+        admin_token: str,
     ) -> None:
         """`send(identity, header, arrays)` sends a reply; `watch(fd)` makes the
         loop wake when an I/O pool's fd is readable; `figures()` is what a
-        Stats request answers."""
+        Stats request answers; `admin_token` is what a Clear must carry."""
         self.config = config
         self.boot_id = boot_id
+        self._admin_token = admin_token
         self.pool = pool
         self._send_frames = send
         self._watch = watch
@@ -84,6 +89,7 @@ class Handlers:
         self.realms: dict[BlockLayout, TieredCache] = {}
         """Per block geometry, its cache; the first one built has the lower tiers."""
         self.arena = ExtentArena(pool.segment_sizes, self._move_blocks)
+        self.namespaces = Namespaces(parse_rules(config.namespace_limits))
         self.engines = Engines(self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots)
         self.hits = HitStats(config.hit_window)
         self.waiting = WaitingLoads()
@@ -109,6 +115,7 @@ class Handlers:
             p.Heartbeat: self._heartbeat,
             p.Unregister: self._unregister,
             p.Stats: self._stats,
+            p.Clear: self._clear,
         }
 
     def serve(self, frames: list[bytes]) -> None:
@@ -182,6 +189,12 @@ class Handlers:
             "latency": self.latency.figures(),
         }
 
+    def expire(self) -> None:
+        """Drop the blocks past their namespace's TTL that nothing holds."""
+        if self.namespaces.has_ttl:
+            for realm in self.realms.values():
+                realm.cache.expire()
+
     def _adopt_background(self) -> None:
         primary = self.primary
         if primary is not None:  # only lower tiers make background plans
@@ -232,8 +245,10 @@ class Handlers:
             self.realms[layout] = realm
             for fd in realm.fds:  # results wake the loop through their eventfds
                 self._watch(fd)
+        ns = self.namespaces.id_of(NamespaceName(kv.model_name, kv.model_revision, kv.tenant))
+        self.namespaces.apply(realm, ns)
         pid = req.pid if req.pid_ns and req.pid_ns == pid_namespace() else 0
-        self.engines.join(req.engine_id, req.session, kv, namespace, pid, realm)
+        self.engines.join(req.engine_id, req.session, kv, namespace, pid, realm, ns)
         reply = r.RegisterReply(
             id=req.id,
             boot_id=self.boot_id,
@@ -247,7 +262,8 @@ class Handlers:
 
     def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> Answer | None:
         # Every lookup of every engine runs this while the others wait: kept flat.
-        tiers: TieredCache = self.engines.session(req.session).group.realm
+        group = self.engines.session(req.session).group
+        tiers: TieredCache = group.realm
         frame = arrays[0]
         num = p.num_keys(frame)
         cache = tiers.cache
@@ -258,11 +274,15 @@ class Handlers:
             if (
                 tiers.remote is not None  # else no probe: and no closure made for one
                 and not probed
-                and self._probe(tiers, keys, req.id, lambda: self._lookup(req, arrays, True))
+                and self._probe(
+                    tiers, keys, req.id, lambda: self._lookup(req, arrays, True), group.ns_id
+                )
             ):
                 return None
             hits = split_hits(cache.lookup(keys))
         self.hits.record(num, hits)
+        self.namespaces.lookups[group.ns_id] += num
+        self.namespaces.hits[group.ns_id] += hits.cpu + hits.ssd + hits.remote
         reply = r.LookupReply(
             id=req.id,
             num_blocks=hits.cpu + hits.ssd + hits.remote,
@@ -298,14 +318,14 @@ class Handlers:
         keys, gpu = self._keys_and_blocks(session, arrays)
         if not 0 <= req.skip <= len(keys):
             raise ProtocolError(ErrorCode.BAD_VALUE, f"skip must be in [0, {len(keys)}]")
-        realm = self._realm(session)
+        realm, ns = self._realm(session), session.group.ns_id
         cache = realm.cache
         resume = functools.partial(self._load, req, arrays, 0, True)
-        if attempt == 0 and not probed and self._probe(realm, keys, req.id, resume):
+        if attempt == 0 and not probed and self._probe(realm, keys, req.id, resume, ns):
             return None
         dataplane = realm.dataplane
         if dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
-            stage = cache.get(keys, gpu, len(keys), hit=False)  # lower tiers -> CPU only
+            stage = cache.get(keys, gpu, len(keys), hit=False, ns=ns)  # lower tiers -> CPU
             # Its evictions may have started write-backs (write_back policy):
             # running now, they are plans in flight whose end frees CPU slots.
             self._adopt_background()
@@ -326,7 +346,7 @@ class Handlers:
                     waiting = waiting._replace(attempt=attempt)
                 self.waiting.park(waiting, self.engines.num_ended)
                 return None
-        plan = cache.get(keys, gpu, req.skip, stage=False)
+        plan = cache.get(keys, gpu, req.skip, stage=False, ns=ns)
         ops, op_arrays = self._engine_ops(session, plan)
         h = plan.hit_blocks
         self.transfers["loads"] += 1
@@ -347,7 +367,7 @@ class Handlers:
         self._not_stopping()
         session = self._session(req)
         keys, gpu = self._keys_and_blocks(session, arrays)
-        plan = self._realm(session).cache.put(keys, gpu)
+        plan = self._realm(session).cache.put(keys, gpu, session.group.ns_id)
         ops, op_arrays = self._engine_ops(session, plan)
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += plan.stored_blocks
@@ -363,7 +383,12 @@ class Handlers:
         return Answer(reply, op_arrays)
 
     def _probe(
-        self, realm: TieredCache, keys: Any, rid: int, resume: Callable[[], Answer | None]
+        self,
+        realm: TieredCache,
+        keys: Any,
+        rid: int,
+        resume: Callable[[], Answer | None],
+        ns: int,
     ) -> bool:
         """Ask the remote store about keys past what this sidecar knows, when
         the double-get rule says so; `resume` answers the request once the
@@ -373,7 +398,7 @@ class Handlers:
         if remote is None or start is None:
             return False
         identity = self._identity
-        remote.probe(keys, start, lambda: self._resume(identity, rid, resume))
+        remote.probe(keys, start, lambda: self._resume(identity, rid, resume), ns)
         return True
 
     def _resume(self, identity: bytes, rid: int, answer: Callable[[], Answer | None]) -> None:
@@ -503,6 +528,59 @@ class Handlers:
 
     def _stats(self, req: p.Stats, _: list[bytes]) -> Answer:
         return Answer(r.StatsReply(id=req.id, stats=self._figures()))
+
+    def _clear(self, req: p.Clear, _: list[bytes]) -> Answer:
+        if not hmac.compare_digest(req.token.encode(), self._admin_token.encode()):
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN,
+                "clear needs this sidecar's admin token (kvsidecar clear reads it from the "
+                "runtime directory, as the sidecar's user)",
+            )
+        if req.tier not in ("", *TIER_NAMES):
+            raise ProtocolError(
+                ErrorCode.BAD_VALUE,
+                f"tier must be one of {', '.join(TIER_NAMES)}, not {req.tier!r}",
+            )
+        selected = self.namespaces.select(req.model, req.revision, req.tenant)
+        everything = not (req.model or req.revision or req.tenant)
+        removed: Counter[str] = Counter()
+        kept: Counter[str] = Counter()
+        for realm in self.realms.values():
+            for name, tier in {"cpu": realm.cache.cpu, **realm.cache.lower}.items():
+                if req.tier and name != req.tier:
+                    continue
+                keys: list[bytes] | None = [] if name == "remote" else None
+                if everything:
+                    dropped, left = tier.clear(keys)
+                else:
+                    dropped = left = 0
+                    for ns in selected:
+                        d, k = tier.clear_namespace(ns, keys)
+                        dropped, left = dropped + d, left + k
+                removed[name] += dropped
+                kept[name] += left
+                if keys and realm.remote is not None:  # the store's values go too
+                    realm.remote.purge([k for run in keys for k in _split_keys(run)])
+        log.warning(
+            "cleared %s of %s: %s (kept, in use: %s)",
+            req.tier or "every tier",
+            "every namespace" if everything else f"{len(selected)} namespace(s)",
+            dict(removed),
+            dict(kept),
+        )
+        return Answer(
+            r.ClearReply(
+                id=req.id, removed=dict(removed), kept=dict(kept), namespaces=len(selected)
+            )
+        )
+
+
+TIER_NAMES = ("cpu", "ssd", "remote")
+
+
+def _split_keys(run: bytes) -> list[bytes]:
+    """A run's keys (16 bytes each, back to back), one by one."""
+    return [run[i : i + KEY_BYTES] for i in range(0, len(run), KEY_BYTES)]
 
 
 def _layout_of(kv: p.KVLayoutMsg) -> BlockLayout:

@@ -33,6 +33,7 @@ from sidecar.memory_limit import cgroup_memory_limit
 from sidecar.metrics.figures import server_figures
 from sidecar.runtime import (
     SHARED_FILE_MODE,
+    AdminToken,
     InstanceLock,
     check_group_member,
     endpoint_of,
@@ -198,6 +199,8 @@ class Server:
         with contextlib.ExitStack() as undo:  # on an error: undone in reverse
             lock = InstanceLock(self.paths)  # what makes the rest ours to create
             undo.callback(lock.release)
+            token = AdminToken(self.paths.admin_token_path)
+            undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
             if stale:
                 log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
@@ -221,7 +224,13 @@ class Server:
             transport = Transport(self.endpoint, self._serve, self._busy_poll, curve)
             undo.callback(transport.close)
             handlers = Handlers(
-                self.config, self.boot_id, pool, transport.send, transport.watch, self.stats
+                self.config,
+                self.boot_id,
+                pool,
+                transport.send,
+                transport.watch,
+                self.stats,
+                token.value,
             )
             undo.callback(handlers.close)  # the tiers: their I/O threads use shm slots
             publisher = None
@@ -318,6 +327,7 @@ class Server:
                 log.warning("parent process %d exited: draining", self.parent_pid)
                 self._stop()
             handlers.engines.expire(self.config.lease_seconds, now)
+            handlers.expire()  # blocks past their namespace's TTL (none set: nothing)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
         self._loop_mark = now  # this round's periodic work counts in the next round's lapse

@@ -43,6 +43,10 @@ class Ping(NamedTuple):
     pass
 
 
+class Purge(NamedTuple):
+    num: int
+
+
 class Backoff:
     """When to try an unavailable store again: `first` seconds after it
     failed, doubling after each failed try up to `maximum`."""
@@ -88,7 +92,7 @@ class RemoteTier:
         behind bulk transfers."""
         self.backoff = backoff
         self._clock = clock
-        self._probes: dict[int, tuple[BlockKeys, int, Callable[[], None]]] = {}
+        self._probes: dict[int, tuple[BlockKeys, int, Callable[[], None], int]] = {}
         self._next_probe = 0
         self._pinging = False
         self.online = True
@@ -97,13 +101,13 @@ class RemoteTier:
 
     # ---- probes ----------------------------------------------------------------
 
-    def probe(self, keys: BlockKeys, start: int, then: Callable[[], None]) -> None:
+    def probe(self, keys: BlockKeys, start: int, then: Callable[[], None], ns: int = 0) -> None:
         """Ask the store which of keys[start:] exist; add the run found to
-        the remote index, then call `then` (on the loop's thread, whatever
-        the outcome)."""
+        the remote index (as blocks of namespace `ns`), then call `then` (on
+        the loop's thread, whatever the outcome)."""
         probe_id = self._next_probe
         self._next_probe += 1
-        self._probes[probe_id] = (keys, start, then)
+        self._probes[probe_id] = (keys, start, then, ns)
         wanted = [k.tobytes() for k in keys[start:]]
         self.control_pool.submit(Probe(probe_id), lambda: self.store.exists(wanted))
         self.counters["probes"] += 1
@@ -113,11 +117,11 @@ class RemoteTier:
         return len(self._probes)
 
     def _probed(self, done: Done) -> None:
-        keys, start, then = self._probes.pop(done.token.probe_id)
+        keys, start, then, ns = self._probes.pop(done.token.probe_id)
         if done.error is None:
             found = next((i for i, hit in enumerate(done.result) if not hit), len(done.result))
             self.counters["probed_blocks"] += len(done.result)
-            self.counters["found_blocks"] += self.cache.learn_remote(keys, start + found)
+            self.counters["found_blocks"] += self.cache.learn_remote(keys, start + found, ns)
         else:
             self._failed(done.error)
         then()
@@ -125,7 +129,7 @@ class RemoteTier:
     def abandon_probes(self) -> None:
         """Shutdown: answer every request waiting on a probe now."""
         for probe_id in list(self._probes):
-            _, _, then = self._probes.pop(probe_id)
+            _, _, then, _ = self._probes.pop(probe_id)
             then()
 
     # ---- health ------------------------------------------------------------------
@@ -173,6 +177,21 @@ class RemoteTier:
             self.counters["errors"] += 1
             log.error("remote probe failed: %r", error)
 
+    # ---- deleting values ----------------------------------------------------------
+
+    def purge(self, keys: list[bytes]) -> None:
+        """Delete these blocks' values from the store, in the background (an
+        admin's `clear`: the index forgot them already)."""
+        if keys:
+            self.control_pool.submit(Purge(len(keys)), lambda: self.store.delete(keys))
+
+    def _purged(self, done: Done) -> None:
+        if done.error is None:
+            self.counters["purged_values"] += int(done.result)
+        else:
+            num = done.token.num
+            log.error("remote tier: deleting %d cleared values failed: %r", num, done.error)
+
     # ---- results and figures -------------------------------------------------------
 
     def collect(self) -> None:
@@ -183,6 +202,8 @@ class RemoteTier:
                 self._probed(done)
             elif isinstance(done.token, Ping):
                 self._pinged(done)
+            elif isinstance(done.token, Purge):
+                self._purged(done)
 
     def figures(self) -> dict[str, Any]:
         quota = self.cache.quota
