@@ -90,7 +90,7 @@ class Config:
         "lru",
         "str",
         "Which unlocked, ready leaves are evicted first.",
-        choices=("lru", "lfu", "fifo", "mru", "filo", "s3fifo"),
+        choices=("lru", "lfu", "fifo", "mru", "filo", "s3fifo", "s3fifo_adaptive"),
     )
     evict_start_threshold: float = config_key(
         0.95,
