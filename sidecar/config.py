@@ -49,6 +49,7 @@ from sidecar.config_spec import (
     format_size,
     parse_size,
 )
+from sidecar.control.policies import DEFAULT_POLICY, POLICY_NAMES
 
 __all__ = [
     "SPECS",
@@ -87,10 +88,10 @@ class Config:
     """
 
     eviction_policy: str = config_key(
-        "lru",
+        DEFAULT_POLICY,
         "str",
         "Which unlocked, ready leaves are evicted first.",
-        choices=("lru", "lfu", "fifo", "mru", "filo", "s3fifo", "s3fifo_adaptive"),
+        choices=POLICY_NAMES,
     )
     evict_start_threshold: float = config_key(
         0.95,

@@ -183,6 +183,8 @@ _ORDERINGS: dict[str, Callable[[float], Priority]] = {
 }
 
 POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo", "s3fifo_adaptive")
+DEFAULT_POLICY = "lru"
+"""The default of the `eviction_policy` setting (see docs/control-plane.md for why)."""
 
 
 def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
