@@ -7,6 +7,14 @@ blocks loaded / blocks looked up. Each capacity is compared with Belady's
 optimum at the same capacity and with an unlimited cache, computed in the
 same run. The clock is the request index, so a run is deterministic (and
 `--hit-reward` is counted in requests, not seconds).
+
+Beside them: the default policy next to the best policy at each capacity,
+libCacheSim's algorithms on the same requests (installed on first use into a
+side environment; `--no-peers` skips them), and the target that the default
+is within 1 point of the best of all of them (`targets` in the JSON).
+`--synthetic SHAPE` replays a generated trace instead (cachesim/generate.py).
+A trace whose hash ids are not prefix-consistent (an id under two parents)
+is refused.
 """
 
 from __future__ import annotations
@@ -21,14 +29,23 @@ from typing import Any
 
 import numpy as np
 
+from cachesim import peers
 from cachesim.belady import opt_hits
+from cachesim.compare import TARGET, comparison_rows, default_target
+from cachesim.generate import DEFAULT_SEED, SHAPES, generate
 from cachesim.report import Progress, positive_int_list, print_table, write_json
-from cachesim.trace import Trace, infinite_hit_ratio, load_mooncake
+from cachesim.trace import (
+    InconsistentTrace,
+    Trace,
+    check_prefix_consistent,
+    infinite_hit_ratio,
+    load_mooncake,
+)
 from contract.ids import BlockKeys, keys_from_ints
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine
-from sidecar.control.policies import POLICY_NAMES
+from sidecar.control.policies import DEFAULT_POLICY, POLICY_NAMES
 
 DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl"
 # Fractions of the trace's distinct blocks. On the conversation trace the
@@ -61,7 +78,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=POLICY_NAMES,
         help=f"comma-separated (default all: {','.join(POLICY_NAMES)})",
     )
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
+    p.add_argument(
+        "--synthetic",
+        choices=sorted(SHAPES),
+        help="replay a generated trace of this shape instead of --trace "
+        "(shapes: cachesim/generate.py)",
+    )
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of --synthetic")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="first N requests only (with --synthetic: N requests)",
+    )
+    p.add_argument("--no-peers", action="store_true", help="skip the comparison with libCacheSim")
+    p.add_argument(
+        "--side-env",
+        type=Path,
+        default=None,
+        help="libCacheSim's side environment (default "
+        "$XDG_CACHE_HOME or ~/.cache, then kvsidecar/side-envs/libcachesim)",
+    )
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--evict-start-threshold", type=float, default=1.0)
     p.add_argument("--evict-ratio", type=float, default=0.0)
@@ -131,32 +169,96 @@ def _finish(engine: GlobalCacheEngine, plan: Plan) -> None:
         engine.complete(plan.plan_id, op.op_id)
 
 
-def run(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace) -> tuple[Trace, str] | None:
+    """The trace to replay and its name, or None after printing why not."""
+    if args.synthetic:
+        trace = generate(args.synthetic, args.limit, args.seed, args.tokens_per_block)
+        return trace, f"synthetic:{args.synthetic}"
     if not args.trace.is_file():
         print(
             f"error: trace not found: {args.trace}\n"
             "Pass --trace PATH to a Mooncake-format JSONL trace.",
             file=sys.stderr,
         )
-        return 2
+        return None
     trace = load_mooncake(args.trace, args.tokens_per_block, args.limit)
+    try:
+        check_prefix_consistent(trace)
+    except InconsistentTrace as exc:
+        print(f"error: {args.trace}: {exc}", file=sys.stderr)
+        return None
+    return trace, args.trace.name
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = _load(args)
+    if loaded is None:
+        return 2
+    trace, trace_name = loaded
+    side_python = None
+    if not args.no_peers:
+        try:
+            side_python = peers.ensure_side_env(args.side_env or peers.default_side_env())
+        except peers.PeerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     unique = trace.num_unique_blocks()
     capacities = args.capacities or sorted({max(1, round(f * unique)) for f in DEFAULT_FRACTIONS})
+    policies = tuple(dict.fromkeys((DEFAULT_POLICY, *args.policies)))
+    result = _replay_all(args, trace, capacities, policies)
+    result.update(trace=trace_name, seed=args.seed if args.synthetic else None)
+    peer_ratio = None
+    if side_python is not None:
+        try:
+            found = peers.peer_hits(side_python, trace, capacities)
+        except peers.PeerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        lookups = max(trace.num_lookups, 1)
+        peer_ratio = {
+            p: {c: h / lookups for c, h in by_c.items()} for p, by_c in found.hits.items()
+        }
+        result["libcachesim_version"] = found.version
+        result["peer_hit_ratio"] = _by_str(peer_ratio)
+        result["peer_pass_seconds"] = _by_str(found.seconds)
+    ours = {p: {int(c): v for c, v in by_c.items()} for p, by_c in result["hit_ratio"].items()}
+    opt = {int(c): v for c, v in result["opt_hit_ratio"].items()}
+    result["default_policy"] = DEFAULT_POLICY
+    result["targets"] = {TARGET: default_target(DEFAULT_POLICY, ours, peer_ratio, capacities)}
+    _print(result, capacities, policies, unique)
+    print()
+    print_table(*comparison_rows(DEFAULT_POLICY, ours, peer_ratio, opt, capacities, unique))
+    target = result["targets"][TARGET]
+    print(
+        f"target {TARGET}: largest gap {target['value']:.2f} points "
+        f"(limit {target['limit']:g}): {'met' if target['within'] else 'NOT met'}"
+    )
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _by_str(table: dict[str, dict[int, Any]]) -> dict[str, dict[str, Any]]:
+    return {p: {str(c): v for c, v in by_c.items()} for p, by_c in table.items()}
+
+
+def _replay_all(
+    args: argparse.Namespace, trace: Trace, capacities: list[int], policies: tuple[str, ...]
+) -> dict[str, Any]:
+    """kvsidecar's policies and Belady's optimum at every capacity."""
     keys = keys_from_ints(trace.block_ids)
     lookups = trace.num_lookups
-
-    infinite = infinite_hit_ratio(trace)
     opt: dict[int, float] = {}
     start = time.perf_counter()
     for c in capacities:
         opt[c] = opt_hits(trace, c) / lookups if lookups else 0.0
     belady_s = (time.perf_counter() - start) / len(capacities)
 
-    hit_ratio: dict[str, dict[int, float]] = {p: {} for p in args.policies}
-    seconds: dict[str, dict[int, float]] = {p: {} for p in args.policies}
-    passes = len(args.policies) * len(capacities)
+    hit_ratio: dict[str, dict[int, float]] = {p: {} for p in policies}
+    seconds: dict[str, dict[int, float]] = {p: {} for p in policies}
+    passes = len(policies) * len(capacities)
     with Progress(passes * trace.num_requests, "replay", force=args.progress) as bar:
-        for policy in args.policies:
+        for policy in policies:
             for c in capacities:
                 bar.label = f"{policy:>6} @ {c:,}"
                 start = time.perf_counter()
@@ -173,30 +275,25 @@ def run(args: argparse.Namespace) -> int:
                 seconds[policy][c] = time.perf_counter() - start
                 hit_ratio[policy][c] = hits / lookups if lookups else 0.0
 
-    result: dict[str, Any] = {
-        "hit_ratio": {p: {str(c): v for c, v in by_c.items()} for p, by_c in hit_ratio.items()},
+    return {
+        "hit_ratio": _by_str(hit_ratio),
         "opt_hit_ratio": {str(c): v for c, v in opt.items()},
-        "infinite_hit_ratio": infinite,
+        "infinite_hit_ratio": infinite_hit_ratio(trace),
         "seconds_per_pass": statistics.median(
             s for by_c in seconds.values() for s in by_c.values()
         ),
-        "pass_seconds": {p: {str(c): s for c, s in by_c.items()} for p, by_c in seconds.items()},
+        "pass_seconds": _by_str(seconds),
         "belady_seconds_per_capacity": belady_s,
         "block_lookups": lookups,
-        "unique_blocks": unique,
+        "unique_blocks": trace.num_unique_blocks(),
         "requests": trace.num_requests,
-        "trace": args.trace.name,
         "tokens_per_block": trace.tokens_per_block,
         "capacities": capacities,
-        "policies": list(args.policies),
+        "policies": list(policies),
         "evict_start_threshold": args.evict_start_threshold,
         "evict_ratio": args.evict_ratio,
         "hit_reward_requests": args.hit_reward,
     }
-    _print(result, capacities, args.policies, unique)
-    if args.json:
-        write_json(args.json, result)
-    return 0
 
 
 def _print(result: dict[str, Any], capacities: list[int], policies: tuple[str, ...], unique: int):

@@ -69,15 +69,19 @@ class Trace:
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
+def _check_tokens_per_block(tokens_per_block: int) -> None:
+    if tokens_per_block <= 0 or MOONCAKE_BLOCK_TOKENS % tokens_per_block:
+        raise ValueError(
+            f"tokens_per_block must divide {MOONCAKE_BLOCK_TOKENS}, got {tokens_per_block}"
+        )
+
+
 def load_mooncake(path: str | Path, tokens_per_block: int = 16, limit: int | None = None) -> Trace:
     """Read a Mooncake JSONL trace (at most `limit` requests) and expand it.
 
     `tokens_per_block` must divide 512.
     """
-    if tokens_per_block <= 0 or MOONCAKE_BLOCK_TOKENS % tokens_per_block:
-        raise ValueError(
-            f"tokens_per_block must divide {MOONCAKE_BLOCK_TOKENS}, got {tokens_per_block}"
-        )
+    _check_tokens_per_block(tokens_per_block)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
@@ -104,6 +108,18 @@ def load_mooncake(path: str | Path, tokens_per_block: int = 16, limit: int | Non
                 outputs.append(row.get("output_length", 0))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace line ({exc})") from exc
+    return trace_from_requests(ids, tokens_per_block, stamps, inputs, outputs)
+
+
+def trace_from_requests(
+    ids: list[list[int]],
+    tokens_per_block: int = 16,
+    timestamps: list[float] | None = None,
+    input_lengths: list[int] | None = None,
+    output_lengths: list[int] | None = None,
+) -> Trace:
+    """A Trace from each request's 512-token hash ids (lengths default to the ids')."""
+    _check_tokens_per_block(tokens_per_block)
     lengths = np.fromiter((len(h) for h in ids), dtype=np.int64, count=len(ids))
     hash_offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=hash_offsets[1:])
@@ -115,9 +131,48 @@ def load_mooncake(path: str | Path, tokens_per_block: int = 16, limit: int | Non
         block_ids=expand_ids(flat, k),
         offsets=hash_offsets * k,
         blocks_per_hash=k,
-        timestamps=np.asarray(stamps, dtype=np.float64),
-        input_lengths=np.asarray(inputs, dtype=np.int64),
-        output_lengths=np.asarray(outputs, dtype=np.int64),
+        timestamps=np.asarray(timestamps or range(len(ids)), dtype=np.float64),
+        input_lengths=np.asarray(input_lengths or (lengths * MOONCAKE_BLOCK_TOKENS), np.int64),
+        output_lengths=np.asarray(output_lengths or np.zeros(len(ids)), dtype=np.int64),
+    )
+
+
+class InconsistentTrace(ValueError):
+    """A trace whose ids are not prefix-addressed: one id under two parents."""
+
+
+def check_prefix_consistent(trace: Trace) -> None:
+    """Raise InconsistentTrace when a hash id follows two different ids (or
+    follows one in a request and starts another).
+
+    A Mooncake hash id names its whole prefix, so it always has the same
+    parent; an id under two parents would make a prefix cache and Belady's
+    model (which both rely on it) count hits the trace does not have.
+    """
+    ids, offsets = trace.hash_ids, trace.hash_offsets
+    if ids.size == 0:
+        return
+    parents = np.empty_like(ids)
+    parents[1:] = ids[:-1]
+    starts = offsets[:-1][np.diff(offsets) > 0]
+    parents[starts] = -1
+    root = np.zeros(ids.size, dtype=bool)  # tells the root from a real id -1
+    root[starts] = True
+    pairs = np.unique(np.stack([ids, parents, root.astype(np.int64)], axis=1), axis=0)
+    same_id = pairs[1:, 0] == pairs[:-1, 0]
+    if not same_id.any():
+        return
+    i = int(np.flatnonzero(same_id)[0])
+    bad, count = int(pairs[i, 0]), int(np.unique(pairs[1:, 0][same_id]).size)
+
+    def name(row: np.ndarray) -> str:
+        return "the start of a request" if row[2] else f"id {int(row[1])}"
+
+    raise InconsistentTrace(
+        f"the trace is not prefix-consistent: {count:,} hash ids appear under two "
+        f"parents (e.g. id {bad} after {name(pairs[i])} and after {name(pairs[i + 1])}). "
+        "A Mooncake hash id names a whole prefix, so a prefix cache would count hits "
+        "this trace does not have; regenerate it with chained ids."
     )
 
 

@@ -50,6 +50,7 @@ from sidecar.config_spec import (
     format_size,
     parse_size,
 )
+from sidecar.control.policies import DEFAULT_POLICY, POLICY_NAMES
 from sidecar.namespace_limits import parse_rules
 
 __all__ = [
@@ -90,10 +91,10 @@ class Config:
     """
 
     eviction_policy: str = config_key(
-        "lru",
+        DEFAULT_POLICY,
         "str",
         "Which unlocked, ready leaves are evicted first.",
-        choices=("lru", "lfu", "fifo", "mru", "filo", "s3fifo"),
+        choices=POLICY_NAMES,
     )
     evict_start_threshold: float = config_key(
         0.95,

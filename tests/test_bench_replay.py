@@ -55,6 +55,7 @@ def test_replay_cli_writes_hit_ratios(tmp_path, trace_path):
             "80",
             "--capacities",
             "64,256,1024",
+            "--no-peers",
             "--json",
             str(out),
         ]

@@ -10,6 +10,8 @@ After every step:
 - match() and ready_blocks() of every sequence give the model's longest ready prefix;
 - each node's lock count is the number of held locks at or below it;
 - the policy's candidates are exactly the ready, unlocked leaves;
+- under the S3-FIFO policies, each queue's block count is the blocks of the
+  nodes in it, and the small queue's share stays within SHARE_BOUNDS;
 and every evict(n) removes exactly min(n, evictable) blocks, each of them
 ready, unlocked and without an in-flight block below it.
 """
@@ -26,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sidecar.control.index import IndexConflict, RadixIndex
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import POLICY_NAMES
+from sidecar.control.s3fifo import SHARE_BOUNDS, S3FifoPolicy
 
 Prefix = tuple[int, ...]
 
@@ -224,6 +227,18 @@ class IndexMachine(RuleBasedStateMachine):
         leaves = [n for n in walk(self.index.root) if n.evictable]
         assert self.index.policy.num_candidates == len(leaves)
         assert all(n.heap_token is not None for n in leaves)
+
+    @invariant()
+    def s3fifo_queues_count_their_blocks(self):
+        policy = self.index.policy
+        if not isinstance(policy, S3FifoPolicy):
+            return
+        counts = [0, 0]
+        for node in walk(self.index.root):
+            if node.parent is not None:
+                counts[node.policy_state.queue] += len(node)
+        assert policy.queue_blocks == tuple(counts)
+        assert SHARE_BOUNDS[0] <= policy.small_share <= SHARE_BOUNDS[1]
 
 
 IndexMachine.TestCase.settings = settings(

@@ -56,6 +56,7 @@ TRUTH = {
     # S: A B C D E. A and B were hit: they move to M. C is evicted; D hit:
     # moves to M; E evicted; then M in order A, B, D.
     "s3fifo": "CEABD",
+    "s3fifo_adaptive": "CEABD",  # no ghost hits yet: the share is still 10%
 }
 
 

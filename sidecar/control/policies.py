@@ -7,14 +7,15 @@ tree: every policy here costs O(log n) per evicted node.
 
 Names and semantics follow FlexKV, so its configs carry over:
 
-| name   | evicts first                                   |
-|--------|------------------------------------------------|
-| lru    | least recently used (+ `hit_reward_seconds`)   |
-| lfu    | fewest hits, ties by least recently used       |
-| fifo   | oldest inserted                                |
-| mru    | most recently used                             |
-| filo   | newest inserted                                |
-| s3fifo | S3-FIFO: small / main FIFO queues with a ghost |
+| name            | evicts first                                          |
+|-----------------|-------------------------------------------------------|
+| lru             | least recently used (+ `hit_reward_seconds`)          |
+| lfu             | fewest hits, ties by least recently used              |
+| fifo            | oldest inserted                                       |
+| mru             | most recently used                                    |
+| filo            | newest inserted                                       |
+| s3fifo          | S3-FIFO: small / main FIFO queues with a ghost        |
+| s3fifo_adaptive | S3-FIFO, the small queue's share learned from ghosts  |
 """
 
 from __future__ import annotations
@@ -216,7 +217,9 @@ _ORDERINGS: dict[str, Callable[[float], Priority]] = {
     "filo": lambda _: lambda n: (0.0, 0.0, -n.birth),
 }
 
-POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo")
+POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo", "s3fifo_adaptive")
+DEFAULT_POLICY = "lru"
+"""The default of the `eviction_policy` setting (see docs/control-plane.md for why)."""
 
 
 def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
@@ -227,6 +230,10 @@ def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
         from sidecar.control.s3fifo import S3FifoPolicy
 
         return S3FifoPolicy()
+    if name == "s3fifo_adaptive":
+        from sidecar.control.s3fifo import AdaptiveS3FifoPolicy
+
+        return AdaptiveS3FifoPolicy()
     if name not in _ORDERINGS:
         raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
     return PriorityPolicy(_ORDERINGS[name](float(hit_reward_seconds)), name)
