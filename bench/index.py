@@ -118,20 +118,27 @@ class Workload:
         return self.keys[self.offsets[i] : self.offsets[i + 1]]
 
 
-def build(index: RadixIndex, work: Workload) -> tuple[float, int]:
-    """Insert every sequence; returns (seconds inside insert, blocks inserted)."""
+def build(index: RadixIndex, work: Workload, namespaces: int = 0) -> tuple[float, int]:
+    """Insert every sequence; returns (seconds inside insert, blocks inserted).
+    With `namespaces`, sequence i goes to namespace 1 + i % namespaces (its
+    keys made distinct per namespace, as salted keys are)."""
     spent = 0.0
     slot = 0
     inserted = 0
     all_slots = np.arange(work.num_blocks, dtype=np.int64)
     for i in range(work.num_sequences):
-        keys = work.sequence(i)
+        keys, ns = work.sequence(i), 0
+        if namespaces:
+            ns = 1 + i % namespaces
+            keys = _salted(keys, ns)
         num_new = keys.size - index.match(keys).num_blocks
         if num_new == 0:
             continue
         slots = all_slots[slot : slot + num_new]
+        if slots.size < num_new:  # sequences of other namespaces share no prefix
+            slots = np.arange(slot, slot + num_new, dtype=np.int64)
         start = time.perf_counter()
-        index.insert(keys, slots, ready=True)
+        index.insert(keys, slots, ready=True, ns=ns)
         spent += time.perf_counter() - start
         slot += num_new
         inserted += num_new
@@ -144,6 +151,54 @@ def match_all(index: RadixIndex, work: Workload) -> tuple[float, int]:
     for i in range(work.num_sequences):
         matched += index.match(work.sequence(i)).num_blocks
     return time.perf_counter() - start, matched
+
+
+def _salted(keys: np.ndarray, ns: int) -> np.ndarray:
+    """The keys made distinct per namespace, as salted keys are: their low 64
+    bits xored with a constant whose high bits differ per namespace (the
+    workload's ids are small, so no two namespaces share a key)."""
+    halves = keys.view(np.uint64).reshape(-1, 2).copy()
+    halves[:, 0] ^= np.uint64((ns * 0x9E3779B97F4A7C15) & (2**64 - 1) | (1 << 63))
+    return halves.reshape(-1).view(keys.dtype)
+
+
+NAMESPACE_COUNTS = (1, 8)
+"""`namespace_*` figures: the same tree spread over this many namespaces."""
+
+
+def measure_namespaces(num_blocks: int, seed: int, rounds: int = 3) -> dict[str, float]:
+    """Match and eviction speed with the tree's sequences spread over 1 and 8
+    namespaces (one sidecar serving many models and tenants): match walks
+    one namespace's tree either way; eviction picks, per victim, the
+    namespace whose next victim is oldest."""
+    work = Workload(num_blocks, seed)
+    out: dict[str, float] = {}
+    for k in NAMESPACE_COUNTS:
+        match_rates, evict_us = [], []
+        for _ in range(rounds):
+            index = RadixIndex(make_policy("lru"), clock=_counter())
+            build(index, work, namespaces=k)
+            seqs = [_salted(work.sequence(i), 1 + i % k) for i in range(work.num_sequences)]
+            start = time.perf_counter()
+            matched = sum(index.match(keys).num_blocks for keys in seqs)
+            match_rates.append(matched / (time.perf_counter() - start))
+            total = max(1, num_blocks // 10)
+            evicted = runs = 0
+            gc.collect()
+            gc.disable()
+            start = time.perf_counter()
+            while evicted < total:
+                result = index.evict(min(EVICT_BATCH, total - evicted))
+                if result.num_blocks == 0:
+                    break
+                evicted += result.num_blocks
+                runs += len(result.runs)
+            evict_us.append((time.perf_counter() - start) * 1e6 / max(runs, 1))
+            gc.enable()
+            del index
+        out[f"namespace_match_blocks_per_s_{k}"] = statistics.median(match_rates)
+        out[f"namespace_evict_us_per_node_{k}"] = statistics.median(evict_us)
+    return out
 
 
 def long_sequence(index: RadixIndex, seed: int) -> tuple[np.ndarray, int]:
@@ -397,6 +452,8 @@ def run(args: argparse.Namespace) -> int:
     result["heap_floor_ratio_large_small"] = (
         result["heap_floor_us_large"] / result["heap_floor_us_small"]
     )
+    label = f"bench index: {sizes[0]:,} blocks over 1 and 8 namespaces"
+    result.update(isolated(measure_namespaces, sizes[0], args.seed, label=label))
     print("bench index: hashing block keys ...", file=sys.stderr, flush=True)
     result.update(measure_hashing())
     print_table(("figure", "value", "target", "note"), _rows(result))
@@ -446,6 +503,24 @@ def _rows(r: dict[str, Any]) -> list[tuple]:
             f"entries) {r['heap_floor_ratio_large_small']:.2f}",
         ),
     ]
+    for k in NAMESPACE_COUNTS[1:]:
+        match1, evict1 = r["namespace_match_blocks_per_s_1"], r["namespace_evict_us_per_node_1"]
+        matchk = r[f"namespace_match_blocks_per_s_{k}"]
+        evictk = r[f"namespace_evict_us_per_node_{k}"]
+        rows += [
+            (
+                f"match blocks/s, {k} namespaces",
+                matchk,
+                None,
+                f"{matchk / match1:.2f}x one namespace's ({match1:.3g}) at {small:,} blocks",
+            ),
+            (
+                f"evict us/node, {k} namespaces",
+                evictk,
+                None,
+                f"{evictk / evict1:.2f}x one namespace's ({evict1:.2f})",
+            ),
+        ]
     floor = f"{r['floor_ms_blake2b_bulk']:.3f} ms bulk blake2b of the same tokens"
     rows += [
         (

@@ -134,3 +134,44 @@ def test_capacity_moves_between_models_under_pressure_and_blocks_keep_their_byte
             assert cpu["extents"] == 4 and cpu["free_extents"] == 0
     finally:
         s.stop()
+
+
+def test_every_geometry_has_the_remote_tier(redis_bin) -> None:
+    """Both models write through to one Redis; a second "host" loads the
+    second model's blocks from it, byte-exact."""
+    from redis_servers import RedisServer
+
+    redis = RedisServer().start()
+    settings = (
+        "--set",
+        f"remote_url={redis.url}",
+        "--set",
+        "write_policy=write_through",
+        "--set",
+        "cpu_extent_size=1MiB",
+    )
+    first, second = Sidecar(*settings).start(), None
+    try:
+        a_kv, b_kvs = sp.make_kv(1), b_kv(2)
+        with connect(first.endpoint, a_kv) as a, connect(first.endpoint, b_kvs, **B_MODEL) as b:
+            a.save(prompt(0, 6), np.arange(6)).wait()
+            b.save(prompt(0, 6), np.arange(6)).wait()
+
+            def written() -> bool:
+                remote = [
+                    g["tiers"]["remote"]["cached_blocks"] for g in stats_of(first)["geometries"]
+                ]
+                return remote == [6, 6] and stats_of(first)["plans_in_flight"] == 0
+
+            sp.wait_for(written)
+        assert redis.client().dbsize() == 12
+        second = Sidecar(*settings).start()
+        fresh = b_kv(None)
+        with connect(second.endpoint, fresh, **B_MODEL) as other_host:
+            assert other_host.load(prompt(0, 6), np.arange(6)).wait() == 6 * sp.TOKENS_PER_BLOCK
+            assert same(fresh, b_kvs, np.arange(6))
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+        redis.cleanup()

@@ -63,7 +63,7 @@ class Handlers:
     Each block geometry (layout) an engine brings gets a tiered cache of its
     own when its first engine registers (`realms`); their CPU tiers share
     the shm pool through one `ExtentArena`. The first geometry also gets the
-    SSD and remote tiers (docs/sidecar.md, "Many models"). Every op but
+    SSD tier (docs/sidecar.md, "Many models on one sidecar"). Every op but
     Register and Stats needs a session, so a cache exists for it."""
 
     def __init__(
@@ -87,7 +87,7 @@ class Handlers:
         self._watch = watch
         self._figures = figures
         self.realms: dict[BlockLayout, TieredCache] = {}
-        """Per block geometry, its cache; the first one built has the lower tiers."""
+        """Per block geometry, its cache; the first one built has the SSD tier."""
         self.arena = ExtentArena(pool.segment_sizes, self._move_blocks)
         self.namespaces = Namespaces(parse_rules(config.namespace_limits))
         self.engines = Engines(self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots)
@@ -155,11 +155,6 @@ class Handlers:
             self._send(identity, Answer(r.error(req.id, ErrorCode.SHUTTING_DOWN, "shutting down")))
             self.latency.answered(identity, req.id)
 
-    @property
-    def primary(self) -> TieredCache | None:
-        """The first geometry's cache: the one with the SSD and remote tiers."""
-        return next(iter(self.realms.values()), None)
-
     def close(self) -> None:
         """Close the tiers (their I/O threads first; idempotent)."""
         for realm in self.realms.values():
@@ -196,9 +191,8 @@ class Handlers:
                 realm.cache.expire()
 
     def _adopt_background(self) -> None:
-        primary = self.primary
-        if primary is not None:  # only lower tiers make background plans
-            primary.adopt_background()
+        for realm in self.realms.values():
+            realm.adopt_background()
 
     def _session(self, request: Any) -> Session:
         return self.engines.session(request.session)
@@ -240,7 +234,7 @@ class Handlers:
         if realm is None:
             first = not self.realms
             realm = open_tiered_cache(
-                self.config, self.pool, layout, self._plan_ended, self.arena, lower=first
+                self.config, self.pool, layout, self._plan_ended, self.arena, ssd=first
             )
             self.realms[layout] = realm
             for fd in realm.fds:  # results wake the loop through their eventfds

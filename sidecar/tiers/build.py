@@ -45,13 +45,13 @@ def open_tiered_cache(
     on_plan_ended: Callable[[int, bool], None],
     arena: ExtentArena,
     *,
-    lower: bool = True,
+    ssd: bool = True,
 ) -> TieredCache:
     """Every tier for blocks of `layout` (a geometry an engine brought), and
     the data plane that runs their ops; `on_plan_ended(plan_id, ok)` is
     called when a plan the data plane ran ends. Its CPU tier joins the
-    `arena` the geometries share; the SSD and remote tiers only with
-    `lower` (the first geometry: see docs/sidecar.md, "Many models").
+    `arena` the geometries share; the SSD tier only with `ssd` (the first
+    geometry: see docs/sidecar.md, "Many models on one sidecar").
     Raises ProtocolError (LAYOUT_MISMATCH) if a block does not fit an
     extent of the CPU tier."""
     c = config
@@ -76,14 +76,14 @@ def open_tiered_cache(
         layout.slot_stride,
         arena.space(layout.slot_stride),
     )
-    ssd = open_ssd_tier(c, layout) if lower else None
+    opened = open_ssd_tier(c, layout) if ssd else None
     ssd_engine, store, io = None, None, None
-    if ssd is not None:
-        ssd_engine, store = ssd
+    if opened is not None:
+        ssd_engine, store = opened
         ssd_engine.remove_hook = store.drop_slots
         io = IoPool("ssd", c.ssd_io_threads)
     remote_engine = None
-    if c.remote_url is not None and lower:
+    if c.remote_url is not None:
         num = min(c.remote_capacity // layout.slot_stride, REMOTE_INDEX_MAX_BLOCKS)
         remote_engine = CacheEngine(
             "remote", num, c.eviction_policy, c.evict_start_threshold, c.evict_ratio
