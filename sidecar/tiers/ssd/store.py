@@ -1,7 +1,12 @@
 """The SSD tier's storage: block slots in preallocated files, a journal, checksums.
 
 Each directory holds one data file of fixed-size slots (one block: all
-layers, all TP shards) and a journal of one 64-byte record per slot. Slots
+layers, all TP shards) and a journal of one 64-byte record per slot, mapped
+into memory: a record is written with a 64-byte store, not a system call
+(two pwrite()s a block, each taking the journal's inode lock, cost the
+tier's writers ~10 us a block: 10-15% of a 256 KiB O_DIRECT write here;
+docs/measurements.md). The kernel writes the dirty records back; a clean
+close flushes them. Slots
 are striped across directories: slot s lives in directory s % n at offset
 (s // n) * slot_bytes. Data moves with O_DIRECT straight between the file
 and the shm slot (page-aligned, a multiple of 4 KiB): no bounce copy.
@@ -30,6 +35,7 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -100,6 +106,8 @@ class _Dir:
                 errno.EBUSY, "in use by another sidecar of this instance name", str(data_path)
             ) from None
         self.journal = os.open(journal_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.journal_map: mmap.mmap | None = None
+        """The journal, mapped: records are written through it."""
         try:
             self.nslots = self._size(_read_meta(meta_path), want, slot_bytes, tag)
             os.posix_fallocate(self.fd, 0, self.nslots * slot_bytes)
@@ -114,6 +122,7 @@ class _Dir:
             tmp = path / f"{tag}.json.tmp"
             tmp.write_text(json.dumps(meta))
             os.replace(tmp, meta_path)
+            self.journal_map = mmap.mmap(self.journal, self.nslots * RECORD_BYTES)
         except OSError:
             self.close()
             raise
@@ -147,6 +156,11 @@ class _Dir:
         return nslots
 
     def close(self) -> None:
+        journal, self.journal_map = self.journal_map, None
+        if journal is not None:
+            with contextlib.suppress(OSError):
+                journal.flush()  # written back now, not at the kernel's leisure
+            journal.close()
         for fd in (self.fd, self.journal):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -232,7 +246,10 @@ class SsdStore:
         return int(stale.size)
 
     def _write_record(self, d: _Dir, slot: int, record: bytes) -> None:
-        os.pwrite(d.journal, record, (slot // len(self._dirs)) * RECORD_BYTES)
+        at = (slot // len(self._dirs)) * RECORD_BYTES
+        journal = d.journal_map
+        assert journal is not None, "the store is closed"
+        journal[at : at + RECORD_BYTES] = record
 
     # ---- recovery -----------------------------------------------------------------
 
@@ -241,7 +258,8 @@ class SsdStore:
         out = []
         n = len(self._dirs)
         for i, d in enumerate(self._dirs):
-            raw = os.pread(d.journal, self.slots_per_dir * RECORD_BYTES, 0)
+            assert d.journal_map is not None, "the store is closed"
+            raw = d.journal_map[: self.slots_per_dir * RECORD_BYTES]
             for j in range(len(raw) // RECORD_BYTES):
                 magic, flags, digest, key, parent, _ = RECORD.unpack_from(raw, j * RECORD_BYTES)
                 if magic != MAGIC or not flags & VALID:
