@@ -22,10 +22,11 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 
-from sidecar.tiers.remote.connector import Connector
+from sidecar.tiers.remote.connector import Chunks, Connector
 from sidecar.tiers.remote.value_check import KEY_ID_BYTES, MAC_BYTES, ValueCheck
 
 HEAD = struct.Struct(f"<4sI{KEY_ID_BYTES}s")  # magic, block bytes, key id: what the MAC covers
@@ -74,12 +75,15 @@ class RemoteStore:
         """Store each block (block_bytes of it, sent straight from its
         buffer) under its key; True where the store took it."""
         names = [self.name(k) for k in keys]
-        values = []
-        for name, key, block in zip(names, keys, blocks, strict=True):
-            data = memoryview(block).cast("B")[: self.block_bytes]
-            mac = self.check.digest(name, self._head, key, data)
-            values.append((HEADER.pack(self._head, mac, key), data))
-        return self.connector.put(names, values)
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        return self.connector.put(names, _Values(self, names, keys, blocks))
+
+    def value(self, name: bytes, key: bytes, block: memoryview | np.ndarray) -> Chunks:
+        """A block's value: its header (with the checksum or MAC), then its bytes."""
+        data = memoryview(block).cast("B")[: self.block_bytes]
+        mac = self.check.digest(name, self._head, key, data)
+        return (HEADER.pack(self._head, mac, key), data)
 
     def read(
         self, keys: Sequence[bytes], targets: Sequence[memoryview | np.ndarray]
@@ -114,3 +118,30 @@ class RemoteStore:
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.connector.delete([self.name(k) for k in keys])
+
+
+class _Values(Sequence[Chunks]):
+    """The values of a write, each made when the connector packs its SET
+    (`RedisConnector` sends them in groups): its checksum is computed right
+    before the block is sent, while the block is in the CPU's caches."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        names: list[bytes],
+        keys: Sequence[bytes],
+        blocks: Sequence[memoryview | np.ndarray],
+    ) -> None:
+        self._store, self._names, self._keys, self._blocks = store, names, keys, blocks
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @overload
+    def __getitem__(self, i: int) -> Chunks: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Chunks]: ...
+    def __getitem__(self, i: int | slice) -> Chunks | Sequence[Chunks]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._store.value(self._names[i], self._keys[i], self._blocks[i])
