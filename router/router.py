@@ -68,7 +68,10 @@ class Router:
         loads: Mapping[Worker, int] | None = None,
         candidates: Iterable[Worker] | None = None,
     ) -> Choice:
-        """The worker for a request of these block keys (NoWorkers if none is known)."""
+        """The worker for a request of these block keys (NoWorkers if none is
+        known; ValueError for a negative load)."""
+        if loads and min(loads.values()) < 0:
+            raise ValueError("loads must be >= 0")
         scores = self.index.find_matches(keys)
         choice = self.selector.select(scores, len(keys), candidates, loads)
         self.stats.record(choice.worker, len(keys), choice.overlap)
