@@ -34,8 +34,10 @@ class RouterStats:
         stats.record(requested, counts)
         self.total.record(requested, counts)
 
-    def forget(self, worker: Worker) -> None:
-        self._workers.pop(worker, None)
+    def forget(self, worker_id: WorkerId) -> None:
+        """Drop the figures of every rank of `worker_id`."""
+        for w in [w for w in self._workers if w.worker_id == worker_id]:
+            del self._workers[w]
 
     def snapshot(self) -> dict[str, object]:
         return {
