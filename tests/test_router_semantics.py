@@ -16,6 +16,7 @@ lazy removal of workers:
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -24,6 +25,7 @@ from router.dump import DumpEntry, IndexDump
 from router.index import INDEXES, KvIndex, RouterIndexError, make_index
 from router.keys import BlockKey, Worker, WorkerId, worker
 from router.router import Router
+from router.serve import RouterServer
 from router.stats import RouterStats
 from sidecar.control.hits import HitStats
 from sidecar.control.plan import TierCounts
@@ -253,3 +255,18 @@ def test_scores_match_a_reference_model_under_any_sweeping(idx: KvIndex, seed: i
             got = idx.find_matches(ks(*query))
             assert got.scores == expect
             assert got.tree_sizes == {o: len(b) for o, b in held.items()}
+
+
+def test_router_serve_sweeps_between_requests_without_waiting() -> None:
+    router = Router("flat")
+    router.apply(W0, [Stored(ks(*range(1, 2501)), None)])
+    router.remove_worker(W0.worker_id)
+    server = RouterServer(router, "tcp://127.0.0.1:*", [])
+    try:
+        for _ in range(3):  # 2,500 stale entries: three slices of SWEEP_SLICE
+            t0 = time.monotonic()
+            server.poll_once(timeout_ms=60_000)
+            assert time.monotonic() - t0 < 30  # did not wait for a request
+        assert router.index.stale_blocks == 0
+    finally:
+        server.close()
