@@ -12,12 +12,15 @@ In-flight load: the blocks of each worker's requests among the last
 `--inflight` x N requests stand in for its decode load, so that routing by
 overlap alone cannot pile every request onto one worker.
 
-Timed, per index implementation: applying events (events/s and blocks/s) and
-`find_matches` per request (p50/p99). The floor, measured in the same run on
-the same requests: a plain dict walked over the request's keys until the
-first key no worker holds (the lookups any index must at least do). Routing
-by overlap is deterministic, so both indexes must give the same hit ratio:
-the run checks it.
+Timed, per index implementation: applying events (events/s and blocks/s),
+`find_matches` per request (p50/p99), and at the end removing the worker
+holding most blocks (the call, then the longest and the total of the sweep
+slices that drop its entries: the total is what an eager removal costs).
+The floor of `find_matches`, measured in the same run on the same requests:
+a plain dict walked over the request's keys until the first key no worker
+holds (the lookups any index must at least do). Routing by overlap is
+deterministic, so both indexes must give the same hit ratio: the run checks
+it.
 """
 
 from __future__ import annotations
@@ -179,8 +182,36 @@ def replay_routed(
             "dict_floor_us_p50": f[0] / 1e3,
             "dict_floor_us_p99": f[1] / 1e3,
             "find_matches_vs_floor_p50": m[0] / f[0] if f[0] else 0.0,
-        }
+        } | time_remove(router)
     return result
+
+
+def time_remove(router: Router) -> dict[str, Any]:
+    """Remove the worker holding most blocks, as a subscriber does for a dead
+    sidecar: the call itself, then the sweep of its entries in the slices
+    `router serve` runs between requests (the longest slice is the longest
+    the router cannot answer). The floor: the sweep's total, what removing
+    the worker eagerly costs."""
+    sizes = router.index.workers()
+    held = sum(sizes.values())
+    w = max(sizes, key=sizes.__getitem__)
+    t0 = time.perf_counter_ns()
+    router.remove_worker(w.worker_id)
+    remove_ns = time.perf_counter_ns() - t0
+    slices: list[int] = []
+    more = True
+    while more:
+        t0 = time.perf_counter_ns()
+        more = router.sweep()
+        slices.append(time.perf_counter_ns() - t0)
+    return {
+        "held_blocks": held,
+        "removed_blocks": sizes[w],
+        "remove_worker_ms": remove_ns / 1e6,
+        "sweep_slice_ms_max": max(slices) / 1e6,
+        "sweep_total_ms": sum(slices) / 1e6,
+        "remove_vs_sweep": remove_ns / sum(slices) if sum(slices) else 0.0,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -238,8 +269,13 @@ def _print(result: dict[str, Any], fleet_sizes: list[int]) -> None:
                     r["find_matches_us_p99"],
                     r["dict_floor_us_p50"],
                     r["find_matches_vs_floor_p50"],
+                    r["held_blocks"],
+                    r["remove_worker_ms"],
+                    r["sweep_slice_ms_max"],
+                    r["sweep_total_ms"],
                 ]
             )
     headers = ["workers", "index", "hit rr", "hit overlap", "events/s", "blocks/s"]
     headers += ["match p50 us", "match p99 us", "dict p50 us", "match/dict p50"]
+    headers += ["held blocks", "remove ms", "sweep slice max ms", "sweep total ms"]
     print_table(headers, rows)

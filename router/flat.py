@@ -12,31 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.index import (
-    DumpEntry,
-    IndexDump,
-    KvIndex,
-    OverlapScores,
-    register,
-    walk_scores,
-)
-from router.keys import BlockKey, Worker
+from router.index import Holder, KvIndex, OverlapScores, register
+from router.keys import BlockKey
 
 
 @register("flat")
 class FlatIndex(KvIndex):
-    def __init__(self) -> None:
-        super().__init__()
-        self._holders: dict[BlockKey, set[Worker]] = {}
+    def _reset_entries(self) -> None:
+        self._holders: dict[BlockKey, set[Holder]] = {}
         self._parent: dict[BlockKey, BlockKey | None] = {}
         """Every known key: held by someone, or a hole with known keys below it."""
         self._children: dict[BlockKey, int] = {}
         """Known key -> how many known keys continue it (absent: none)."""
 
-    def _link(self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
+    def _link(self, holder: Holder, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
         up = parent
         for key in keys:
-            self._holders.setdefault(key, set()).add(worker)
+            self._holders.setdefault(key, set()).add(holder)
             if key not in self._parent:
                 self._know(key, up)
             up = key
@@ -51,9 +43,9 @@ class FlatIndex(KvIndex):
             return True, self._parent[key]
         return False, None
 
-    def _drop(self, key: BlockKey, worker: Worker) -> None:
+    def _drop(self, key: BlockKey, holder: Holder) -> None:
         holders = self._holders[key]
-        holders.discard(worker)
+        holders.discard(holder)
         if holders:
             return
         del self._holders[key]
@@ -61,17 +53,18 @@ class FlatIndex(KvIndex):
         while cur is not None and cur not in self._holders and cur not in self._children:
             up = self._parent.pop(cur)  # forget it, then maybe its parent (a hole)
             if up is not None:
-                left = self._children.pop(up) - 1
+                left = self._children[up] - 1
                 if left:
-                    self._children[up] = left
+                    self._children[up] = left  # in place: a re-insert would grow the dict
+                else:
+                    del self._children[up]
             cur = up
 
     def find_matches(self, keys: Sequence[BlockKey], early_exit: bool = False) -> OverlapScores:
         get = self._holders.get
-        scores = walk_scores(lambda _, key: get(key), keys, early_exit)
-        return OverlapScores(scores, self.workers())
+        return self._scores(lambda _, key: get(key), keys, early_exit)
 
-    def dump(self) -> IndexDump:
+    def _entries(self) -> list[tuple[BlockKey, BlockKey | None, set[Holder]]]:
         depth: dict[BlockKey, int] = {}
         for key in self._parent:
             chain = []
@@ -83,15 +76,12 @@ class FlatIndex(KvIndex):
             for i, k in enumerate(reversed(chain)):
                 depth[k] = base + 1 + i
         order = sorted(self._parent, key=depth.__getitem__)
-        entries = [
-            DumpEntry(k, self._parent[k], tuple(sorted(self._holders.get(k, ())))) for k in order
-        ]
-        return IndexDump(tuple(sorted(self._held)), entries)
+        return [(k, self._parent[k], self._holders.get(k, set())) for k in order]
 
-    def restore(self, dump: IndexDump) -> None:
-        self.check_empty()
-        for key, parent, workers in dump.entries:
-            if workers:
-                self._holders[key] = set(workers)
+    def _restore_entries(
+        self, entries: list[tuple[BlockKey, BlockKey | None, set[Holder]]]
+    ) -> None:
+        for key, parent, holders in entries:
+            if holders:
+                self._holders[key] = holders
             self._know(key, parent)
-        self.restore_workers(dump)

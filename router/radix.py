@@ -1,7 +1,7 @@
 """RadixTreeIndex: the global index as a tree of blocks.
 
 One node per block key; a node's children are the blocks stored as its
-continuation, and its `workers` the workers holding it. A match walks the
+continuation, and its `holders` the workers holding it. A match walks the
 tree from the root, so it also checks that the query's keys form a chain the
 publishers reported. A node nobody holds stays while it has children (a hole
 left by a removal in the middle of a chain) and is pruned with its last child.
@@ -11,35 +11,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.index import (
-    DumpEntry,
-    IndexDump,
-    KvIndex,
-    OverlapScores,
-    register,
-    walk_scores,
-)
-from router.keys import BlockKey, Worker
+from router.index import Holder, KvIndex, OverlapScores, register
+from router.keys import BlockKey
 
 
 class _Node:
-    __slots__ = ("children", "key", "parent", "workers")
+    __slots__ = ("children", "holders", "key", "parent")
 
     def __init__(self, key: BlockKey | None, parent: _Node | None) -> None:
         self.key = key
         self.parent = parent
         self.children: dict[BlockKey, _Node] = {}
-        self.workers: set[Worker] = set()
+        self.holders: set[Holder] = set()
 
 
 @register("radix")
 class RadixTreeIndex(KvIndex):
-    def __init__(self) -> None:
-        super().__init__()
+    def _reset_entries(self) -> None:
         self._root = _Node(None, None)
         self._nodes: dict[BlockKey, _Node] = {}
 
-    def _link(self, worker: Worker, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
+    def _link(self, holder: Holder, keys: Sequence[BlockKey], parent: BlockKey | None) -> None:
         cur = self._root if parent is None else self._nodes[parent]
         for key in keys:
             node = self._nodes.get(key)
@@ -47,7 +39,7 @@ class RadixTreeIndex(KvIndex):
                 node = _Node(key, cur)
                 cur.children[key] = node
                 self._nodes[key] = node
-            node.workers.add(worker)
+            node.holders.add(holder)
             cur = node
 
     def _parent_key(self, key: BlockKey) -> tuple[bool, BlockKey | None]:
@@ -57,10 +49,10 @@ class RadixTreeIndex(KvIndex):
         assert node.parent is not None
         return True, node.parent.key
 
-    def _drop(self, key: BlockKey, worker: Worker) -> None:
+    def _drop(self, key: BlockKey, holder: Holder) -> None:
         node = self._nodes[key]
-        node.workers.discard(worker)
-        while node.parent is not None and not node.workers and not node.children:
+        node.holders.discard(holder)
+        while node.parent is not None and not node.holders and not node.children:
             assert node.key is not None
             del node.parent.children[node.key]
             del self._nodes[node.key]
@@ -69,32 +61,32 @@ class RadixTreeIndex(KvIndex):
     def find_matches(self, keys: Sequence[BlockKey], early_exit: bool = False) -> OverlapScores:
         cur = self._root
 
-        def holders(_: int, key: BlockKey) -> set[Worker] | None:
+        def holders(_: int, key: BlockKey) -> set[Holder] | None:
             nonlocal cur
             child = cur.children.get(key)
             if child is None:
                 return None
             cur = child
-            return child.workers
+            return child.holders
 
-        return OverlapScores(walk_scores(holders, keys, early_exit), self.workers())
+        return self._scores(holders, keys, early_exit)
 
-    def dump(self) -> IndexDump:
-        entries: list[DumpEntry] = []
+    def _entries(self) -> list[tuple[BlockKey, BlockKey | None, set[Holder]]]:
+        entries: list[tuple[BlockKey, BlockKey | None, set[Holder]]] = []
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
             assert node.key is not None and node.parent is not None
-            entries.append(DumpEntry(node.key, node.parent.key, tuple(sorted(node.workers))))
+            entries.append((node.key, node.parent.key, node.holders))
             stack.extend(node.children.values())
-        return IndexDump(tuple(sorted(self._held)), entries)
+        return entries
 
-    def restore(self, dump: IndexDump) -> None:
-        self.check_empty()
-        for key, parent, workers in dump.entries:
+    def _restore_entries(
+        self, entries: list[tuple[BlockKey, BlockKey | None, set[Holder]]]
+    ) -> None:
+        for key, parent, holders in entries:
             up = self._root if parent is None else self._nodes[parent]
             node = _Node(key, up)
             up.children[key] = node
             self._nodes[key] = node
-            node.workers.update(workers)
-        self.restore_workers(dump)
+            node.holders = holders

@@ -15,8 +15,8 @@ import numpy as np
 from contract.blocks import KeyHasher
 from contract.events import Cleared, Removed, RouterEvent, Stored
 from router.choice import Choice, WorkerSelector
-from router.index import KvIndex, OverlapScores, make_index
-from router.keys import BlockKey, Worker, split_keys
+from router.index import SWEEP_SLICE, KvIndex, OverlapScores, make_index
+from router.keys import BlockKey, Worker, WorkerId, split_keys
 from router.stats import RouterStats
 
 
@@ -49,15 +49,25 @@ class Router:
                 self.index.apply_removed(worker, event.keys)
             else:
                 assert isinstance(event, Cleared)
-                self.index.apply_cleared(worker)
+                self.index.apply_cleared(worker)  # every rank of the worker id
             self.events_applied += 1
 
     def add_worker(self, worker: Worker) -> None:
         self.index.add_worker(worker)
 
-    def remove_worker(self, worker: Worker) -> None:
-        self.index.remove_worker(worker)
-        self.stats.forget(worker)
+    def clear_rank(self, worker: Worker) -> None:
+        """Forget the blocks of this rank alone (its event stream was reset)."""
+        self.index.clear_rank(worker)
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Forget every rank of `worker_id`, in O(1) (see `sweep`)."""
+        self.index.remove_worker(worker_id)
+        self.stats.forget(worker_id)
+
+    def sweep(self, max_blocks: int = SWEEP_SLICE) -> bool:
+        """Drop up to `max_blocks` entries of cleared or removed workers from
+        the index; whether some are left. Call it between requests until False."""
+        return self.index.sweep(max_blocks)
 
     def find_matches(self, keys: Sequence[BlockKey], early_exit: bool = False) -> OverlapScores:
         return self.index.find_matches(keys, early_exit)
@@ -68,7 +78,10 @@ class Router:
         loads: Mapping[Worker, int] | None = None,
         candidates: Iterable[Worker] | None = None,
     ) -> Choice:
-        """The worker for a request of these block keys (NoWorkers if none is known)."""
+        """The worker for a request of these block keys (NoWorkers if none is
+        known; ValueError for a negative load)."""
+        if loads and min(loads.values()) < 0:
+            raise ValueError("loads must be >= 0")
         scores = self.index.find_matches(keys)
         choice = self.selector.select(scores, len(keys), candidates, loads)
         self.stats.record(choice.worker, len(keys), choice.overlap)

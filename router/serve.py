@@ -112,7 +112,10 @@ class RouterServer:
             self.close()
 
     def poll_once(self, timeout_ms: int = 100) -> None:
-        ready = dict(self.poller.poll(timeout_ms))
+        """Handle what is ready; with stale index entries left (a cleared or
+        removed worker), sweep one bounded slice of them instead of waiting."""
+        sweeping = self.router.index.stale_blocks > 0
+        ready = dict(self.poller.poll(0 if sweeping else timeout_ms))
         for sock in self.subs.sockets:  # events first: answers see the latest state
             if sock in ready:
                 self.subs.drain(sock)
@@ -125,6 +128,8 @@ class RouterServer:
                 self.errors += 1
                 reply = {"ok": False, "error": f"expected 1 frame, got {len(frames)}"}
             self.rep.send(_encoder.encode(reply))
+        if sweeping:
+            self.router.sweep()
 
     def handle(self, payload: bytes) -> dict[str, Any]:
         if len(payload) > MAX_REQUEST_BYTES:

@@ -2,13 +2,15 @@
 last N requests routed to each worker.
 
 A routed request of n blocks whose chosen worker already held h leading
-blocks counts n requested and h hit. The sliding window is the sidecar's
-`HitStats` (its CPU column carries the router's predicted hits).
+blocks counts n requested and h hit; a request of no block (a prompt
+shorter than one) counts in `requests` but not in the window. The sliding
+window is the sidecar's `HitStats` (its CPU column carries the router's
+predicted hits).
 """
 
 from __future__ import annotations
 
-from router.keys import Worker
+from router.keys import Worker, WorkerId
 from sidecar.control.hits import HitStats
 from sidecar.control.plan import TierCounts
 
@@ -22,6 +24,9 @@ class RouterStats:
         self.total = HitStats(window)
 
     def record(self, worker: Worker, requested: int, hit: int) -> None:
+        """ValueError (and nothing recorded) unless 0 <= hit <= requested."""
+        if not 0 <= hit <= requested:
+            raise ValueError(f"{hit} hit blocks for a request of {requested} blocks")
         stats = self._workers.get(worker)
         if stats is None:
             stats = self._workers[worker] = HitStats(self.window)
@@ -29,8 +34,10 @@ class RouterStats:
         stats.record(requested, counts)
         self.total.record(requested, counts)
 
-    def forget(self, worker: Worker) -> None:
-        self._workers.pop(worker, None)
+    def forget(self, worker_id: WorkerId) -> None:
+        """Drop the figures of every rank of `worker_id`."""
+        for w in [w for w in self._workers if w.worker_id == worker_id]:
+            del self._workers[w]
 
     def snapshot(self) -> dict[str, object]:
         return {

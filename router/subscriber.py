@@ -14,6 +14,9 @@ and no other resync is tried for `resync_retry` seconds: a dead endpoint
 must not block the router for a timeout on every batch.
 
 vLLM sources have no dump; on a gap their worker is cleared the same way.
+These clears, the subscriber's own, cover the one rank whose stream broke; a
+Cleared event (vLLM's AllBlocksCleared) from any rank clears every rank of
+its worker id, and forgetting a worker forgets every rank, as in Dynamo.
 Malformed messages are counted and dropped; they never change the index.
 
 Liveness: a sidecar publishes a heartbeat (a batch with no events, carrying
@@ -38,7 +41,7 @@ import zmq
 
 from contract import events as wire
 from contract.endpoint import CurveClientKeys, apply_curve
-from contract.events import Cleared, RouterEvent, WireError
+from contract.events import RouterEvent, WireError
 from router.index import RouterIndexError
 from router.keys import Worker, worker
 from router.router import Router
@@ -198,7 +201,7 @@ class Subscriptions:
 
     def _forget(self, st: _State) -> None:
         assert st.worker is not None
-        self.router.remove_worker(st.worker)
+        self.router.remove_worker(st.worker.worker_id)
         self._owners.pop(st.worker, None)
         st.worker = None
 
@@ -221,7 +224,7 @@ class Subscriptions:
         if batch.epoch != st.epoch or batch.seq != st.seq + step:
             self.counts["gaps"] += 1
             if not self._resync(st):
-                self.router.apply(w, [Cleared()])  # no dump: forget, start over
+                self.router.clear_rank(w)  # no dump: forget, start over
                 st.epoch, st.seq = batch.epoch, batch.seq - step
             elif batch.epoch != st.epoch:
                 st.left_epoch = batch.epoch
@@ -252,7 +255,8 @@ class Subscriptions:
         w = worker(reply.worker_id, reply.dp_rank)
         if not self._claim(st, w):
             return False
-        if not self._apply(st, w, [Cleared(), *runs]):
+        self.router.clear_rank(w)  # the dump replaces this rank's blocks
+        if not self._apply(st, w, runs):
             self.counts["resync_failures"] += 1
             st.resync_after = time.monotonic() + self.resync_retry
             return False
@@ -297,7 +301,7 @@ class Subscriptions:
         except RouterIndexError as exc:
             self.counts["rejected_batches"] += 1
             log.warning("worker %s: %s; clearing it", w, exc)
-            self.router.apply(w, [Cleared()])
+            self.router.clear_rank(w)
             st.epoch = None
             return False
 
@@ -324,7 +328,7 @@ class Subscriptions:
         self.counts["batches"] += 1
         if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart (from 0)
             self.counts["gaps"] += 1
-            self.router.apply(w, [Cleared()])
+            self.router.clear_rank(w)
         st.seq = batch.seq
         self._apply_each(st, w, batch.events)
 

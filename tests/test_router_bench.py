@@ -25,6 +25,9 @@ def test_overlap_routing_beats_round_robin_and_indexes_agree() -> None:
     assert radix["hit_ratio"] == flat["hit_ratio"] >= rr["hit_ratio"]
     assert radix["events"] == flat["events"] > 0
     assert radix["find_matches_us_p50"] > 0 and radix["dict_floor_us_p50"] > 0
+    for run in (radix, flat):  # the busiest worker removed, then swept
+        assert run["held_blocks"] >= run["removed_blocks"] > 0
+        assert run["remove_worker_ms"] > 0 and run["sweep_total_ms"] >= run["sweep_slice_ms_max"]
 
 
 def test_bench_router_command_writes_json(tmp_path: Path) -> None:
@@ -33,6 +36,6 @@ def test_bench_router_command_writes_json(tmp_path: Path) -> None:
     cmd += ["--workers", "2,3", "--tokens-per-block", "128", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "match/dict p50" in proc.stdout
+    assert "match/dict p50" in proc.stdout and "remove ms" in proc.stdout
     runs = json.loads(out.read_text())["runs"]
     assert set(runs) == {f"{n}/{k}" for n in (2, 3) for k in ("round_robin", "radix", "flat")}

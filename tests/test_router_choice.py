@@ -88,7 +88,7 @@ def test_router_applies_events_routes_and_counts_hits(index: str) -> None:
     snap = router.stats.snapshot()
     w1 = snap["workers"]["1/0"]  # type: ignore[index]
     assert w1["requests"] == 4 and w1["window_requests"] == 2 and w1["window_hit_ratio"] == 0.5
-    router.remove_worker(W1)
+    router.remove_worker(W1.worker_id)
     assert "1/0" not in router.stats.snapshot()["workers"]  # type: ignore[operator]
 
 

@@ -189,3 +189,38 @@ def test_a_vllm_restart_at_the_same_seq_clears_the_worker(tmp_path) -> None:
         subs.close()
         pub.close(0)
         ctx.term()
+
+
+def test_a_gap_clears_its_rank_and_all_blocks_cleared_every_rank(tmp_path) -> None:
+    """vLLM publishes each data-parallel rank on its own port, one source per
+    rank of worker 7. A gap on rank 1's stream loses rank 1's blocks alone;
+    an AllBlocksCleared from rank 0 clears every rank of the worker (as in
+    Dynamo)."""
+    ctx = zmq.Context()
+    pubs = []
+    for r in range(2):
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"ipc://{tmp_path}/pub{r}")
+        pubs.append(pub)
+    router = Router("radix")
+    sources = [Source(f"ipc://{tmp_path}/pub{r}", vllm_worker_id=7) for r in range(2)]
+    subs = Subscriptions(ctx, router, sources)
+    ranks = [worker(7, 0), worker(7, 1)]
+    try:
+        for r, pub in enumerate(pubs):
+            wait_subscribed(pub)
+            batch = ArrayBatch(0.0, [BlockStored([1, 2], None, [], 16, None)], r)
+            pub.send_multipart(frames(0, batch))
+        wait_until(lambda: router.index.workers() == dict.fromkeys(ranks, 2), subs)
+        pubs[1].send_multipart(frames(2, ArrayBatch(0.0, [], 1)))  # seq 1 lost
+        wait_until(lambda: subs.counts["gaps"] == 1, subs)
+        assert router.index.workers() == {ranks[0]: 2, ranks[1]: 0}
+        pubs[0].send_multipart(frames(1, ArrayBatch(0.0, [AllBlocksCleared()], 0)))
+        wait_until(lambda: subs.counts["batches"] == 4, subs)
+        assert router.index.workers() == dict.fromkeys(ranks, 0)
+    finally:
+        subs.close()
+        for pub in pubs:
+            pub.close(0)
+        ctx.term()

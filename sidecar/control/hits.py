@@ -33,10 +33,17 @@ class HitStats:
         return dict(zip(TIERS, self._hits, strict=True))
 
     def record(self, requested: int, hits: TierCounts) -> None:
-        """One lookup: `requested` blocks asked, `hits` found per tier.
-        Runs on every lookup: plain int arithmetic, no per-tier loop."""
+        """One lookup: `requested` blocks asked, `hits` found per tier
+        (ValueError unless each is >= 0 and they add up to at most
+        `requested`). A lookup of no block says nothing about hits: it counts
+        in `requests` but stays out of the window. Runs on every lookup: plain
+        int arithmetic, no per-tier loop."""
         cpu, ssd, remote = hits
+        if cpu < 0 or ssd < 0 or remote < 0 or cpu + ssd + remote > requested:
+            raise ValueError(f"{hits} hit blocks for a lookup of {requested} blocks")
         self.requests += 1
+        if not requested:
+            return
         self.requested_blocks += requested
         total, recent = self._hits, self._recent_hits
         total[0] += cpu
