@@ -30,8 +30,8 @@ def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, An
     bytes; `block_bytes` and `slot_stride` are the first geometry's, like
     the SSD and remote tiers, which only it has), and each geometry's own."""
     geometries = []
-    arena = handlers.arena
-    for layout, realm in handlers.realms.items():
+    arena = handlers.geometries.arena
+    for layout, realm in handlers.geometries.realms.items():
         tiers = realm.figures()
         # What it holds, and what it may take without taking it from another geometry:
         tiers["cpu"]["capacity_blocks"] += arena.unowned_slots(layout.slot_stride)
@@ -40,7 +40,7 @@ def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, An
                 "num_layers": layout.num_layers,
                 "layer_block_bytes": layout.layer_block_bytes,
                 "tp_size": layout.tp_size,
-                "extents": handlers.arena.extents_of(realm.cache.cpu),
+                "extents": arena.extents_of(realm.cache.cpu),
                 "engines": sorted(
                     g.engine_id for g in handlers.engines.groups.values() if g.realm is realm
                 ),
@@ -54,9 +54,8 @@ def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, An
     for name in _SUMMED:
         cpu[name] = sum(g["tiers"]["cpu"][name] for g in geometries)
     # The unowned extents count once, at the first geometry's stride:
-    cpu["capacity_blocks"] -= sum(
-        arena.unowned_slots(layout.slot_stride) for layout in list(handlers.realms)[1:]
-    )
+    later = list(handlers.geometries.realms)[1:]
+    cpu["capacity_blocks"] -= sum(arena.unowned_slots(layout.slot_stride) for layout in later)
     for name in ("used", "cached"):
         cpu[f"{name}_bytes"] = sum(
             g["tiers"]["cpu"][f"{name}_blocks"] * g["tiers"]["cpu"]["slot_stride"]
@@ -78,7 +77,8 @@ def server_figures(
 ) -> dict[str, Any]:
     """Every figure `kvsidecar stats` prints and the metrics endpoint exports."""
     tiers, geometries = realm_figures(handlers)
-    cpu = {**pool_figures(pool, capacity), **handlers.arena.figures(), **tiers.pop("cpu", {})}
+    arena = handlers.geometries.arena.figures()
+    cpu = {**pool_figures(pool, capacity), **arena, **tiers.pop("cpu", {})}
     return {
         "instance": instance,
         "endpoint": endpoint,
@@ -87,7 +87,7 @@ def server_figures(
         "uptime_seconds": time.time() - started,
         "tiers": {"cpu": cpu, **tiers},
         "geometries": geometries,
-        "namespaces": handlers.namespaces.figures(handlers.realms.values()),
+        "namespaces": handlers.namespaces.figures(handlers.geometries),
         **handlers.figures(),
         "loop_lapses": num_lapses,
     }

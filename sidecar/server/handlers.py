@@ -13,7 +13,6 @@ into the CPU tier, returns None and is answered later by `_resume`.
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import time
 from collections import Counter
@@ -24,23 +23,23 @@ import numpy as np
 
 from contract import protocol as p
 from contract import replies as r
-from contract.ids import KEY_BYTES, GpuBlockIds
+from contract.ids import GpuBlockIds
 from contract.protocol import ErrorCode, ProtocolError
 from shm.copy import has_repeats
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.config import Config
-from sidecar.control.arena import ExtentArena
 from sidecar.control.hits import HitStats, split_hits
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import Plan, PlanError, TierCounts
 from sidecar.metrics.latency import RequestLatency
 from sidecar.namespace_limits import NamespaceName, parse_rules
+from sidecar.server.admin import Admin
+from sidecar.server.geometries import Geometries
 from sidecar.server.limits import check_register
 from sidecar.server.namespaces import Namespaces
 from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
 from sidecar.server.waiting import WaitingLoad, WaitingLoads
-from sidecar.tiers.build import open_tiered_cache
 from sidecar.tiers.tiered import TieredCache
 
 log = logging.getLogger("kvsidecar")
@@ -61,8 +60,8 @@ class Answer(NamedTuple):
 class Handlers:
     """The protocol ops. Built whole at start-up with the parts they use.
     Each block geometry (layout) an engine brings gets a tiered cache of its
-    own when its first engine registers (`realms`); their CPU tiers share
-    the shm pool through one `ExtentArena`. The first geometry also gets the
+    own when its first engine registers (`geometries`); their CPU tiers
+    share the shm pool through one `ExtentArena`. The first geometry also gets the
     SSD tier (docs/sidecar.md, "Many models on one sidecar"). Every op but
     Register and Stats needs a session, so a cache exists for it."""
 
@@ -81,15 +80,12 @@ class Handlers:
         Stats request answers; `admin_token` is what a Clear must carry."""
         self.config = config
         self.boot_id = boot_id
-        self._admin_token = admin_token
         self.pool = pool
         self._send_frames = send
-        self._watch = watch
         self._figures = figures
-        self.realms: dict[BlockLayout, TieredCache] = {}
-        """Per block geometry, its cache; the first one built has the SSD tier."""
-        self.arena = ExtentArena(pool.segment_sizes, self._move_blocks)
+        self.geometries = Geometries(config, pool, self._plan_ended, watch)
         self.namespaces = Namespaces(parse_rules(config.namespace_limits))
+        self.admin = Admin(admin_token, self.namespaces, self.geometries.realms)
         self.engines = Engines(self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots)
         self.hits = HitStats(config.hit_window)
         self.waiting = WaitingLoads()
@@ -157,15 +153,12 @@ class Handlers:
 
     def close(self) -> None:
         """Close the tiers (their I/O threads first; idempotent)."""
-        for realm in self.realms.values():
-            realm.close()
+        self.geometries.close()
 
     def figures(self) -> dict[str, Any]:
         """What the handlers count: requests and errors by kind, hit ratios,
         plans in flight, the engines served."""
-        plans = set(self.engines.plans)
-        for realm in self.realms.values():
-            plans |= realm.plan_ids()
+        plans = self.engines.plans.keys() | self.geometries.plan_ids()
         return {
             "hits": self.hits.snapshot(),
             # A plan with engine and sidecar ops is tracked by both: count it once.
@@ -187,12 +180,10 @@ class Handlers:
     def expire(self) -> None:
         """Drop the blocks past their namespace's TTL that nothing holds."""
         if self.namespaces.has_ttl:
-            for realm in self.realms.values():
-                realm.cache.expire()
+            self.geometries.expire()
 
     def _adopt_background(self) -> None:
-        for realm in self.realms.values():
-            realm.adopt_background()
+        self.geometries.adopt_background()
 
     def _session(self, request: Any) -> Session:
         return self.engines.session(request.session)
@@ -212,11 +203,6 @@ class Handlers:
     def _release_cpu_slots(self, group: EngineGroup, slots: np.ndarray) -> None:
         group.realm.cache.cpu.mempool.release(slots)
 
-    def _move_blocks(self, stride: int, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy CPU slots (an extent changing geometry: `ExtentArena`)."""
-        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-            np.copyto(self.pool.slot_view(d, stride), self.pool.slot_view(s, stride))
-
     def _not_stopping(self) -> None:
         if self.stopping:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
@@ -230,15 +216,7 @@ class Handlers:
         self.engines.check_join(req.engine_id, req.session, kv, namespace)
         # Checks done (a new geometry's cache checks that its blocks fit before
         # it changes anything): from here on the request changes state.
-        realm = self.realms.get(layout)
-        if realm is None:
-            first = not self.realms
-            realm = open_tiered_cache(
-                self.config, self.pool, layout, self._plan_ended, self.arena, ssd=first
-            )
-            self.realms[layout] = realm
-            for fd in realm.fds:  # results wake the loop through their eventfds
-                self._watch(fd)
+        realm = self.geometries.cache_of(layout)
         ns = self.namespaces.id_of(NamespaceName(kv.model_name, kv.model_revision, kv.tenant))
         self.namespaces.apply(realm, ns)
         pid = req.pid if req.pid_ns and req.pid_ns == pid_namespace() else 0
@@ -249,7 +227,7 @@ class Handlers:
             segments=list(self.pool.segment_names),
             segment_sizes=list(self.pool.segment_sizes),
             slot_stride=layout.slot_stride,
-            num_slots=self.arena.space(layout.slot_stride),
+            num_slots=self.geometries.slots_of(layout),
             lease_seconds=self.config.lease_seconds,
         )
         return Answer(reply)
@@ -524,57 +502,7 @@ class Handlers:
         return Answer(r.StatsReply(id=req.id, stats=self._figures()))
 
     def _clear(self, req: p.Clear, _: list[bytes]) -> Answer:
-        if not hmac.compare_digest(req.token.encode(), self._admin_token.encode()):
-            raise ProtocolError(
-                ErrorCode.FORBIDDEN,
-                "clear needs this sidecar's admin token (kvsidecar clear reads it from the "
-                "runtime directory, as the sidecar's user)",
-            )
-        if req.tier not in ("", *TIER_NAMES):
-            raise ProtocolError(
-                ErrorCode.BAD_VALUE,
-                f"tier must be one of {', '.join(TIER_NAMES)}, not {req.tier!r}",
-            )
-        selected = self.namespaces.select(req.model, req.revision, req.tenant)
-        everything = not (req.model or req.revision or req.tenant)
-        removed: Counter[str] = Counter()
-        kept: Counter[str] = Counter()
-        for realm in self.realms.values():
-            for name, tier in {"cpu": realm.cache.cpu, **realm.cache.lower}.items():
-                if req.tier and name != req.tier:
-                    continue
-                keys: list[bytes] | None = [] if name == "remote" else None
-                if everything:
-                    dropped, left = tier.clear(keys)
-                else:
-                    dropped = left = 0
-                    for ns in selected:
-                        d, k = tier.clear_namespace(ns, keys)
-                        dropped, left = dropped + d, left + k
-                removed[name] += dropped
-                kept[name] += left
-                if keys and realm.remote is not None:  # the store's values go too
-                    realm.remote.purge([k for run in keys for k in _split_keys(run)])
-        log.warning(
-            "cleared %s of %s: %s (kept, in use: %s)",
-            req.tier or "every tier",
-            "every namespace" if everything else f"{len(selected)} namespace(s)",
-            dict(removed),
-            dict(kept),
-        )
-        return Answer(
-            r.ClearReply(
-                id=req.id, removed=dict(removed), kept=dict(kept), namespaces=len(selected)
-            )
-        )
-
-
-TIER_NAMES = ("cpu", "ssd", "remote")
-
-
-def _split_keys(run: bytes) -> list[bytes]:
-    """A run's keys (16 bytes each, back to back), one by one."""
-    return [run[i : i + KEY_BYTES] for i in range(0, len(run), KEY_BYTES)]
+        return Answer(self.admin.clear(req))
 
 
 def _layout_of(kv: p.KVLayoutMsg) -> BlockLayout:

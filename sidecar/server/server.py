@@ -307,7 +307,7 @@ class Server:
         parts.transport.wait(timeout_ms, self._collect)
         handlers.retry_parked()
         if parts.publisher is not None:
-            indexes = [realm.cache.cpu.index for realm in handlers.realms.values()]
+            indexes = [realm.cache.cpu.index for realm in handlers.geometries]
             parts.publisher.publish([e for index in indexes for e in index.drain_events()])
             parts.publisher.serve_resync(indexes)
         now = time.monotonic()
@@ -336,7 +336,7 @@ class Server:
         self.parts.handlers.serve(frames)
 
     def _collect(self, ready: dict[Any, int]) -> None:
-        for realm in self.parts.handlers.realms.values():
+        for realm in self.parts.handlers.geometries:
             realm.collect(ready)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -351,7 +351,7 @@ class Server:
 
     def _drain(self) -> None:
         handlers = self.parts.handlers
-        engines, realms = handlers.engines, handlers.realms.values()
+        engines, realms = handlers.engines, list(handlers.geometries)
         deadline = time.monotonic() + self.config.drain_seconds
 
         def busy() -> bool:
