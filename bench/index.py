@@ -182,19 +182,8 @@ def measure_namespaces(num_blocks: int, seed: int, rounds: int = 3) -> dict[str,
             start = time.perf_counter()
             matched = sum(index.match(keys).num_blocks for keys in seqs)
             match_rates.append(matched / (time.perf_counter() - start))
-            total = max(1, num_blocks // 10)
-            evicted = runs = 0
-            gc.collect()
-            gc.disable()
-            start = time.perf_counter()
-            while evicted < total:
-                result = index.evict(min(EVICT_BATCH, total - evicted))
-                if result.num_blocks == 0:
-                    break
-                evicted += result.num_blocks
-                runs += len(result.runs)
-            evict_us.append((time.perf_counter() - start) * 1e6 / max(runs, 1))
-            gc.enable()
+            spent, _, runs = timed_evict(index, max(1, num_blocks // 10))
+            evict_us.append(spent / max(runs, 1))
             del index
         out[f"namespace_match_blocks_per_s_{k}"] = statistics.median(match_rates)
         out[f"namespace_evict_us_per_node_{k}"] = statistics.median(evict_us)
@@ -248,18 +237,7 @@ def evict_cost(work: Workload, total: int, rounds: int) -> dict[str, float]:
         index = RadixIndex(make_policy("lru"), clock=_counter())
         build(index, work)
         candidates = index.policy.num_candidates
-        evicted = runs = 0
-        gc.collect()
-        gc.disable()  # a collection pass would time the garbage of the build
-        start = time.perf_counter()
-        while evicted < total:
-            result = index.evict(min(EVICT_BATCH, total - evicted))
-            if result.num_blocks == 0:
-                break
-            evicted += result.num_blocks
-            runs += len(result.runs)
-        spent = (time.perf_counter() - start) * 1e6
-        gc.enable()
+        spent, evicted, runs = timed_evict(index, total)
         per_block.append(spent / max(evicted, 1))
         per_node.append(spent / max(runs, 1))
         del index
@@ -270,6 +248,25 @@ def evict_cost(work: Workload, total: int, rounds: int) -> dict[str, float]:
         "evict_candidates": candidates,
         "heap_floor_us": heap_floor_us(candidates),
     }
+
+
+def timed_evict(index: RadixIndex, total: int) -> tuple[float, int, int]:
+    """Evict `total` blocks in batches of EVICT_BATCH; (µs spent, blocks
+    evicted, runs evicted). The cyclic garbage collector is paused while
+    timing: a pass over the build's leftovers is not eviction work."""
+    evicted = runs = 0
+    gc.collect()
+    gc.disable()
+    start = time.perf_counter()
+    while evicted < total:
+        result = index.evict(min(EVICT_BATCH, total - evicted))
+        if result.num_blocks == 0:
+            break
+        evicted += result.num_blocks
+        runs += len(result.runs)
+    spent = (time.perf_counter() - start) * 1e6
+    gc.enable()
+    return spent, evicted, runs
 
 
 def heap_floor_us(size: int, ops: int = 2000, rounds: int = 5) -> float:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+from hypothesis import HealthCheck, settings
 
 from contract.ids import BlockKeys, GpuBlockIds, as_gpu_blocks, keys_from_ints
 from sidecar.control.cache_engine import CacheEngine
@@ -147,3 +148,14 @@ def wait_subscribed(xpub: Any, timeout: float = DEADLINE) -> None:
     sends before a SUB has connected and subscribed. Call once per SUB."""
     assert xpub.poll(int(timeout * 1000)), "no subscriber connected"
     assert xpub.recv()[:1] == b"\x01", "not a subscription"
+
+
+def machine_settings(max_examples: int, steps: int = 40) -> settings:
+    """Settings of a hypothesis state machine: no deadline (a loaded CI
+    machine is slow), slow examples allowed."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )

@@ -231,6 +231,17 @@ def wait_for(predicate, timeout: float = DEADLINE, interval: float = 0.05) -> No
         time.sleep(interval)
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m kvsidecar ARGS` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvsidecar", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+
+
 def make_kv(seed: int | None, num_blocks: int = NUM_GPU_BLOCKS) -> list:
     """The engine's paged KV cache: random values (seed) or zeros (None)."""
     import torch

@@ -19,8 +19,7 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import FakeClock, walk
-from hypothesis import HealthCheck, settings
+from helpers import FakeClock, machine_settings, walk
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -140,12 +139,7 @@ class ArenaMachine(RuleBasedStateMachine):
 
 
 TestArena = ArenaMachine.TestCase
-TestArena.settings = settings(
-    max_examples=150,
-    stateful_step_count=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestArena.settings = machine_settings(150, steps=60)
 
 
 def test_capacity_moves_to_the_geometry_whose_victims_are_younger() -> None:

@@ -18,21 +18,7 @@ from sidecar.cleanup import instances_in
 
 
 def cleanup(runtime_dir: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvsidecar",
-            "cleanup",
-            "--set",
-            f"runtime_dir={runtime_dir}",
-            *args,
-        ],
-        cwd=sp.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    return sp.run_cli("cleanup", "--set", f"runtime_dir={runtime_dir}", *args)
 
 
 def leftovers(s: Sidecar) -> tuple[list[str], list[str]]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from hypothesis import HealthCheck, settings
+from helpers import machine_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -279,10 +279,7 @@ def _dst_tier(kind: OpKind) -> str | None:
     }.get(kind)
 
 
-ControlPlaneMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("PROPERTY_EXAMPLES", "150")),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+ControlPlaneMachine.TestCase.settings = machine_settings(
+    int(os.environ.get("PROPERTY_EXAMPLES", "150"))
 )
 TestControlPlane = ControlPlaneMachine.TestCase

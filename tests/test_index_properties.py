@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import FakeClock, key_ids, keys, make_index, walk
-from hypothesis import HealthCheck, settings
+from helpers import FakeClock, key_ids, keys, machine_settings, make_index, walk
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -241,10 +240,5 @@ class IndexMachine(RuleBasedStateMachine):
         assert SHARE_BOUNDS[0] <= policy.small_share <= SHARE_BOUNDS[1]
 
 
-IndexMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+IndexMachine.TestCase.settings = machine_settings(200)
 test_index_state_machine = IndexMachine.TestCase

@@ -20,8 +20,7 @@ leaves no expired tree that nothing holds.
 from __future__ import annotations
 
 import numpy as np
-from helpers import FakeClock, keys, walk
-from hypothesis import HealthCheck, settings
+from helpers import FakeClock, keys, machine_settings, walk
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -221,10 +220,5 @@ class NamespaceMachine(RuleBasedStateMachine):
                 assert index.ready_blocks(top.key_bytes) == 0
 
 
-NamespaceMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+NamespaceMachine.TestCase.settings = machine_settings(200)
 test_namespace_state_machine = NamespaceMachine.TestCase

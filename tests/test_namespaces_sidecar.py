@@ -5,12 +5,11 @@ namespace's TTL, and `kvsidecar namespaces`."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import sidecar_proc as sp
-from sidecar_proc import DEADLINE, ROOT, Sidecar, connect, make_kv, stats_of, tokens, wait_for
+from sidecar_proc import Sidecar, connect, make_kv, stats_of, tokens, wait_for
 
 from contract import protocol as p
 from engine_shim.channel import Channel, SidecarError
@@ -29,22 +28,7 @@ def blocks(s: Sidecar, model: str, tier: str, tenant: str = "") -> int:
 
 
 def kvsidecar(s: Sidecar, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvsidecar",
-            *args,
-            "--instance",
-            s.instance,
-            "--set",
-            f"runtime_dir={s.runtime_dir}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    return sp.run_cli(*args, "--instance", s.instance, "--set", f"runtime_dir={s.runtime_dir}")
 
 
 def test_a_tenant_is_held_to_its_quota_and_evicts_its_own_blocks() -> None:
