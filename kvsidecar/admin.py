@@ -13,14 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
-from sidecar.config import format_size
+from sidecar.config import Config, format_size
 
 TIERS = ("cpu", "ssd", "remote")
 
 
-def add_parsers(sub: argparse._SubParsersAction, config_args: Any, fetch: Any, load: Any) -> None:
+ConfigArgs = Callable[[argparse.ArgumentParser], None]
+Fetch = Callable[[argparse.Namespace], "dict[str, Any] | None"]
+Load = Callable[[argparse.Namespace], Config]
+
+
+def add_parsers(
+    sub: argparse._SubParsersAction, config_args: ConfigArgs, fetch: Fetch, load: Load
+) -> None:
     """`config_args(parser)` adds the configuration flags; `fetch(args)` gets
     the stats (None: no sidecar answered); `load(args)` the Config."""
     p = sub.add_parser(
@@ -53,7 +61,7 @@ def add_parsers(sub: argparse._SubParsersAction, config_args: Any, fetch: Any, l
     p.set_defaults(func=lambda args: _namespaces(args, fetch))
 
 
-def _clear(args: argparse.Namespace, load: Any) -> int:
+def _clear(args: argparse.Namespace, load: Load) -> int:
     from contract import protocol as p
     from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
     from sidecar.runtime import endpoint_of, instance_paths, read_admin_token
@@ -98,7 +106,7 @@ def _clear(args: argparse.Namespace, load: Any) -> int:
     return 0
 
 
-def _namespaces(args: argparse.Namespace, fetch: Any) -> int:
+def _namespaces(args: argparse.Namespace, fetch: Fetch) -> int:
     stats = fetch(args)
     if stats is None:
         return 1

@@ -231,11 +231,13 @@ def wait_for(predicate, timeout: float = DEADLINE, interval: float = 0.05) -> No
         time.sleep(interval)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """`python -m kvsidecar ARGS` from the repository root, its output captured."""
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m kvsidecar ARGS` from the repository root, run to its end
+    (in `env`, None: this process's), its output captured."""
     return subprocess.run(
         [sys.executable, "-m", "kvsidecar", *args],
         cwd=ROOT,
+        env=env,
         capture_output=True,
         text=True,
         timeout=DEADLINE,

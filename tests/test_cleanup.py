@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -117,14 +116,7 @@ def test_cleanup_without_instance_cleans_the_configured_one(instance: str | None
         env = {**os.environ, "KVSIDECAR_INSTANCE": name}
         if instance is not None:  # the default instance: this one is left alone
             env.pop("KVSIDECAR_INSTANCE")
-        done = subprocess.run(
-            [sys.executable, "-m", "kvsidecar", "cleanup", "--set", f"runtime_dir={s.runtime_dir}"],
-            cwd=sp.ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=DEADLINE,
-        )
+        done = sp.run_cli("cleanup", "--set", f"runtime_dir={s.runtime_dir}", env=env)
         assert done.returncode == 0, done.stderr
         if instance is None:
             assert f"instance {name!r}: removed" in done.stdout and s.shm_segments() == []

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import pytest
+import sidecar_proc as sp
+from sidecar_proc import Sidecar
 
 from kvsidecar.cli import main
-from tests.sidecar_proc import ROOT, Sidecar
 
 NO_SECRET = ("--set", "remote_url=redis://127.0.0.1:1/0")
 """A remote tier without a secret: a WARNING at start (nothing needs to answer there)."""
@@ -61,13 +60,7 @@ def test_the_level_drops_records_below_it_but_never_the_start_and_stop_lines() -
 def test_a_failed_start_is_a_record_in_the_format_asked_for() -> None:
     s = Sidecar("--log-format", "json", "--set", "eviction_policy=nope")
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "kvsidecar", "serve", *s.args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = sp.run_cli("serve", *s.args)
     finally:
         s.cleanup()
     assert done.returncode == 2 and done.stdout == ""

@@ -129,13 +129,7 @@ def test_a_group_is_a_name_or_a_gid_in_any_source(tmp_path: Path) -> None:
 
 
 def test_serve_with_an_unknown_group_exits_2_naming_the_key() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvsidecar", "serve", "--set", "group=no-such-group-kvs"],
-        cwd=sp.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
+    result = sp.run_cli("serve", "--set", "group=no-such-group-kvs")
     assert result.returncode == 2 and "group: 'no-such-group-kvs'" in result.stderr
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sidecar_proc import ROOT, Sidecar, mounted_tmpfs
+from sidecar_proc import Sidecar, mounted_tmpfs, run_cli
 
 from sidecar.tiers.checks import redact
 
@@ -22,13 +21,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     """Run `kvsidecar serve` with `args` to its end (a failed start)."""
     s = Sidecar(*args)
     try:
-        return subprocess.run(
-            [sys.executable, "-m", "kvsidecar", "serve", *s.args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_cli("serve", *s.args)
     finally:
         assert not os.path.exists(s.endpoint.removeprefix("ipc://")), "bound before the check"
         s.cleanup()

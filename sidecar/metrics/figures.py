@@ -22,18 +22,24 @@ def pool_figures(pool: ShmPool, capacity: int) -> dict[str, Any]:
     }
 
 
-_SUMMED = ("capacity_blocks", "used_blocks", "cached_blocks", "evicted_blocks")
+_SUMMED = ("used_blocks", "cached_blocks", "evicted_blocks")
 
 
 def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The tiers' figures over every geometry (CPU block counts summed, with
     bytes; `block_bytes` and `slot_stride` are the first geometry's, like
-    the SSD and remote tiers, which only it has), and each geometry's own."""
-    geometries = []
+    the SSD tier, which only it has), and each geometry's own. A geometry's
+    CPU `capacity_blocks` is what it holds plus what it may take without
+    taking it from another geometry (the unowned extents, at its stride)."""
     arena = handlers.geometries.arena
-    for layout, realm in handlers.geometries.realms.items():
+    realms = handlers.geometries.realms
+    if not realms:
+        return {}, []
+    geometries = []
+    owned = 0
+    for layout, realm in realms.items():
         tiers = realm.figures()
-        # What it holds, and what it may take without taking it from another geometry:
+        owned += tiers["cpu"]["capacity_blocks"]
         tiers["cpu"]["capacity_blocks"] += arena.unowned_slots(layout.slot_stride)
         geometries.append(
             {
@@ -47,15 +53,11 @@ def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, An
                 "tiers": tiers,
             }
         )
-    if not geometries:
-        return {}, []
     first = geometries[0]["tiers"]
     cpu = dict(first["cpu"])
     for name in _SUMMED:
         cpu[name] = sum(g["tiers"]["cpu"][name] for g in geometries)
-    # The unowned extents count once, at the first geometry's stride:
-    later = list(handlers.geometries.realms)[1:]
-    cpu["capacity_blocks"] -= sum(arena.unowned_slots(layout.slot_stride) for layout in later)
+    cpu["capacity_blocks"] = owned + arena.unowned_slots(first["cpu"]["slot_stride"])
     for name in ("used", "cached"):
         cpu[f"{name}_bytes"] = sum(
             g["tiers"]["cpu"][f"{name}_blocks"] * g["tiers"]["cpu"]["slot_stride"]
