@@ -20,9 +20,7 @@ without its parent.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from cachesim.trace import Trace
+from sideenv import SideEnvError, ensure, python_of
+from sideenv.specs import LIBCACHESIM
 
-LIBCACHESIM_VERSION = "0.3.3"
 PEERS: dict[str, str] = {
     "LRU": "LRU",
     "ARC": "ARC",
@@ -42,7 +41,6 @@ PEERS: dict[str, str] = {
 }
 """The algorithms compared: our label -> libcachesim's class name."""
 WORKER = Path(__file__).resolve().parent / "libcachesim_worker.py"
-_MARKER = "kvsidecar-libcachesim-version"
 
 
 class PeerError(RuntimeError):
@@ -57,50 +55,17 @@ class PeerResult:
     seconds: dict[str, dict[int, float]]
 
 
-def default_side_env() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvsidecar" / "side-envs" / "libcachesim"
+def side_env_python(root: Path | None = None) -> Path | None:
+    """libCacheSim's interpreter when its side environment is installed."""
+    return python_of(LIBCACHESIM, root)
 
 
-def side_env_python(env: Path) -> Path | None:
-    """The side environment's interpreter when libcachesim is installed there."""
-    python = env / "bin" / "python"
-    marker = env / _MARKER
-    if python.is_file() and marker.is_file() and marker.read_text().strip() == LIBCACHESIM_VERSION:
-        return python
-    return None
-
-
-def ensure_side_env(env: Path, base_python: str = sys.executable) -> Path:
-    """The side environment's interpreter, installing libcachesim first if needed."""
-    python = side_env_python(env)
-    if python is not None:
-        return python
-    requirement = f"libcachesim=={LIBCACHESIM_VERSION}"
-    print(f"installing {requirement} into {env} (first use; --no-peers skips it)", flush=True)
-    steps = [
-        [base_python, "-m", "venv", str(env)],
-        [
-            str(env / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            requirement,
-        ],
-    ]
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True)
-        installed = [line for line in done.stdout.splitlines() if line.startswith("Successfully")]
-        for line in installed:
-            print(f"  {line}", flush=True)
-        if done.returncode:
-            raise PeerError(
-                f"could not install {requirement} into {env} ({' '.join(step[:3])} ...):\n"
-                f"{done.stderr.strip()[-2000:]}\nPass --no-peers to replay without libCacheSim."
-            )
-    (env / _MARKER).write_text(LIBCACHESIM_VERSION + "\n")
-    return env / "bin" / "python"
+def ensure_side_env(root: Path | None = None) -> Path:
+    """libCacheSim's interpreter, installing its side environment first if needed."""
+    try:
+        return ensure(LIBCACHESIM, root)
+    except SideEnvError as exc:
+        raise PeerError(f"{exc}\nPass --no-peers to replay without libCacheSim.") from exc
 
 
 def peer_hits(

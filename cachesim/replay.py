@@ -94,11 +94,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-peers", action="store_true", help="skip the comparison with libCacheSim")
     p.add_argument(
-        "--side-env",
+        "--side-envs",
         type=Path,
         default=None,
-        help="libCacheSim's side environment (default "
-        "$XDG_CACHE_HOME or ~/.cache, then kvsidecar/side-envs/libcachesim)",
+        help="the folder of side environments (default "
+        "$XDG_CACHE_HOME or ~/.cache, then kvsidecar/side-envs); libCacheSim's is libcachesim/",
     )
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--evict-start-threshold", type=float, default=1.0)
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     side_python = None
     if not args.no_peers:
         try:
-            side_python = peers.ensure_side_env(args.side_env or peers.default_side_env())
+            side_python = peers.ensure_side_env(args.side_envs)
         except peers.PeerError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

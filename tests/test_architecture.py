@@ -18,21 +18,23 @@ CONTROL = "sidecar.control"
 ALLOWED = {
     "contract": set(),
     "shm": set(),
+    "sideenv": set(),
     CONTROL: {"contract"},
     "cuda_ext": {"shm"},
     "sidecar": {"contract", "shm", CONTROL},
     "engine_shim": {"contract", "shm", "cuda_ext"},
-    "cachesim": {"contract", CONTROL},
+    "cachesim": {"contract", CONTROL, "sideenv"},
     "router": {"contract", CONTROL},
     "bench": {
         "contract", "shm", CONTROL, "cuda_ext", "sidecar", "engine_shim", "cachesim", "router",
+        "sideenv",
     },
     "kvsidecar": {
         "contract", "shm", CONTROL, "cuda_ext", "sidecar", "engine_shim", "cachesim", "router",
-        "bench",
+        "sideenv", "bench",
     },
 }  # fmt: skip
-PRODUCT = set(ALLOWED) - {"bench", "kvsidecar"}
+PRODUCT = set(ALLOWED) - {"bench", "kvsidecar", "sideenv"}
 # The control plane is pure: numpy and these parts of the standard library.
 CONTROL_STDLIB = {
     "__future__", "abc", "bisect", "collections", "dataclasses", "enum", "functools", "heapq",

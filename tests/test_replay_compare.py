@@ -13,9 +13,7 @@ from cachesim.belady import opt_hits
 from cachesim.compare import PEER_PREFIX, TARGET, comparison_rows, default_target
 from cachesim.generate import SHAPES, generate
 from cachesim.peers import (
-    LIBCACHESIM_VERSION,
     PEERS,
-    default_side_env,
     ensure_side_env,
     peer_hits,
     side_env_python,
@@ -30,6 +28,8 @@ from cachesim.trace import (
 )
 from kvsidecar.cli import main
 from sidecar.control.policies import DEFAULT_POLICY, POLICY_NAMES
+from sideenv import MARKER
+from sideenv.specs import LIBCACHESIM, LIBCACHESIM_VERSION
 
 # ---- prefix consistency -----------------------------------------------------
 
@@ -149,16 +149,17 @@ def test_replay_of_a_generated_trace_writes_the_target(tmp_path, capsys):
 
 
 def test_an_installed_side_env_is_reused_without_installing(tmp_path):
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python").write_text("")
+    env = tmp_path / "libcachesim"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").write_text("")
     assert side_env_python(tmp_path) is None  # no marker: not finished
-    (tmp_path / "kvsidecar-libcachesim-version").write_text(LIBCACHESIM_VERSION + "\n")
-    assert ensure_side_env(tmp_path, base_python="/nonexistent") == tmp_path / "bin" / "python"
+    (env / MARKER).write_text(LIBCACHESIM.marker() + "\n")
+    assert ensure_side_env(tmp_path) == env / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
 def side_python():
-    python = side_env_python(default_side_env())
+    python = side_env_python()
     if python is None:
         pytest.skip("libCacheSim's side environment is not installed (bench replay installs it)")
     return python
