@@ -148,6 +148,15 @@ class Config:
     ssd_capacity_per_dir: int = config_key(
         64 * _GiB, "size", "SSD tier capacity of each directory.", low=_MiB
     )
+    ssd_extent_size: int | None = config_key(
+        None,
+        "size",
+        "Unit in which block geometries (models) share the SSD tier, per directory. None = "
+        "ssd_capacity_per_dir in up to 64 equal extents of at least 64MiB (more, if one "
+        "would exceed 4GiB); a geometry whose block does not fit one has no SSD tier.",
+        low=_MiB,
+        optional=True,
+    )
     ssd_io_threads: int = config_key(
         4, "int", "Threads reading and writing the SSD tier.", low=1, high=64
     )

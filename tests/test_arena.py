@@ -1,6 +1,7 @@
-"""The CPU tier's arena: block geometries sharing one byte budget in extents.
+"""The arena: block geometries sharing one byte budget in extents (the CPU
+tier's, which moves blocks, and the SSD tier's, which drops them).
 
-A hypothesis state machine runs three geometries (slot sizes that divide an
+A hypothesis state machine (in both modes) runs three geometries (slot sizes that divide an
 extent differently) over one arena of a few extents, with a model of the
 bytes: every slot's bytes are a (geometry, key) tag at its byte address,
 written when a block is stored and moved by the arena's `move` callback. It
@@ -56,17 +57,32 @@ class Bytes:
 
 
 class ArenaMachine(RuleBasedStateMachine):
+    RELOCATE = True
+    """False: the SSD tier's arena (extents change hands by dropping blocks)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
         self.bytes: Bytes | None = None
-        self.arena = ExtentArena([EXTENT] * 4, self._move)
+        self.arena = ExtentArena([EXTENT] * 4, self._move if self.RELOCATE else None)
         self.bytes = Bytes(self.arena)
         self.engines = [_engine(self.clock) for _ in STRIDES]
-        for engine, stride in zip(self.engines, STRIDES, strict=True):
-            self.arena.join(engine, stride)
+        self.claimed: list[set[int]] = [set() for _ in STRIDES]
+        """Per member, the extents its claim hook saw and its release hook did not."""
+        for i, (engine, stride) in enumerate(zip(self.engines, STRIDES, strict=True)):
+            self.arena.join(
+                engine,
+                stride,
+                claim=lambda k, lo, hi, i=i: self._hook(i, k, True),
+                release=lambda k, lo, hi, i=i: self._hook(i, k, False),
+            )
         self.locked: list[tuple[int, object]] = []
         self.prompts = 0
+
+    def _hook(self, member: int, extent: int, claim: bool) -> None:
+        held = self.claimed[member]
+        assert (extent in held) != claim, "a claim or release out of turn"
+        (held.add if claim else held.discard)(extent)
 
     def _move(self, stride: int, src: np.ndarray, dst: np.ndarray) -> None:
         assert self.bytes is not None
@@ -133,6 +149,7 @@ class ArenaMachine(RuleBasedStateMachine):
         for member, engine in enumerate(self.engines):
             m = self.arena.members[member]
             assert m.extents == {k for k, o in enumerate(owners) if o is m}
+            assert m.extents == self.claimed[member]
             owned = sum(m.slots_of(k)[1] - m.slots_of(k)[0] for k in m.extents)
             assert engine.mempool.num_slots == owned
             assert engine.mempool.num_used == engine.index.num_blocks
@@ -140,6 +157,14 @@ class ArenaMachine(RuleBasedStateMachine):
 
 TestArena = ArenaMachine.TestCase
 TestArena.settings = machine_settings(150, steps=60)
+
+
+class DroppingArenaMachine(ArenaMachine):
+    RELOCATE = False
+
+
+TestDroppingArena = DroppingArenaMachine.TestCase
+TestDroppingArena.settings = machine_settings(150, steps=60)
 
 
 def test_capacity_moves_to_the_geometry_whose_victims_are_younger() -> None:
@@ -221,3 +246,60 @@ def test_a_pool_owns_only_what_it_was_granted() -> None:
     assert pool.num_slots == 0 and pool.num_used == 0
     with pytest.raises(MempoolError):
         pool.retire(np.array([4]))
+
+
+# ---- without a move callback (the SSD tier's arena) ---------------------------------
+
+
+def test_without_move_a_giver_drops_its_emptiest_extent_and_the_blocks_below() -> None:
+    """An extent changes hands by dropping its blocks, and with them the
+    blocks hanging below them in other extents; the claim and release hooks
+    see the slot ranges."""
+    clock = FakeClock()
+    hooks: list[tuple[str, str, int, int, int]] = []
+
+    def hook(who: str, what: str):  # type: ignore[no-untyped-def]
+        return lambda k, lo, hi: hooks.append((who, what, k, lo, hi))
+
+    arena = ExtentArena([EXTENT] * 3, None)
+    a, b = _engine(clock), _engine(clock)
+    arena.join(a, 4096, claim=hook("a", "claim"), release=hook("a", "release"))
+    arena.join(b, 4096, claim=hook("b", "claim"), release=hook("b", "release"))
+    head = keys_from_ints(range(12))
+    a.insert(head, a.allocate(12), ready=True)  # extent 0, full
+    tail = keys_from_ints([*range(12), *range(50, 54)])
+    a.insert(tail, a.allocate(4), ready=True)  # below it, in extent 1
+    a.insert(keys_from_ints(range(80, 88)), a.allocate(8), ready=True)  # extent 1, full
+    assert hooks == [("a", "claim", 0, 0, 12), ("a", "claim", 1, 12, 24)]
+    clock.set(clock.now + 1)
+    b.insert(keys_from_ints(range(100, 112)), b.allocate(12), ready=True)  # extent 2
+    b.match(keys_from_ints(range(100, 112)), touch=True)
+    # b needs more: a (older victims) gives up its emptiest extent whose blocks
+    # can all go. Both are full; extent 0 comes first, and dropping it drops
+    # the 4 blocks below it (in extent 1) too.
+    assert b.allocate(1).size == 1
+    assert arena.members[0].extents == {1} and arena.members[1].extents == {0, 2}
+    assert hooks[-2:] == [("a", "release", 0, 0, 12), ("b", "claim", 0, 0, 12)]
+    assert arena.dropped_blocks == 16 and arena.moved_blocks == 0
+    assert a.index.num_blocks == 8 and a.mempool.num_used == 8 and a.mempool.num_slots == 12
+    assert a.match(tail).num_blocks == 0 and a.match(keys_from_ints(range(80, 88))).num_blocks == 8
+    assert b.index.num_blocks == 12 and b.mempool.num_slots == 24
+
+
+def test_without_move_an_extent_whose_blocks_have_a_locked_descendant_stays() -> None:
+    clock = FakeClock()
+    arena = ExtentArena([EXTENT] * 2, None)
+    a, b = _engine(clock), _engine(clock)
+    arena.join(a, 4096)
+    arena.join(b, 4096)
+    a.insert(keys_from_ints(range(12)), a.allocate(12), ready=True)  # extent 0
+    below = keys_from_ints([*range(12), 70])
+    a.insert(below, a.allocate(1), ready=True)  # extent 1
+    a.lock(a.match(below).node)  # type: ignore[arg-type]
+    clock.set(clock.now + 1)
+    # Extent 1 holds the locked block itself; extent 0 holds blocks it hangs
+    # below: neither can go, and no extent is free.
+    assert b.allocate(1).size == 0
+    assert arena.num_moves == 0 and a.index.num_blocks == 13
+    a.unlock(a.match(below).node)  # type: ignore[arg-type]
+    assert b.allocate(1).size == 1 and arena.num_moves == 1

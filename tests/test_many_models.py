@@ -7,6 +7,8 @@ They register on one sidecar whose 4 MiB CPU tier is 4 extents of 1 MiB.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import sidecar_proc as sp
 import torch
@@ -175,3 +177,74 @@ def test_every_geometry_has_the_remote_tier(redis_bin) -> None:
         if second is not None:
             second.stop()
         redis.cleanup()
+
+
+def test_every_geometry_has_the_ssd_tier_and_they_share_its_budget(tmp_path) -> None:
+    """Both models write through to SSD, whose 4 extents of 1 MiB they
+    share: B takes extents from A under pressure (A's blocks in them
+    dropped), and after a restart, which reopens both models' files before
+    any engine registers, every block still on SSD loads the bytes it was
+    saved with (the CPU tier starts empty: these loads come from SSD)."""
+    settings = (
+        "--set", f"ssd_dirs={tmp_path / 'ssd'}",
+        "--set", "ssd_capacity_per_dir=4MiB",
+        "--set", "ssd_extent_size=1MiB",
+        "--set", "cpu_extent_size=1MiB",
+    )  # fmt: skip
+    runtime = sp.tmp_dir()
+    first = Sidecar(*settings, runtime_dir=runtime).start()
+    again: Sidecar | None = None
+    n, blocks = sp.NUM_GPU_BLOCKS, np.arange(sp.NUM_GPU_BLOCKS)
+
+    def ssd_of(s: Sidecar) -> list[dict]:
+        return [g["tiers"]["ssd"] for g in stats_of(s)["geometries"]]
+
+    def settled(s: Sidecar, a_blocks: int, b_blocks: int) -> bool:
+        tiers = ssd_of(s)
+        return stats_of(s)["plans_in_flight"] == 0 and (
+            [t["cached_blocks"] for t in tiers][: 1 + (b_blocks > 0)]
+            == [a_blocks, b_blocks][: 1 + (b_blocks > 0)]
+        )
+
+    try:
+        a_kv, b_kvs = sp.make_kv(None), b_kv(None)
+        with connect(first.endpoint, a_kv) as a, connect(first.endpoint, b_kvs, **B_MODEL) as b:
+            for i in range(16):  # 1,024 blocks of A: every SSD extent (256 slots each)
+                fill(a_kv, 100 + i)
+                assert a.save(prompt(i, n), blocks).wait() == n * sp.TOKENS_PER_BLOCK
+            sp.wait_for(lambda: settled(first, 1024, 0))
+            for i in range(2):  # 128 blocks of B: two extents of 85 at 12 KiB
+                fill(b_kvs, 200 + i)
+                assert b.save(prompt(i, n), blocks).wait() == n * sp.TOKENS_PER_BLOCK
+            sp.wait_for(lambda: stats_of(first)["plans_in_flight"] == 0)
+            tiers = ssd_of(first)
+            assert [t["extents"] for t in tiers] == [2, 2]
+            assert tiers[1]["cached_blocks"] == 128 and tiers[0]["cached_blocks"] == 512
+            ssd = stats_of(first)["tiers"]["ssd"]
+            assert ssd["extent_moves"] == 2 and ssd["dropped_blocks"] == 512
+            assert ssd["cached_bytes"] == 512 * 4096 + 128 * 12288
+        assert first.stop() == 0
+        again = Sidecar(*settings, runtime_dir=runtime, instance=first.instance).start()
+        fresh_a, fresh_b = sp.make_kv(None), b_kv(None)
+        with (
+            connect(again.endpoint, fresh_a) as la,
+            connect(again.endpoint, fresh_b, **B_MODEL) as lb,
+        ):
+            assert [t["cached_blocks"] for t in ssd_of(again)] == [512, 128]
+            loaded_a = 0
+            for i in range(16):
+                got = la.load(prompt(i, n), blocks).wait() // sp.TOKENS_PER_BLOCK
+                if got:
+                    fill(a_kv, 100 + i)
+                    assert same(fresh_a, a_kv, np.arange(got)), f"A prompt {i}"
+                loaded_a += got
+            assert loaded_a == 512
+            for i in range(2):
+                assert lb.load(prompt(i, n), blocks).wait() == n * sp.TOKENS_PER_BLOCK
+                fill(b_kvs, 200 + i)
+                assert same(fresh_b, b_kvs, blocks), f"B prompt {i}"
+    finally:
+        for s in (first, again):
+            if s is not None:
+                s.cleanup()
+        shutil.rmtree(runtime, ignore_errors=True)

@@ -10,7 +10,7 @@ import pytest
 import xxhash
 from helpers import chain, make_engine
 
-from sidecar.tiers.build import recover
+from sidecar.tiers.ssd.space import recover
 from sidecar.tiers.ssd.store import Record, SsdError, SsdStore, checksum
 
 SLOT = 8192

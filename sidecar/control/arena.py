@@ -24,6 +24,16 @@ Only ready, unlocked, unheld blocks move; an extent holding anything else (a
 block being written or read by a plan, a write-back in flight, an orphaned
 save's slots) is not chosen. The bytes are copied by the `move` callback the
 owner of the shm mapping gives (the control plane touches no memory).
+
+The SSD tier shares its budget the same way, but moving a block there is a
+read and a write of the device on the control loop: an arena without a
+`move` callback drops the blocks of the extent it takes instead (the
+giver's emptiest extent whose blocks, and the blocks below them, are all
+ready and unlocked), so capacity still moves by eviction, of the extent
+the giver can spare most cheaply rather than of its coldest blocks. Each
+member may name `claim` and `release` callbacks, called as an extent
+becomes or stops being its own (the SSD tier reserves and frees the disk
+space behind it).
 """
 
 from __future__ import annotations
@@ -41,6 +51,8 @@ from sidecar.control.node import RadixNode
 MoveBlocks = Callable[[int, np.ndarray, np.ndarray], None]
 """`move(stride, src, dst)`: copy the bytes of slots `src` to slots `dst` (of
 that stride), in order."""
+ExtentHook = Callable[[int, int, int], None]
+"""`hook(extent, lo, hi)`: extent `extent`, the member's slots lo..hi-1."""
 
 MAX_EVICT_ROUNDS = 4
 """Rounds of eviction a giver gets to make room for an extent's blocks: a
@@ -56,13 +68,16 @@ class Member:
     starts: np.ndarray
     """Per extent, its first slot at this stride; one more entry at the end."""
     extents: set[int] = field(default_factory=set)
+    claim: ExtentHook | None = None
+    release: ExtentHook | None = None
 
     def slots_of(self, extent: int) -> tuple[int, int]:
         return int(self.starts[extent]), int(self.starts[extent + 1])
 
 
 class ExtentArena:
-    def __init__(self, extent_sizes: Sequence[int], move: MoveBlocks) -> None:
+    def __init__(self, extent_sizes: Sequence[int], move: MoveBlocks | None) -> None:
+        """`move` None: extents change hands by dropping their blocks."""
         if not extent_sizes or min(extent_sizes) <= 0:
             raise ValueError("the arena needs at least one extent, each of positive size")
         self.sizes = np.asarray(extent_sizes, dtype=np.int64)
@@ -73,33 +88,61 @@ class ExtentArena:
         """Extents that changed hands between geometries."""
         self.moved_blocks = 0
         """Blocks copied to another slot so their extent could change hands."""
+        self.dropped_blocks = 0
+        """Blocks dropped so their extent could change hands (no `move`)."""
 
     def space(self, stride: int) -> int:
         """Slots of `stride` the whole arena holds (a geometry's address space)."""
         return int((self.sizes // stride).sum())
 
-    def join(self, engine: CacheEngine, stride: int) -> Member:
-        """Add a geometry's empty CPU tier: its mempool becomes one spanning
-        the arena at `stride`, owning nothing until it needs slots. Raises
-        ValueError if a slot of `stride` fits no extent."""
-        counts = self.sizes // stride
-        if not counts.all():
+    def join(
+        self,
+        engine: CacheEngine,
+        stride: int,
+        counts: np.ndarray | None = None,
+        claim: ExtentHook | None = None,
+        release: ExtentHook | None = None,
+    ) -> Member:
+        """Add a geometry's empty tier: its mempool becomes one spanning the
+        arena at `stride` (or `counts` slots per extent, when the tier lays
+        its slots out otherwise), owning nothing until it needs slots.
+        Raises ValueError if a slot fits no extent."""
+        counts = self.sizes // stride if counts is None else np.asarray(counts, dtype=np.int64)
+        if counts.shape != self.sizes.shape or not counts.all():
             raise ValueError(
                 f"a block of {stride} bytes does not fit an extent of {int(self.sizes.min())} bytes"
             )
         if engine.mempool.num_used:
             raise ValueError("only an empty tier can join the arena")
         starts = np.concatenate([[0], np.cumsum(counts)])
-        member = Member(engine, stride, starts)
+        member = Member(engine, stride, starts, claim=claim, release=release)
         engine.mempool = Mempool(int(starts[-1]), owned=False)
         engine.grow = lambda n, steal: self._grow(member, n, steal)
         self.members.append(member)
         return member
 
+    def adopt(self, member: Member, extent: int) -> bool:
+        """Give a free extent to the member (a restart putting back what its
+        files hold); False if another member owns it."""
+        owner = self.owner[extent]
+        if owner is not None:
+            return owner is member
+        self._give(extent, member)
+        return True
+
     def unowned_slots(self, stride: int) -> int:
         """Slots of `stride` in the extents no geometry owns yet."""
         free = [k for k, owner in enumerate(self.owner) if owner is None]
         return int((self.sizes[free] // stride).sum())
+
+    def unowned_slots_for(self, engine: CacheEngine) -> int:
+        """Slots a member tier would get from the extents no one owns (at
+        its own count per extent)."""
+        member = next((m for m in self.members if m.engine is engine), None)
+        if member is None:
+            return 0
+        free = [k for k, owner in enumerate(self.owner) if owner is None]
+        return int(np.diff(member.starts)[free].sum())
 
     def extents_of(self, engine: CacheEngine) -> int:
         """How many extents a member tier owns."""
@@ -111,6 +154,7 @@ class ExtentArena:
             "free_extents": sum(o is None for o in self.owner),
             "extent_moves": self.num_moves,
             "moved_blocks": self.moved_blocks,
+            "dropped_blocks": self.dropped_blocks,
         }
 
     # ---- growing ------------------------------------------------------------------
@@ -151,14 +195,24 @@ class ExtentArena:
 
     def _give(self, extent: int, member: Member) -> int:
         lo, hi = member.slots_of(extent)
+        if member.claim is not None:
+            member.claim(extent, lo, hi)
         member.engine.mempool.grant(lo, hi)
         member.extents.add(extent)
         self.owner[extent] = member
         return hi - lo
 
+    def _let_go(self, extent: int, giver: Member) -> None:
+        giver.extents.discard(extent)
+        self.owner[extent] = None
+        if giver.release is not None:
+            giver.release(extent, *giver.slots_of(extent))
+
     def _shrink(self, giver: Member) -> int | None:
         """Empty one of the giver's extents, evicting its coldest blocks and
         moving the rest; the extent, or None if none can be emptied."""
+        if self._move is None:
+            return self._drop_extent(giver)
         engine, pool = giver.engine, giver.engine.mempool
         for _ in range(MAX_EVICT_ROUNDS + 1):
             where = _slot_owners(engine)
@@ -184,9 +238,38 @@ class ExtentArena:
             _renumber(where, src, dst)
             pool.retire(src)
             self.moved_blocks += int(src.size)
-        giver.extents.discard(extent)
-        self.owner[extent] = None
+        self._let_go(extent, giver)
         return extent
+
+    def _drop_extent(self, giver: Member) -> int | None:
+        """Empty the giver's emptiest extent whose blocks can all go (they and
+        the blocks below them ready and unlocked) by dropping them; the
+        extent, or None if none can be emptied."""
+        engine, pool = giver.engine, giver.engine.mempool
+        where = _slot_owners(engine)
+        by_use = sorted(giver.extents, key=lambda k: (pool.num_used_in(*giver.slots_of(k)), k))
+        for extent in by_use:
+            lo, hi = giver.slots_of(extent)
+            if pool.held_in(lo, hi) or not where.movable[lo:hi].all():
+                continue
+            cuts: dict[int, int] = {}  # node -> its first position in the extent
+            for slot in (np.flatnonzero(where.node_of[lo:hi] >= 0) + lo).tolist():
+                i, pos = int(where.node_of[slot]), int(where.position[slot])
+                cuts[i] = min(cuts.get(i, pos), pos)
+            runs = sorted(((_depth(where.nodes[i]), where.nodes[i], p) for i, p in cuts.items()),
+                          key=lambda run: run[0])  # fmt: skip
+            if not all(engine.index.removable(node) for _, node, _ in runs):
+                continue
+            gone: set[int] = set()
+            for _, node, pos in runs:  # ancestors first: a dropped run takes its subtree
+                if id(node) in gone:
+                    continue
+                gone.update(id(n) for n in engine.index.subtree(node))
+                self.dropped_blocks += engine.drop_from(node, pos)
+            pool.retire_free(lo, hi)
+            self._let_go(extent, giver)
+            return extent
+        return None
 
 
 @dataclass
@@ -234,6 +317,13 @@ def _emptiest_movable(member: Member, where: _SlotOwners) -> int | None:
         if best_used is None or used < best_used:
             best, best_used = extent, used
     return best
+
+
+def _depth(node: RadixNode) -> int:
+    depth = 0
+    while node.parent is not None:
+        node, depth = node.parent, depth + 1
+    return depth
 
 
 def _renumber(where: _SlotOwners, src: np.ndarray, dst: np.ndarray) -> None:

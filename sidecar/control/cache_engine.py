@@ -158,6 +158,12 @@ class CacheEngine:
         returns the number of blocks dropped."""
         return self._drop(self.index.remove(keys))
 
+    def drop_from(self, node: RadixNode, pos: int) -> int:
+        """Drop `node`'s blocks from `pos` on and every block below them
+        (RadixIndex.remove_from), freeing their slots through `remove_hook`;
+        returns the number of blocks dropped."""
+        return self._drop(self.index.remove_from(node, pos))
+
     def _drop(self, slots: np.ndarray) -> int:
         """Free the slots of removed (not evicted) blocks, through `remove_hook`."""
         if self.remove_hook is not None and slots.size:

@@ -512,6 +512,27 @@ class RadixIndex:
                 self._events.append(BlockRemoved(victim.keys))
         return removed
 
+    def removable(self, node: RadixNode) -> bool:
+        """Whether `remove_from(node, ...)` would succeed."""
+        return node.parent is not None and all(
+            n.ready and not n.lock_count for n in self._subtree(node)
+        )
+
+    def subtree(self, node: RadixNode) -> list[RadixNode]:
+        """`node` and its descendants, parents before children."""
+        return self._subtree(node)
+
+    def remove_from(self, node: RadixNode, pos: int) -> SlotIds:
+        """Drop the blocks of `node`'s run from position `pos` on and every
+        block below them; returns their slots. Raises IndexConflict and
+        changes nothing unless all of them are ready and unlocked."""
+        if not self.removable(node) or not 0 <= pos < len(node):
+            raise IndexConflict("the blocks are locked, in flight or not in the index")
+        subtree = self._subtree(node)
+        if pos:
+            self._split(node, pos)  # `node` keeps the tail from `pos` on
+        return _concat(self._drop(subtree))
+
     def check_removable(self, keys: BlockKeys) -> None:
         """Raise IndexConflict if `remove(keys)` would; changes nothing."""
         self._removal(keys)

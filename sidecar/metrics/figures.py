@@ -26,21 +26,30 @@ _SUMMED = ("used_blocks", "cached_blocks", "evicted_blocks")
 
 
 def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The tiers' figures over every geometry (CPU block counts summed, with
-    bytes; `block_bytes` and `slot_stride` are the first geometry's, like
-    the SSD tier, which only it has), and each geometry's own. A geometry's
-    CPU `capacity_blocks` is what it holds plus what it may take without
-    taking it from another geometry (the unowned extents, at its stride)."""
+    """The tiers' figures over every geometry (CPU and SSD block counts
+    summed, with bytes; `block_bytes`, `slot_stride` and `slot_bytes` are
+    the first geometry's), and each geometry's own. A geometry's CPU and SSD
+    `capacity_blocks` is what it holds plus what it may take without taking
+    it from another geometry (the unowned extents, at its slot size)."""
     arena = handlers.geometries.arena
+    space = handlers.geometries.ssd
     realms = handlers.geometries.realms
     if not realms:
         return {}, []
     geometries = []
     owned = 0
+    ssd_owned, ssd_unowned = 0, None
     for layout, realm in realms.items():
         tiers = realm.figures()
         owned += tiers["cpu"]["capacity_blocks"]
         tiers["cpu"]["capacity_blocks"] += arena.unowned_slots(layout.slot_stride)
+        ssd_engine = realm.cache.lower.get("ssd")
+        if "ssd" in tiers and space is not None and ssd_engine is not None:
+            ssd_owned += tiers["ssd"]["capacity_blocks"]
+            unowned = space.arena.unowned_slots_for(ssd_engine)
+            ssd_unowned = unowned if ssd_unowned is None else ssd_unowned
+            tiers["ssd"]["capacity_blocks"] += unowned
+            tiers["ssd"]["extents"] = space.arena.extents_of(ssd_engine)
         geometries.append(
             {
                 "num_layers": layout.num_layers,
@@ -63,7 +72,17 @@ def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, An
             g["tiers"]["cpu"][f"{name}_blocks"] * g["tiers"]["cpu"]["slot_stride"]
             for g in geometries
         )
-    return {**first, "cpu": cpu}, geometries
+    out = {**first, "cpu": cpu}
+    with_ssd = [g["tiers"]["ssd"] for g in geometries if "ssd" in g["tiers"]]
+    if with_ssd and space is not None:
+        ssd = dict(with_ssd[0])
+        for name in _SUMMED:
+            ssd[name] = sum(t[name] for t in with_ssd)
+        ssd["capacity_blocks"] = ssd_owned + (ssd_unowned or 0)
+        for name in ("used", "cached"):
+            ssd[f"{name}_bytes"] = sum(t[f"{name}_blocks"] * t["slot_bytes"] for t in with_ssd)
+        out["ssd"] = {**ssd, **space.arena.figures(), "extent_bytes": space.extent_bytes}
+    return out, geometries
 
 
 def server_figures(

@@ -4,12 +4,14 @@ A geometry is a block layout (layers, bytes of a layer's block, TP size).
 The first engine of a geometry to register brings its cache (`TieredCache`:
 index, policy, plans, and the tiers below the CPU one); their CPU tiers
 share the shm pool through one `ExtentArena`, which moves whole extents
-between geometries as their data gets hotter or colder (docs/sidecar.md,
-"Many models on one sidecar").
+between geometries as their data gets hotter or colder, and their SSD tiers
+share the SSD budget through another (`SsdSpace`; docs/sidecar.md, "Many
+models on one sidecar").
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -19,7 +21,10 @@ from shm.pool import ShmPool
 from sidecar.config import Config
 from sidecar.control.arena import ExtentArena
 from sidecar.tiers.build import open_tiered_cache
+from sidecar.tiers.ssd.space import SsdSpace
 from sidecar.tiers.tiered import TieredCache
+
+log = logging.getLogger("kvsidecar")
 
 
 class Geometries:
@@ -37,8 +42,15 @@ class Geometries:
         self._on_plan_ended = on_plan_ended
         self._watch = watch
         self.realms: dict[BlockLayout, TieredCache] = {}
-        """Per geometry, its cache; the first one built has the SSD tier."""
+        """Per geometry, its cache."""
         self.arena = ExtentArena(pool.segment_sizes, self._move_blocks)
+        self.ssd: SsdSpace | None = None
+        """Every geometry's SSD tier (those found on disk opened at start)."""
+        if config.ssd_dirs:
+            try:
+                self.ssd = SsdSpace(config)
+            except (OSError, ValueError) as err:
+                log.error("SSD tier disabled: %s", err)
 
     def __iter__(self) -> Iterator[TieredCache]:
         return iter(self.realms.values())
@@ -49,9 +61,9 @@ class Geometries:
         an extent of the CPU tier."""
         realm = self.realms.get(layout)
         if realm is None:
-            first = not self.realms
+            ssd = self.ssd.tier(layout) if self.ssd is not None else None
             realm = open_tiered_cache(
-                self.config, self.pool, layout, self._on_plan_ended, self.arena, ssd=first
+                self.config, self.pool, layout, self._on_plan_ended, self.arena, ssd
             )
             self.realms[layout] = realm
             for fd in realm.fds:  # results wake the loop through their eventfds
@@ -83,6 +95,8 @@ class Geometries:
         """Close every geometry's tiers (their I/O threads first; idempotent)."""
         for realm in self.realms.values():
             realm.close()
+        if self.ssd is not None:
+            self.ssd.close()
 
     def _move_blocks(self, stride: int, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy CPU slots (an extent changing geometry: `ExtentArena`)."""

@@ -61,8 +61,8 @@ class Handlers:
     """The protocol ops. Built whole at start-up with the parts they use.
     Each block geometry (layout) an engine brings gets a tiered cache of its
     own when its first engine registers (`geometries`); their CPU tiers
-    share the shm pool through one `ExtentArena`. The first geometry also gets the
-    SSD tier (docs/sidecar.md, "Many models on one sidecar"). Every op but
+    share the shm pool through one `ExtentArena`, their SSD tiers the SSD budget
+    through another (docs/sidecar.md, "Many models on one sidecar"). Every op but
     Register and Stats needs a session, so a cache exists for it."""
 
     def __init__(

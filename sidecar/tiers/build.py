@@ -1,17 +1,13 @@
-"""Building the tiers (a `TieredCache`) when the block layout is known, and rebuilding the
-SSD index from its journals after a restart."""
+"""Building the tiers (a `TieredCache`) when the block layout is known."""
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections import defaultdict
 from collections.abc import Callable
 
-import numpy as np
 import redis
 
-from contract.ids import KEY_DTYPE, BlockKeys, SlotIds
 from contract.protocol import ErrorCode, ProtocolError
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
@@ -27,7 +23,7 @@ from sidecar.tiers.remote.store import RemoteStore
 from sidecar.tiers.remote.tier import Backoff, RemoteTier
 from sidecar.tiers.remote.value_check import read_secret
 from sidecar.tiers.ssd.ops import SsdOps
-from sidecar.tiers.ssd.store import Record, SsdError, SsdStore
+from sidecar.tiers.ssd.space import SsdTier
 from sidecar.tiers.tiered import TieredCache
 
 log = logging.getLogger("kvsidecar")
@@ -44,14 +40,13 @@ def open_tiered_cache(
     layout: BlockLayout,
     on_plan_ended: Callable[[int, bool], None],
     arena: ExtentArena,
-    *,
-    ssd: bool = True,
+    ssd: SsdTier | None,
 ) -> TieredCache:
     """Every tier for blocks of `layout` (a geometry an engine brought), and
     the data plane that runs their ops; `on_plan_ended(plan_id, ok)` is
     called when a plan the data plane ran ends. Its CPU tier joins the
-    `arena` the geometries share; the SSD tier only with `ssd` (the first
-    geometry: see docs/sidecar.md, "Many models on one sidecar").
+    `arena` the geometries share; `ssd` is its SSD tier, if it has one
+    (`sidecar.tiers.ssd.space`).
     Raises ProtocolError (LAYOUT_MISMATCH) if a block does not fit an
     extent of the CPU tier."""
     c = config
@@ -76,11 +71,9 @@ def open_tiered_cache(
         layout.slot_stride,
         arena.space(layout.slot_stride),
     )
-    opened = open_ssd_tier(c, layout) if ssd else None
     ssd_engine, store, io = None, None, None
-    if opened is not None:
-        ssd_engine, store = opened
-        ssd_engine.remove_hook = store.drop_slots
+    if ssd is not None:
+        ssd_engine, store = ssd
         io = IoPool("ssd", c.ssd_io_threads)
     remote_engine = None
     if c.remote_url is not None:
@@ -154,78 +147,3 @@ def open_remote_tier(
         "a MAC" if secret is not None else "a checksum only",
     )
     return tier
-
-
-def open_ssd_tier(config: Config, layout: BlockLayout) -> tuple[CacheEngine, SsdStore] | None:
-    """The SSD tier's engine and store, its index rebuilt from disk; None when
-    no directory is configured or none can be used (logged)."""
-    if not config.ssd_dirs:
-        return None
-    try:
-        store = SsdStore(
-            list(config.ssd_dirs),
-            config.ssd_capacity_per_dir,
-            layout.slot_stride,
-            layout.block_bytes,
-            tag=f"kvsidecar-{config.instance}",
-        )
-    except (SsdError, ValueError) as err:
-        log.error("SSD tier disabled: %s", err)
-        return None
-    engine = CacheEngine(
-        "ssd",
-        store.num_slots,
-        config.eviction_policy,
-        config.evict_start_threshold,
-        config.evict_ratio,
-        config.hit_reward_seconds,
-    )
-    recovered, orphans = recover(engine, store.records())
-    for slot in orphans:
-        store.drop(slot)
-    log.info(
-        "SSD tier: %d slots of %d bytes in %d dir(s)%s; %d blocks recovered, %d orphans dropped",
-        store.num_slots,
-        layout.slot_stride,
-        len(config.ssd_dirs),
-        "" if store.direct else " (buffered: no O_DIRECT)",
-        recovered,
-        len(orphans),
-    )
-    return engine, store
-
-
-def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]:
-    """Insert every chain the records describe into the engine's index, ready.
-
-    A record whose parent key is not itself recorded (and that does not start
-    a sequence) is an orphan: unreachable by any prefix match, so its slot is
-    returned to be cleared. Returns (blocks recovered, orphan slots).
-    """
-    by_key: dict[bytes, Record] = {}
-    for r in records:  # a key recorded twice (a crash between writes): keep one
-        by_key.setdefault(r.key, r)
-    children: dict[bytes, list[Record]] = defaultdict(list)
-    roots = []
-    for r in by_key.values():
-        if r.first:
-            roots.append(r)
-        elif r.parent in by_key:
-            children[r.parent].append(r)
-    runs: list[tuple[bytes, np.ndarray]] = []  # parents before children
-    stack: list[tuple[bytes, Record]] = [(b"", r) for r in roots]
-    while stack:
-        prefix, head = stack.pop()
-        run = [head]  # follow single-child links into one run
-        while len(children[run[-1].key]) == 1:
-            run.append(children[run[-1].key][0])
-        keys = prefix + b"".join(r.key for r in run)
-        runs.append((keys, np.array([r.slot for r in run], dtype=np.int64)))
-        stack += [(keys, child) for child in children[run[-1].key]]
-    placed = [int(s) for _, slots in runs for s in slots]
-    engine.mempool.take(np.array(placed, dtype=np.int64))  # once: take is O(num_slots)
-    for keys, slots in runs:
-        engine.insert(BlockKeys(np.frombuffer(keys, dtype=KEY_DTYPE)), SlotIds(slots), ready=True)
-    placed_set = set(placed)
-    orphans = [r.slot for r in records if r.slot not in placed_set]
-    return len(placed), orphans

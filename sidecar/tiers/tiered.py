@@ -84,24 +84,15 @@ class TieredCache:
             self.dataplane.abandon()
 
     def close(self) -> None:
-        """Stop the I/O threads (they may still read or write shm slots), then
-        close the stores (idempotent)."""
+        """Stop the I/O threads (they may still read or write shm slots) and
+        close the remote store (idempotent). The SSD store belongs to the
+        `SsdSpace`, which closes it after this."""
         if self.io is not None:
             self.io.close()
             self.io = None
         if self.remote is not None:
             self.remote.close()
             self.remote = None
-        if self.ssd is not None:
-            tier = self.cache.lower.get("ssd")
-            if tier is not None:  # the I/O threads are done: no write is in flight
-                try:
-                    stale = self.ssd.drop_stale(tier.mempool.free_slots())
-                    log.info("SSD tier: cleared the records of %d evicted blocks", stale)
-                except OSError as err:  # they may come back after the restart: no harm
-                    log.warning("SSD tier: could not clear evicted blocks' records: %s", err)
-            self.ssd.close()
-            self.ssd = None
 
     def figures(self) -> dict[str, dict[str, Any]]:
         """Per tier: `cpu` (what the index and mempool say), `ssd`, `remote`."""

@@ -26,11 +26,22 @@ every block) whatever the free space says now; another capacity refits the
 files and keeps the blocks in slots below the new count. Files written with
 another slot size are started empty, with a warning; each instance name has
 files of its own.
+
+Shared budget (`sparse`): when several block geometries share the tier
+(`sidecar.tiers.ssd.space`), each has files of its own, sized to the whole
+budget but sparse: the disk behind a run of slots is reserved (`claim`,
+fallocate) when the run's extent becomes the geometry's and given back
+(`release`: records cleared, then a hole punched) when it stops being.
+The striping is extent-major for free: with `c` slots per directory in an
+extent, the extent's slots k*c*n .. (k+1)*c*n-1 sit at the same byte range
+of every directory's file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import json
@@ -50,8 +61,9 @@ log = logging.getLogger("kvsidecar")
 RECORD = struct.Struct("<4sIQ16s16s16s")  # magic, flags, checksum, key, parent, reserved
 RECORD_BYTES = RECORD.size  # 64
 MAGIC = b"KVS1"
-META_VERSION = 2
-"""Of each directory's header (`<tag>.json`): version 2 added `asked_slots`."""
+META_VERSION = 3
+"""Of each directory's header (`<tag>.json`): version 2 added `asked_slots`,
+version 3 `sparse` and `extra` (what the shared tier records: the layout)."""
 VALID, FIRST = 1, 2
 """Record flags: the slot holds a block; the block starts a sequence (its
 parent is the namespace root, not a stored block)."""
@@ -84,7 +96,9 @@ class _Dir:
     with its own files. The data file is flocked for the store's life, so a
     second sidecar of the same instance name on that directory is refused."""
 
-    def __init__(self, path: Path, want: int, slot_bytes: int, tag: str) -> None:
+    def __init__(
+        self, path: Path, want: int, slot_bytes: int, tag: str, sparse: bool, extra: dict[str, Any]
+    ) -> None:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
         data_path, journal_path = path / f"{tag}.data", path / f"{tag}.journal"
@@ -109,15 +123,29 @@ class _Dir:
         self.journal_map: mmap.mmap | None = None
         """The journal, mapped: records are written through it."""
         try:
-            self.nslots = self._size(_read_meta(meta_path), want, slot_bytes, tag)
-            os.posix_fallocate(self.fd, 0, self.nslots * slot_bytes)
-            os.posix_fallocate(self.journal, 0, self.nslots * RECORD_BYTES)
+            old = _read_meta(meta_path)
+            if not _same_geometry(old, slot_bytes, tag, sparse, extra):
+                if old is not None:
+                    log.warning("SSD dir %s was written with %s; starting it empty", path, old)
+                os.ftruncate(self.fd, 0)
+                os.ftruncate(self.journal, 0)
+                old = None
+            if sparse:  # exactly `want` slots; the disk is reserved per extent
+                self.nslots = want
+                os.ftruncate(self.fd, want * slot_bytes)
+                os.ftruncate(self.journal, want * RECORD_BYTES)
+            else:
+                self.nslots = self._size(old, want, slot_bytes, tag)
+                os.posix_fallocate(self.fd, 0, self.nslots * slot_bytes)
+                os.posix_fallocate(self.journal, 0, self.nslots * RECORD_BYTES)
             meta = {
                 "version": META_VERSION,
                 "slot_bytes": slot_bytes,
                 "slots": self.nslots,
                 "asked_slots": want,
                 "tag": tag,
+                "sparse": sparse,
+                "extra": extra,
             }
             tmp = path / f"{tag}.json.tmp"
             tmp.write_text(json.dumps(meta))
@@ -128,16 +156,12 @@ class _Dir:
             raise
 
     def _size(self, old: object, want: int, slot_bytes: int, tag: str) -> int:
-        """The slot count, from the header `old` (None: new files). The same
-        capacity asked for keeps the header's count, whatever the free space
-        says now (it grows as our own files are counted in); another one
-        refits and cuts the files to it, keeping the slots below the new
-        count; another slot size or an unreadable header starts empty."""
-        if not _same_geometry(old, slot_bytes, tag):
-            if old is not None:
-                log.warning("SSD dir %s was written with %s; starting it empty", self.path, old)
-            os.ftruncate(self.fd, 0)
-            os.ftruncate(self.journal, 0)
+        """The slot count, from the header `old` (None: new or emptied
+        files). The same capacity asked for keeps the header's count,
+        whatever the free space says now (it grows as our own files are
+        counted in); another one refits and cuts the files to it, keeping
+        the slots below the new count."""
+        if not isinstance(old, dict):
             return _fit(self.path, want, slot_bytes, tag)
         had = int(old["slots"])
         if old.get("asked_slots", want) == want:  # a plain restart (version 1: assumed)
@@ -172,8 +196,20 @@ class SsdStore:
     once for different slots (positional I/O only)."""
 
     def __init__(
-        self, dirs: list[str], capacity_per_dir: int, slot_bytes: int, block_bytes: int, tag: str
+        self,
+        dirs: list[str],
+        capacity_per_dir: int,
+        slot_bytes: int,
+        block_bytes: int,
+        tag: str,
+        *,
+        sparse: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> None:
+        """`sparse`: exactly capacity_per_dir // slot_bytes slots a
+        directory, in sparse files whose disk `claim` reserves (a shared
+        tier); `extra`: what the header records beside the slot size (a
+        header with other `extra` starts the files empty)."""
         if slot_bytes % ALIGN or not 0 < block_bytes <= slot_bytes:
             raise ValueError(f"slot_bytes must be a multiple of {ALIGN} holding a block")
         if not dirs:
@@ -184,7 +220,7 @@ class SsdStore:
         self._dirs: list[_Dir] = []
         try:
             for d in map(Path, dirs):
-                self._dirs.append(_Dir(d, per_dir, slot_bytes, tag))
+                self._dirs.append(_Dir(d, per_dir, slot_bytes, tag, sparse, extra or {}))
         except OSError as err:
             self.close()
             raise SsdError(err.errno, f"SSD tier: {err.strerror}", err.filename) from None
@@ -245,6 +281,43 @@ class SsdStore:
         self.drop_slots(stale)
         return int(stale.size)
 
+    # ---- a shared tier's extents -----------------------------------------------------
+
+    def _span(self, lo: int, hi: int) -> tuple[int, int]:
+        """The per-directory slot range of slots lo..hi-1, which must be a
+        whole number of stripes (lo and hi multiples of the directories)."""
+        n = len(self._dirs)
+        if lo % n or hi % n or not 0 <= lo <= hi <= self.num_slots:
+            raise ValueError(f"slots {lo}..{hi - 1} are not whole stripes of this store")
+        return lo // n, hi // n
+
+    def claim(self, lo: int, hi: int) -> None:
+        """Reserve the disk behind slots lo..hi-1 (an extent becoming this
+        store's). Without room the slots stay holes: their writes may fail,
+        and a failed write is a block not stored."""
+        a, b = self._span(lo, hi)
+        for d in self._dirs:
+            try:
+                os.posix_fallocate(d.fd, a * self.slot_bytes, (b - a) * self.slot_bytes)
+            except OSError as err:
+                log.warning("SSD dir %s: could not reserve an extent: %s", d.path, err)
+
+    def release(self, lo: int, hi: int) -> None:
+        """Give back slots lo..hi-1 (an extent leaving this store): their
+        records are cleared and written back first, then the disk behind
+        them is freed (a hole punched), so a crash between the two leaves
+        holes that no record vouches for."""
+        a, b = self._span(lo, hi)
+        for d in self._dirs:
+            journal = d.journal_map
+            assert journal is not None, "the store is closed"
+            journal[a * RECORD_BYTES : b * RECORD_BYTES] = bytes((b - a) * RECORD_BYTES)
+            with contextlib.suppress(OSError):
+                journal.flush()
+            _punch_hole(d.fd, a * self.slot_bytes, (b - a) * self.slot_bytes)
+        self.checksums[lo:hi] = 0
+        self.keys[lo:hi] = 0
+
     def _write_record(self, d: _Dir, slot: int, record: bytes) -> None:
         at = (slot // len(self._dirs)) * RECORD_BYTES
         journal = d.journal_map
@@ -292,16 +365,49 @@ def _fit(path: Path, want: int, slot_bytes: int, tag: str) -> int:
     return min(want, room)
 
 
-def _same_geometry(meta: object, slot_bytes: int, tag: str) -> TypeGuard[dict[str, Any]]:
+def _same_geometry(
+    meta: object, slot_bytes: int, tag: str, sparse: bool, extra: dict[str, Any]
+) -> TypeGuard[dict[str, Any]]:
     """A header of files whose slots this store can keep using."""
     return (
         isinstance(meta, dict)
-        and meta.get("version") in (1, META_VERSION)
+        and meta.get("version") in (1, 2, META_VERSION)
         and meta.get("slot_bytes") == slot_bytes
         and meta.get("tag") == tag
         and isinstance(meta.get("slots"), int)
         and meta["slots"] > 0
+        and meta.get("sparse", False) == sparse
+        and meta.get("extra", {}) == extra
     )
+
+
+def read_header(path: Path) -> dict[str, Any] | None:
+    """A directory header (`<tag>.json`), or None if absent or unreadable."""
+    meta = _read_meta(path)
+    return meta if isinstance(meta, dict) else None
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+_PUNCH_WARNED: set[int] = set()
+"""Error numbers already logged by `_punch_hole` (once each)."""
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free the disk behind a byte range, keeping the file's size. A
+    filesystem without hole punching keeps the space (logged once)."""
+    if length <= 0:
+        return
+    if _LIBC.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in _PUNCH_WARNED:
+        _PUNCH_WARNED.add(err)
+        log.warning("SSD tier: cannot punch holes (%s): a freed extent keeps its disk",
+                    os.strerror(err))  # fmt: skip
 
 
 def _existing_bytes(path: Path) -> int:
