@@ -163,3 +163,32 @@ def test_checksum_is_xxh3_64_seeded_by_the_key():
     want = xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
     assert checksum(data, key) == want
     assert checksum(data, bytes(16)) != want
+
+
+def test_a_restart_with_other_extents_removes_the_files_laid_out_in_the_old_ones(tmp_path):
+    from shm.layout import BlockLayout
+    from sidecar.config import Config
+    from sidecar.tiers.ssd.space import SsdSpace
+
+    def space(extent: str) -> SsdSpace:
+        return SsdSpace(
+            Config(
+                instance="x",
+                ssd_dirs=[str(tmp_path)],
+                ssd_capacity_per_dir="4MiB",
+                ssd_extent_size=extent,
+            )
+        )
+
+    layout = BlockLayout(2, SLOT // 2)
+    first = space("1MiB")
+    assert first.num_extents == 4 and first.tier(layout) is not None
+    first.close()
+    assert len(list(tmp_path.glob("kvsidecar-x-*"))) == 3  # data, journal, header
+    reopened = space("1MiB")
+    assert list(reopened.tiers) == [layout]  # found on disk before anyone asks
+    reopened.close()
+    other = space("2MiB")
+    assert other.num_extents == 2 and not other.tiers
+    assert not list(tmp_path.glob("kvsidecar-x-*"))
+    other.close()

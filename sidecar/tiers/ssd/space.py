@@ -172,19 +172,31 @@ class SsdSpace:
 
     def _layouts_on_disk(self) -> list[BlockLayout]:
         """Geometries whose files (of this format and extent size) the first
-        directory holds, in name order."""
+        directory holds, in name order. Files of this instance laid out in
+        other extents are removed (a geometry would start them empty)."""
         found = []
         for path in sorted(self.dirs[0].glob(f"{self.prefix}-*.json")):
             header = read_header(path)
             extra = header.get("extra") if header is not None else None
-            if not isinstance(extra, dict) or extra.get("extent_bytes") != self.extent_bytes:
-                continue
+            if not isinstance(extra, dict):
+                continue  # not a shared tier's header
             try:
                 layout = BlockLayout(*extra["layout"])
             except (KeyError, TypeError, ValueError):
                 continue
-            if path.stem == self._tag(layout):
+            if path.stem != self._tag(layout):
+                continue
+            if extra.get("extent_bytes") == self.extent_bytes:
                 found.append(layout)
+                continue
+            log.warning(
+                "SSD tier: removing geometry %s's files, laid out in extents of %s bytes",
+                layout,
+                extra.get("extent_bytes"),
+            )
+            for d in self.dirs:
+                for ext in ("data", "journal", "json"):
+                    (d / f"{path.stem}.{ext}").unlink(missing_ok=True)
         return found
 
     def _remove_old_format(self) -> None:
