@@ -163,3 +163,72 @@ def load_elsewhere(
         return found, got, pages_of(pool, where)
     finally:
         store.close()
+
+
+# ---- a model's KV in a host pool (the fidelity test) -----------------------------------
+
+
+def _k_v_rows(pool: Any, layer: int, host_indices: torch.Tensor) -> tuple[Any, Any]:
+    """Index functions (k rows, v rows) of `layer` at token `host_indices`:
+    [T, heads, dim] views into the pool, for the MHA layouts."""
+    k, v = pool.kv_buffer[0], pool.kv_buffer[1]
+    if pool.layout == "layer_first":
+        return k[layer], v[layer]
+    if pool.layout == "page_first":
+        return k[:, layer], v[:, layer]
+    raise ValueError(f"no token rows for {pool.layout}")
+
+
+def put_cache(pool: Any, cache: Any, host_indices: torch.Tensor) -> None:
+    """A transformers DynamicCache's first len(host_indices) tokens into the pool."""
+    n = host_indices.numel()
+    for layer, cached in enumerate(cache.layers):
+        k_rows, v_rows = _k_v_rows(pool, layer, host_indices)
+        k_rows[host_indices] = cached.keys[0, :, :n].transpose(0, 1).to(pool.dtype)
+        v_rows[host_indices] = cached.values[0, :, :n].transpose(0, 1).to(pool.dtype)
+
+
+def take_cache(pool: Any, host_indices: torch.Tensor, config: Any) -> Any:
+    """A DynamicCache of the pool's tokens at `host_indices`."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for layer in range(pool.layer_num):
+        k_rows, v_rows = _k_v_rows(pool, layer, host_indices)
+        k = k_rows[host_indices].transpose(0, 1).unsqueeze(0).contiguous()
+        v = v_rows[host_indices].transpose(0, 1).unsqueeze(0).contiguous()
+        cache.update(k, v, layer)
+    return cache
+
+
+def continue_from_storage(
+    endpoint: str, layout: str, page_size: int, keys: list[str], rest: torch.Tensor
+) -> tuple[list[bool], torch.Tensor]:
+    """Another SGLang process with the same tiny Llama: load the prompt's
+    pages into its own host pool, and compute the logits of `rest` on them."""
+    from engine_shim.hf.models import tiny_llama
+
+    torch.set_num_threads(1)
+    model = tiny_llama(0)
+    pool = tiny_llama_pool(model, layout, page_size)
+    pool.alloc(3 * page_size)  # its pages land elsewhere than the writer's
+    where = pool.alloc(len(keys) * page_size)
+    store = backend(pool, endpoint)
+    try:
+        got = store.batch_get_v1(keys, where, info([]))
+    finally:
+        store.close()
+    with torch.no_grad():
+        cache = take_cache(pool, where, model.config)
+        logits = model(rest[None], past_key_values=cache).logits
+    return got, logits
+
+
+def tiny_llama_pool(model: Any, layout: str, page_size: int) -> Any:
+    """A host pool of the model's KV geometry and dtype."""
+    from engine_shim.hf.models import kv_geometry
+
+    layers, heads, dim = kv_geometry(model)
+    return host_pool(
+        "mha", layout, page_size, layers=layers, heads=heads, head_dim=dim, dtype=model.dtype
+    )
