@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -42,7 +43,23 @@ def host_pool(
     dtype: torch.dtype = torch.bfloat16,
 ) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
     """SGLang's host KV pool of a `kind` ("mha" / "mla") device pool of
-    `tokens` tokens, built on the CPU; holds about twice as many tokens."""
+    `tokens` tokens, built on the CPU; holds about twice as many tokens.
+    Booked against a budget of its own: SGLang otherwise refuses any pool
+    while the machine has less than 10 GiB available."""
+    with host_memory_budget_scope(1 << 30):
+        return _host_pool(kind, layout, page_size, tokens, layers, heads, head_dim, dtype)
+
+
+def _host_pool(
+    kind: str,
+    layout: str,
+    page_size: int,
+    tokens: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
     common = {"device_capacity_tokens": tokens, "start_layer": 0, "end_layer": layers}
     if kind == "mha":
         device = MHATokenToKVPool(
