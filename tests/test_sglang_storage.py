@@ -297,3 +297,51 @@ def test_each_calling_thread_has_its_own_client(sidecar: Sidecar) -> None:
         assert store.batch_exists(keys, info([])) == 8
     finally:
         store.close()
+
+
+def test_attached_before_its_sidecar_starts_it_misses_then_serves() -> None:
+    s = Sidecar(capacity="16MiB")  # not started yet
+    pool = host_pool(page_size=4)
+    store = backend(pool, s.endpoint, timeout=1.0)  # no error: registered once it answers
+    keys, where = page_keys(29, 2, 4), pool.alloc(8)
+    try:
+        assert store.batch_exists(keys, info([])) == 0
+        assert store.batch_set_v1(keys, where, info([])) == [False, False]
+        s.start()
+        wait_for(lambda: store.batch_set_v1(keys, where, info([])) == [True, True])
+        assert store.batch_exists(keys, info([])) == 2
+    finally:
+        store.close()
+        s.stop()
+        s.cleanup()
+
+
+def test_bad_host_indices_are_a_failed_call_not_an_exception(sidecar: Sidecar) -> None:
+    pool = host_pool(page_size=4)
+    store = backend(pool, sidecar.endpoint)
+    keys, where = page_keys(31, 2, 4), pool.alloc(8)
+    try:
+        assert store.batch_set_v1(keys, where[1:], info([])) == [False, False]  # 7 indices
+        assert store.batch_set_v1(keys, where + 1, info([])) == [False, False]  # mid-page
+        assert store.batch_exists(keys, info([])) == 0
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("pool", "said"),
+    [
+        (lambda: host_pool("mla"), "is_mla_model"),
+        (lambda: object(), "MHATokenToKVPoolHost"),
+    ],
+    ids=["mla-pool-for-an-mha-config", "not-a-host-pool"],
+)
+def test_a_pool_it_cannot_serve_fails_the_attach(pool: object, said: str) -> None:
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    store = StorageBackendFactory.create_backend(
+        "dynamic", storage_config("ipc:///nonexistent.sock"), None
+    )
+    with pytest.raises(ValueError, match=said):
+        store.register_mem_pool_host(pool())  # type: ignore[operator]
+    store.close()
