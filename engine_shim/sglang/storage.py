@@ -72,7 +72,8 @@ WARN_EVERY = 60.0
 class KVSidecarStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         """ConfigError (a ValueError naming the key) for a bad extra config
-        or a parallel setup this backend does not serve."""
+        or a parallel setup this backend does not serve. `kwargs`: the
+        factory's extra arguments (none for SGLang's dynamic backend)."""
         self.settings = StorageSettings.from_extra_config(
             storage_config.extra_config, model_name=storage_config.model_name
         )
@@ -95,7 +96,10 @@ class KVSidecarStorage(HiCacheStorage):
             )
         is_mla = isinstance(mem_pool_host, MLATokenToKVPoolHost)
         if is_mla != self.shard.is_mla:
-            raise ValueError(f"the storage config says is_mla_model={self.shard.is_mla}")
+            kind = "an MLA" if is_mla else "an MHA"
+            raise ValueError(
+                f"{kind} host pool, but the storage config says is_mla_model={self.shard.is_mla}"
+            )
         geometry = HostGeometry.of(
             mem_pool_host.kv_buffer, mem_pool_host.layout, mem_pool_host.page_size, is_mla=is_mla
         )
