@@ -128,7 +128,10 @@ class Load(_SessionRequest, tag="load"):
 
 
 class Save(_SessionRequest, tag="save"):
-    pass
+    skip: int = 0
+    """The first `skip` keys are a prefix the engine holds no bytes for
+    (their block ids are placeholders): only blocks past it are stored, and
+    only while that whole prefix is ready in the CPU tier."""
 
 
 class Complete(_SessionRequest, tag="complete"):

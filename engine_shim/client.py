@@ -354,10 +354,21 @@ class KVClient:
         return self.save_keys(self._keys(token_ids), block_ids)
 
     @timed_call("save")
-    def save_keys(self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray) -> TransferHandle:
-        """`save` for precomputed keys: one key per full block."""
+    def save_keys(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
+    ) -> TransferHandle:
+        """`save` for precomputed keys: one key per full block. The first
+        `skip_tokens` (block-aligned) are a prefix this engine holds no
+        bytes for (their block ids are placeholders, never read): blocks past
+        it are stored only while the sidecar holds that whole prefix in its
+        CPU tier, else nothing is (`handle.num_tokens` then falls short of
+        `skip_tokens`)."""
         keys, blocks = keys_and_blocks(keys, block_ids)
-        reply, arrays = self._call(self._req(p.Save), [p.keys_frame(keys), p.ids_frame(blocks)])
+        tpb = self._tokens_per_block
+        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
+            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
+        request = self._req(p.Save, skip=skip_tokens // tpb)
+        reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "save")
         # Blocks another engine is saving right now count: they land with its save.
         stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks

@@ -42,4 +42,24 @@ VLLM = SideEnv(
     "vLLM's scheduler and connector classes on CPU (tests/test_vllm_*, bench connector)",
 )  # fmt: skip
 
-ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM)}
+SGLANG_VERSION = "0.5.23"
+SGLANG = SideEnv(
+    "sglang",
+    (
+        # SGLang's own torch pin: it imports torchvision at import time, which
+        # fails against the project's torch 2.13.
+        ("torch==2.14.1", "torchvision==0.29.1"),
+        (f"sglang=={SGLANG_VERSION}", "--no-deps"),
+        (
+            *PROJECT_DEPS,
+            # SGLang's own pins where it has them, then what its imports need.
+            "transformers==5.19.0", "apache-tvm-ffi==0.1.11", "compressed-tensors==0.18.0",
+            "sentencepiece==0.2.1", "orjson", "pybase64", "requests", "triton", "packaging",
+            "pillow", "starlette", "pydantic_core", "tqdm", "IPython", "pydantic", "aiohttp",
+            "dill", "gguf",
+        ),
+    ),
+    "SGLang's HiCache storage classes and host KV pools on CPU (tests/test_sglang_*, bench sglang)",
+)  # fmt: skip
+
+ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, SGLANG)}

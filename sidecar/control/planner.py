@@ -279,11 +279,15 @@ class GlobalCacheEngine(PlanTable):
 
     # ---- PUT ---------------------------------------------------------------------
 
-    def put(self, keys: BlockKeys, gpu_blocks: GpuBlockIds, ns: int = 0) -> Plan:
+    def put(self, keys: BlockKeys, gpu_blocks: GpuBlockIds, ns: int = 0, skip: int = 0) -> Plan:
         """Plan saving keys (from gpu_blocks) to the CPU tier and, per the
         write policy, below it, as blocks of namespace `ns`. Blocks another
-        plan is already saving are left to it."""
+        plan is already saving are left to it. The first `skip` blocks are a
+        prefix the engine has no bytes for (gpu_blocks[:skip] are never
+        read): nothing is stored unless that prefix is ready in the CPU tier."""
         n = _check_request(keys, gpu_blocks)
+        if not 0 <= skip <= n:
+            raise ValueError(f"skip must be in [0, {n}], got {skip}")
         if self._ttls:
             self.expire()
         run, graph = self._start(PlanKind.PUT)
@@ -293,7 +297,7 @@ class GlobalCacheEngine(PlanTable):
         cpu_slots: np.ndarray = m.slots
         d2h = None
         stored = 0
-        if m.num_present == c and c < n:
+        if m.num_present == c and skip <= c < n:
             slots = self.cpu.allocate(n - c, ns)
             stored = slots.size
             if stored:

@@ -287,9 +287,7 @@ class Handlers:
         reply waits for that, so the engine only ever runs CPU->GPU copies."""
         self._not_stopping()
         session = self._session(req)
-        keys, gpu = self._keys_and_blocks(session, arrays)
-        if not 0 <= req.skip <= len(keys):
-            raise ProtocolError(ErrorCode.BAD_VALUE, f"skip must be in [0, {len(keys)}]")
+        keys, gpu = self._keys_and_blocks(session, arrays, req.skip)
         realm, ns = self._realm(session), session.group.ns_id
         cache = realm.cache
         resume = functools.partial(self._load, req, arrays, 0, True)
@@ -338,8 +336,8 @@ class Handlers:
     def _save(self, req: p.Save, arrays: list[bytes]) -> Answer:
         self._not_stopping()
         session = self._session(req)
-        keys, gpu = self._keys_and_blocks(session, arrays)
-        plan = self._realm(session).cache.put(keys, gpu, session.group.ns_id)
+        keys, gpu = self._keys_and_blocks(session, arrays, req.skip)
+        plan = self._realm(session).cache.put(keys, gpu, session.group.ns_id, req.skip)
         ops, op_arrays = self._engine_ops(session, plan)
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += plan.stored_blocks
@@ -389,7 +387,11 @@ class Handlers:
             self.latency.answered(identity, rid)
         self._adopt_background()
 
-    def _keys_and_blocks(self, session: Session, arrays: list[bytes]) -> tuple[Any, GpuBlockIds]:
+    def _keys_and_blocks(
+        self, session: Session, arrays: list[bytes], skip: int
+    ) -> tuple[Any, GpuBlockIds]:
+        """The keys and engine block ids of a load or save whose first `skip`
+        blocks are not copied (their ids are not checked for repeats)."""
         group = session.group
         if len(group.sessions) < group.tp_size:
             raise ProtocolError(
@@ -399,7 +401,9 @@ class Handlers:
             )
         keys = p.parse_keys(arrays[0])
         gpu = p.parse_ids(arrays[1], "block_ids", len(keys), group.num_gpu_blocks)
-        if has_repeats(gpu):
+        if not 0 <= skip <= len(keys):
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"skip must be in [0, {len(keys)}]")
+        if has_repeats(gpu[skip:]):
             # Saved, one engine block would be stored under several keys (wrong
             # KV for every engine that loads them); loaded, copied into twice.
             raise ProtocolError(
