@@ -67,6 +67,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--inflight", type=int, default=2, help="in-flight requests per worker")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument(
+        "--no-peers", action="store_true", help="skip the side by side with Dynamo's indexer"
+    )
+    p.add_argument(
+        "--peer-workers", type=int, default=64, help="fleet size of the side by side (64)"
+    )
+    p.add_argument(
+        "--peer-requests",
+        type=int,
+        default=1500,
+        help="requests routed for the side by side (1500: ~1M blocks held at 64 workers)",
+    )
     p.set_defaults(func=run)
 
 
@@ -241,6 +253,10 @@ def run(args: argparse.Namespace) -> int:
         "runs": runs,
     }
     _print(result, args.workers)
+    if not args.no_peers:
+        status = _side_by_side(args, trace, keys, capacity, result)
+        if status:
+            return status
     if args.json:
         write_json(args.json, result)
     return 0
@@ -279,3 +295,43 @@ def _print(result: dict[str, Any], fleet_sizes: list[int]) -> None:
     headers += ["match p50 us", "match p99 us", "dict p50 us", "match/dict p50"]
     headers += ["held blocks", "remove ms", "sweep slice max ms", "sweep total ms"]
     print_table(headers, rows)
+
+
+def _side_by_side(
+    args: argparse.Namespace, trace: Trace, keys: BlockKeys, capacity: int, result: dict
+) -> int:
+    """Add Dynamo's indexer beside ours to `result` (bench/router_dynamo.py)."""
+    from bench.router_dynamo import compare, record, rows
+    from sideenv import SideEnvError, ensure
+    from sideenv.specs import DYNAMO
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        python = ensure(DYNAMO, log=log)
+    except SideEnvError as exc:
+        print(f"error: {exc}\nPass --no-peers to run without Dynamo.", file=sys.stderr)
+        return 2
+    log(f"bench router: recording {args.peer_requests} requests at {args.peer_workers} workers")
+    stream = record(trace, keys, args.peer_workers, capacity, args.inflight, args.peer_requests)
+    try:
+        side = compare(stream, str(python), log)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    result["dynamo"] = {k: v for k, v in side.items() if k != "targets"}
+    result["targets"] = side["targets"]
+    print(
+        f"\nside by side with Dynamo's RadixTree: {side['workers']} workers, "
+        f"{side['requests']:,} requests, {side['held_blocks']:,} blocks held, "
+        f"deep queries {side['queries']['deep']} (median {side['deep_median_blocks']:.0f} blocks); "
+        "scores identical"
+    )
+    headers, table = rows(side)
+    print_table(headers, table)
+    print_table(
+        ["target", "value", "limit", "within"],
+        [[k, t["value"], t["limit"], t["within"]] for k, t in side["targets"].items()],
+    )
+    return 0

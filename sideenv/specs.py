@@ -42,4 +42,14 @@ VLLM = SideEnv(
     "vLLM's scheduler and connector classes on CPU (tests/test_vllm_*, bench connector)",
 )  # fmt: skip
 
-ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM)}
+DYNAMO_VERSION = "1.6.1"
+DYNAMO = SideEnv(
+    "dynamo",
+    # ai-dynamo-runtime holds the Rust KV indexer (dynamo._core.RadixTree), which
+    # runs on CPU with no etcd or NATS; msgpack reads the events `bench router`
+    # writes for it.
+    ((f"ai-dynamo-runtime=={DYNAMO_VERSION}", "msgpack>=1.0,<2", "numpy>=1.26,<3"),),
+    "NVIDIA Dynamo's KV indexer beside the router's (bench router)",
+)
+
+ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, DYNAMO)}
