@@ -20,7 +20,8 @@ Targets (issue 31), each ratio ours / Dynamo's, for the better of our two
 indexes and for each: ingest blocks/s >= 1.0x, bytes per held block <= 1.0x,
 find_matches p50 <= 1.0x on deep queries and <= 0.5x on short ones and
 misses; remove_worker <= 1 ms; the longest the router is busy in one piece
-(an event batch, a removal's call or sweep slice) <= 5 ms.
+(one event, a removal's call or one sweep slice) <= 5 ms. (Dynamo's "busy"
+column is only its calls' queueing: its own thread's time is not visible.)
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def _figures(raw: dict[str, Any], classes: dict[str, list[int]], held: int) -> d
     match = np.asarray(raw["match_ns"], dtype=np.float64) / 1e3
     out = {
         "ingest_blocks_per_s": raw["ingest_blocks_per_s"],
-        "ingest_batch_max_ms": raw["ingest_batch_max_ms"],
+        "ingest_event_max_ms": raw["ingest_event_max_ms"],
         "bytes_per_held_block": raw["rss_growth_bytes"] / max(held, 1),
         "remove_call_ms": raw["remove_call_ms"],
         "remove_slice_max_ms": raw["remove_slice_max_ms"],
@@ -206,8 +207,9 @@ def _targets(figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "limit": 1.0,
             "within": bool(f["remove_call_ms"] <= 1.0),
         }
-        busy = max(f["ingest_batch_max_ms"], f["remove_slice_max_ms"])
-        targets[f"longest_busy_ms/{impl}"] = {"value": busy, "limit": 5.0, "within": bool(busy <= 5.0)}
+        busy = max(f["ingest_event_max_ms"], f["remove_slice_max_ms"])
+        within = bool(busy <= 5.0)
+        targets[f"longest_busy_ms/{impl}"] = {"value": busy, "limit": 5.0, "within": within}
     return targets
 
 
@@ -226,7 +228,7 @@ def rows(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                 f["match_short_us_p50"],
                 f["match_miss_us_p50"],
                 f["remove_call_ms"],
-                max(f["ingest_batch_max_ms"], f["remove_slice_max_ms"]),
+                max(f["ingest_event_max_ms"], f["remove_slice_max_ms"]),
             ]
         )
     return headers, out
