@@ -32,6 +32,10 @@ from router.subscriber import Subscriptions
 from router.upstreams import Upstream, WorkerSpec
 from router.vllm_tokens import TokenKeyer
 
+MAX_DRAIN = 1024
+"""Messages read from one source before the others (and a sweep) get a turn."""
+DRAIN_STEP = 16
+
 
 class Routed(NamedTuple):
     upstream: Upstream
@@ -90,16 +94,25 @@ class EventPump:
             while not self._stop.is_set():
                 sweeping = self.router.index.stale_blocks > 0
                 ready = dict(poller.poll(0 if sweeping else 100))
+                for sock in self.subs.sockets:
+                    if sock in ready:
+                        self._drain(sock)
                 with self.lock:
-                    for sock in self.subs.sockets:
-                        if sock in ready:
-                            self.subs.drain(sock)
                     self.subs.expire()
                     if sweeping:
                         self.router.sweep()
         finally:
             self.subs.close()
             self.ctx.term()
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Up to MAX_DRAIN messages, the lock taken per DRAIN_STEP of them, so
+        that a request waits for a few messages at most, not a flood."""
+        for _ in range(MAX_DRAIN // DRAIN_STEP):
+            with self.lock:
+                self.subs.drain(sock, DRAIN_STEP)
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
 
 
 class ProxyRouting:
