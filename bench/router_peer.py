@@ -161,7 +161,6 @@ def measure(impl: str, stream: dict[str, Any]) -> dict[str, Any]:
     index: Any = Dynamo() if impl == "dynamo" else Ours(impl)
     batches, queries = stream["batches"], stream["queries"]
     gc.collect()
-    gc.disable()  # a collection in the middle of one implementation's timings only
     rss0 = rss_bytes()
     apply_ns = 0
     event_max_ns = 0
@@ -177,7 +176,6 @@ def measure(impl: str, stream: dict[str, Any]) -> dict[str, Any]:
     index.sync()
     apply_ns += time.perf_counter_ns() - t0
     rss1 = rss_bytes()
-    gc.enable()
     prepared_queries = [index.prepare_query(q) for q in queries]
     match_ns: list[int] = []
     scores: list[dict[int, int]] = []
