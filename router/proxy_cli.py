@@ -28,7 +28,7 @@ of the requests in flight on each; an engine that cannot be reached is skipped.
 
   --worker URL[,vllm=EVENTS][,sidecar=PUB][,resync=RESYNC][,id=N]
 
-vllm=: the engine's own ZMQ KV events (vLLM --kv-events-config publisher);
+vllm=: the engine's own ZMQ KV events (vLLM's or SGLang's --kv-events-config);
 sidecar=/resync=: the events of the kvsidecar it saves through (whose
 events_worker_id must be id, by default the worker's position, 0, 1, ...).
 See docs/router.md.
