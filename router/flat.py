@@ -157,9 +157,10 @@ class FlatIndex(KvIndex):
                 if early_exit and len(active) <= 1:
                     stop = i + 1
                     break
-        for h in active:
-            scores[live[h]] = stop
-        return OverlapScores(scores, sizes)
+        matched = dict.fromkeys(map(live.__getitem__, active), stop)
+        if scores:
+            matched.update(scores)
+        return OverlapScores(matched, sizes)
 
     def _entries(self) -> list[tuple[BlockKey, BlockKey | None, set[Holder]]]:
         depth: dict[BlockKey, int] = {}
