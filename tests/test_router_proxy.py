@@ -84,8 +84,18 @@ class Fleet:
             proc.stop()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def fleet(tokenizer: Path) -> Iterator[Fleet]:
+    """Three engines shared by the tests that do not depend on what the
+    others cached (each uses prompts of its own, and counts deltas)."""
+    f = Fleet(tokenizer, 3)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def fresh(tokenizer: Path) -> Iterator[Fleet]:
+    """Three engines that have served nothing yet."""
     f = Fleet(tokenizer, 3)
     yield f
     f.close()
@@ -97,7 +107,8 @@ def complete(url: str, prompt: str, **extra: object) -> dict:
     return body
 
 
-def test_a_prompt_goes_where_its_prefix_is_cached(fleet: Fleet) -> None:
+def test_a_prompt_goes_where_its_prefix_is_cached(fresh: Fleet) -> None:
+    fleet = fresh
     first = complete(fleet.url, PROMPT)["engine"]
     wait_for(lambda: fleet.blocks(first) > 0)
     held = fleet.blocks(first)  # the prompt's 6 full blocks
@@ -144,18 +155,20 @@ def test_a_stream_is_passed_through_as_it_comes(fleet: Fleet) -> None:
 
 
 def test_requests_in_flight_count_as_load(fleet: Fleet) -> None:
-    first = complete(fleet.url, PROMPT)["engine"]
-    wait_for(lambda: fleet.blocks(first) > 0)
+    prompt = "Load. " + OTHER  # no other test sends it
+    before = {name: fleet.blocks(name) for name in ("e0", "e1", "e2")}
+    first = complete(fleet.url, prompt)["engine"]
+    wait_for(lambda: fleet.blocks(first) > before[first])
     req = urllib.request.Request(
         fleet.url + "/v1/completions",
-        data=json.dumps({"prompt": PROMPT * 3, "stream": True, "hold": True}).encode(),
+        data=json.dumps({"prompt": prompt * 3, "stream": True, "hold": True}).encode(),
     )
     with urllib.request.urlopen(req, timeout=DEADLINE) as resp:
         held = json.loads(resp.readline().removeprefix(b"data: "))["engine"]
         assert held == first  # it holds the prefix and nothing is in flight yet
         # Now `first` has a long prompt in flight: a short one sharing the
         # prefix costs less elsewhere than waiting behind it.
-        assert complete(fleet.url, PROMPT + "?")["engine"] != first
+        assert complete(fleet.url, prompt + "?")["engine"] != first
         http(fleet.engine_url(first) + "/release", method="POST", raw=b"")
         resp.read()
 
@@ -171,13 +184,19 @@ def test_models_health_and_metrics(fleet: Fleet) -> None:
 
 
 def test_bad_bodies_are_refused_and_not_forwarded(fleet: Fleet) -> None:
+    def served() -> list[float]:
+        return [fleet.metric("kvsidecar_proxy_requests_total", f'{{worker="{w}"}}') for w in "012"]
+
+    def bad() -> float:
+        return fleet.metric("kvsidecar_proxy_outcomes_total", '{kind="bad_requests"}', 0)
+
+    served_before, bad_before = served(), bad()
     status, body = http(fleet.url + "/v1/completions", raw=b"{not json")
     assert status == 400 and "not JSON" in body["error"]["message"]
     status, body = http(fleet.url + "/v1/chat/completions", raw=b"[1, 2]")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
-    for wid in "012":
-        assert fleet.metric("kvsidecar_proxy_requests_total", f'{{worker="{wid}"}}') == 0
-    assert fleet.metric("kvsidecar_proxy_outcomes_total", '{kind="bad_requests"}') == 2
+    assert served() == served_before
+    assert bad() == bad_before + 2
     # A prompt the tokenizer cannot read is the engine's to judge: routed by load.
     status, body = http(fleet.url + "/v1/completions", {"prompt": {"odd": 1}})
     assert status == 500  # the stand-in fails on it, and the proxy passes that back
