@@ -11,7 +11,8 @@ server-sent event stream with `"stream": true`), /v1/models, and publishes
 vLLM's KV events (BlockStored with token ids, vLLM's array encoding, three
 frames) on an XPUB socket for the full blocks of every prompt it serves.
 Replies name the engine, so a test sees where a request went. Hooks for the
-tests: GET /subscribers (subscriptions its XPUB has seen), POST /release
+tests: GET /subscribers (subscriptions its XPUB has seen, batches it
+published), POST /release
 (ends streams that wait for it: a request with `"hold": true` sends its
 first chunk, then waits).
 """
@@ -249,7 +250,8 @@ async def _main(args: argparse.Namespace) -> None:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "engine": args.name}]})
 
     async def subscribers(request: web.Request) -> Any:
-        return web.json_response({"subscribers": state.count_subscribers()})
+        count = state.count_subscribers()
+        return web.json_response({"subscribers": count, "published": state.seq})
 
     async def release(request: web.Request) -> Any:
         state.release.set()

@@ -62,6 +62,15 @@ class Fleet:
     def engine_url(self, name: str) -> str:
         return self.engines[int(name[1:])][1]["url"]
 
+    def settle(self) -> None:
+        """Wait until the proxy has applied every batch the engines published."""
+
+        def published() -> int:
+            return sum(http(i["url"] + "/subscribers")[1]["published"] for _, i in self.engines)
+
+        kind = '{kind="batches"}'
+        wait_for(lambda: self.metric("kvsidecar_proxy_events_total", kind, 0) == published())
+
     def health(self) -> dict:
         return http(self.url + "/health")[1]
 
@@ -110,7 +119,7 @@ def complete(url: str, prompt: str, **extra: object) -> dict:
 def test_a_prompt_goes_where_its_prefix_is_cached(fresh: Fleet) -> None:
     fleet = fresh
     first = complete(fleet.url, PROMPT)["engine"]
-    wait_for(lambda: fleet.blocks(first) > 0)
+    fleet.settle()
     held = fleet.blocks(first)  # the prompt's 6 full blocks
     # No engine holds OTHER: the tie goes to an engine with fewer cached blocks.
     assert complete(fleet.url, OTHER)["engine"] != first
@@ -126,7 +135,7 @@ def test_chat_is_routed_by_its_rendered_template(fleet: Fleet) -> None:
     status, body = http(fleet.url + "/v1/chat/completions", {"model": "t", "messages": messages})
     assert status == 200
     first = body["engine"]
-    wait_for(lambda: fleet.blocks(first) > 0)
+    fleet.settle()
     more = [*messages, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "?"}]
     status, body = http(fleet.url + "/v1/chat/completions", {"model": "t", "messages": more})
     assert (status, body["engine"]) == (200, first)
@@ -156,9 +165,8 @@ def test_a_stream_is_passed_through_as_it_comes(fleet: Fleet) -> None:
 
 def test_requests_in_flight_count_as_load(fleet: Fleet) -> None:
     prompt = "Load. " + OTHER  # no other test sends it
-    before = {name: fleet.blocks(name) for name in ("e0", "e1", "e2")}
     first = complete(fleet.url, prompt)["engine"]
-    wait_for(lambda: fleet.blocks(first) > before[first])
+    fleet.settle()
     req = urllib.request.Request(
         fleet.url + "/v1/completions",
         data=json.dumps({"prompt": prompt * 3, "stream": True, "hold": True}).encode(),
