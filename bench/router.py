@@ -21,6 +21,12 @@ a plain dict walked over the request's keys until the first key no worker
 holds (the lookups any index must at least do). Routing by overlap is
 deterministic, so both indexes must give the same hit ratio: the run checks
 it.
+
+Then, unless `--no-peers`, the side by side with NVIDIA Dynamo's indexer
+(bench/router_dynamo.py): the first `--peer-requests` requests at
+`--peer-workers` workers recorded as KV events and replayed into Dynamo's
+RadixTree (in its side environment, installed on first use) and into both
+of ours, scores asserted identical, with the targets of issue 31.
 """
 
 from __future__ import annotations
@@ -67,6 +73,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--inflight", type=int, default=2, help="in-flight requests per worker")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument(
+        "--no-peers", action="store_true", help="skip the side by side with Dynamo's indexer"
+    )
+    p.add_argument(
+        "--peer-workers", type=int, default=64, help="fleet size of the side by side (64)"
+    )
+    p.add_argument(
+        "--peer-rounds", type=int, default=2, help="rounds of the side by side (best of)"
+    )
+    p.add_argument(
+        "--peer-requests",
+        type=int,
+        default=1500,
+        help="requests routed for the side by side (1500: ~1M blocks held at 64 workers)",
+    )
     p.set_defaults(func=run)
 
 
@@ -241,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
         "runs": runs,
     }
     _print(result, args.workers)
+    if not args.no_peers:
+        status = _side_by_side(args, trace, keys, capacity, result)
+        if status:
+            return status
     if args.json:
         write_json(args.json, result)
     return 0
@@ -279,3 +304,44 @@ def _print(result: dict[str, Any], fleet_sizes: list[int]) -> None:
     headers += ["match p50 us", "match p99 us", "dict p50 us", "match/dict p50"]
     headers += ["held blocks", "remove ms", "sweep slice max ms", "sweep total ms"]
     print_table(headers, rows)
+
+
+def _side_by_side(
+    args: argparse.Namespace, trace: Trace, keys: BlockKeys, capacity: int, result: dict
+) -> int:
+    """Add Dynamo's indexer beside ours to `result` (bench/router_dynamo.py)."""
+    from bench.router_dynamo import compare, record, rows
+    from sideenv import SideEnvError, ensure
+    from sideenv.specs import DYNAMO
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        python = ensure(DYNAMO, log=log)
+    except SideEnvError as exc:
+        print(f"error: {exc}\nPass --no-peers to run without Dynamo.", file=sys.stderr)
+        return 2
+    log(f"bench router: recording {args.peer_requests} requests at {args.peer_workers} workers")
+    stream = record(trace, keys, args.peer_workers, capacity, args.inflight, args.peer_requests)
+    try:
+        side = compare(stream, str(python), log, args.peer_rounds)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    result["dynamo"] = {k: v for k, v in side.items() if k != "targets"}
+    result["targets"] = side["targets"]
+    print(
+        f"\nside by side with Dynamo's RadixTree (best of {side['rounds']} rounds): "
+        f"{side['workers']} workers, "
+        f"{side['requests']:,} requests, {side['held_blocks']:,} blocks held, "
+        f"deep queries {side['queries']['deep']} (median {side['deep_median_blocks']:.0f} blocks); "
+        "scores identical"
+    )
+    headers, table = rows(side)
+    print_table(headers, table)
+    print_table(
+        ["target", "value", "limit", "within"],
+        [[k, t["value"], t["limit"], t["within"]] for k, t in side["targets"].items()],
+    )
+    return 0

@@ -82,6 +82,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "(default: $KVSIDECAR_CURVE_CLIENT_KEY)",
     )
     p.set_defaults(func=_serve)
+    from router.proxy_cli import add_parser as add_proxy_parser
+
+    add_proxy_parser(router_sub)
 
 
 def parse_sources(sidecars: list[str], vllms: list[str]) -> list[Source]:

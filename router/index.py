@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import NamedTuple, NewType
 
 from router.dump import DumpEntry, IndexDump, RouterIndexError, check_dump
@@ -236,7 +236,7 @@ class KvIndex(ABC):
 
     def _scores(
         self,
-        holders: Callable[[int, BlockKey], set[Holder] | None],
+        holders: Callable[[int, BlockKey], Set[Holder] | None],
         keys: Sequence[BlockKey],
         early_exit: bool,
     ) -> OverlapScores:
@@ -301,7 +301,7 @@ def make_index(name: str) -> KvIndex:
 
 
 def walk_scores(
-    holders: Callable[[int, BlockKey], set[Holder] | None],
+    holders: Callable[[int, BlockKey], Set[Holder] | None],
     keys: Sequence[BlockKey],
     early_exit: bool,
     live: Mapping[Holder, Worker],
@@ -318,18 +318,23 @@ def walk_scores(
     if not first:
         return {}
     active = live.keys() & first if stale else set(first)
+    seen = first  # a holder set `active` is known to be within
     for i in range(1, len(keys)):
         if early_exit and len(active) <= 1:
             break
         here = holders(i, keys[i])
+        if here is seen:  # the same (interned) set again: nobody drops out
+            continue
         if not here:
             break
         if active <= here:  # the common case: nobody drops out here
+            seen = here
             continue
         dropped = active - here
         for h in dropped:
             scores[h] = i
         active -= dropped
+        seen = here
         if not active:
             break
     else:

@@ -14,6 +14,8 @@ and no other resync is tried for `resync_retry` seconds: a dead endpoint
 must not block the router for a timeout on every batch.
 
 vLLM sources have no dump; on a gap their worker is cleared the same way.
+Their blocks are keyed by vLLM's hashes, or, given a `TokenKeyer`, by their
+tokens (router/vllm_tokens.py: what `router proxy` matches prompts against).
 These clears, the subscriber's own, cover the one rank whose stream broke; a
 Cleared event (vLLM's AllBlocksCleared) from any rank clears every rank of
 its worker id, and forgetting a worker forgets every rank, as in Dynamo.
@@ -45,7 +47,8 @@ from contract.events import RouterEvent, WireError
 from router.index import RouterIndexError
 from router.keys import Worker, worker
 from router.router import Router
-from router.vllm_events import decode_vllm
+from router.vllm_events import VllmBatch, decode_vllm
+from router.vllm_tokens import TokenKeyer, Untokenized
 
 log = logging.getLogger("kvsidecar.router")
 
@@ -88,11 +91,13 @@ class Subscriptions:
         resync_retry: float = 30.0,
         worker_timeout: float = 10.0,
         curve: CurveClientKeys | None = None,
+        token_keys: TokenKeyer | None = None,
     ) -> None:
         """`worker_timeout`: seconds of silence after which a sidecar
         source's worker is forgotten (0: never). `curve`: the keys for
         sidecars whose tcp:// events and resync endpoints require CURVE
-        (applied to every tcp:// source)."""
+        (applied to every tcp:// source). `token_keys`: key vLLM sources'
+        blocks by their tokens (default: by vLLM's hashes)."""
         if not worker_timeout >= 0:
             raise ValueError(f"worker_timeout must be >= 0, got {worker_timeout}")
         self.ctx = ctx
@@ -101,6 +106,7 @@ class Subscriptions:
         self.resync_retry = resync_retry
         self.worker_timeout = worker_timeout
         self.curve = curve
+        self.token_keys = token_keys
         self.counts: Counter[str] = Counter()
         self._states: dict[zmq.Socket, _State] = {}
         self._owners: dict[Worker, _State] = {}
@@ -329,8 +335,29 @@ class Subscriptions:
         if st.seq >= 0 and batch.seq != st.seq + 1:  # lost batches, or a restart (from 0)
             self.counts["gaps"] += 1
             self.router.clear_rank(w)
+            if self.token_keys is not None:
+                self.token_keys.clear_rank(w)
         st.seq = batch.seq
-        self._apply_each(st, w, batch.events)
+        if self.token_keys is None:
+            self._apply_each(st, w, batch.events)
+        else:
+            self._apply_tokens(self.token_keys, w, batch)
+
+    def _apply_tokens(self, keyer: TokenKeyer, w: Worker, batch: VllmBatch) -> None:
+        """Apply each event keyed by tokens; one that cannot be keyed, or that
+        the index rejects, is skipped and counted."""
+        for event, tokens in zip(batch.events, batch.tokens, strict=True):
+            try:
+                keyed = keyer.translate(w, event, tokens)
+                self.router.apply(w, [keyed])
+            except Untokenized:
+                self.counts["untokenized_events"] += 1
+                continue
+            except RouterIndexError:
+                self.counts["rejected_events"] += 1
+                continue
+            keyer.commit(w, event, keyed)
+            self.counts["events"] += 1
 
 
 def _check_endpoint(ctx: zmq.Context, endpoint: str) -> None:

@@ -13,6 +13,10 @@ maps them into router keys.
 
 Events for another medium than the GPU (a vLLM CPU offload) or another KV
 cache group than 0 are skipped: the router indexes what the engine serves.
+A BlockStored also carries its blocks' token ids, block size and LoRA id
+(`StoredTokens`, alongside the event): `router.vllm_tokens` keys blocks by
+their tokens with them, as Dynamo does, so a proxy can match prompts it
+tokenized itself against them.
 """
 
 from __future__ import annotations
@@ -32,15 +36,30 @@ _FIELDS = {
 
 # Positions of the optional trailing fields in the array encoding.
 _ARRAY_EXTRAS = {
-    "BlockStored": (("medium", 6), ("group_idx", 9)),
+    "BlockStored": (
+        ("token_ids", 3),
+        ("block_size", 4),
+        ("lora_id", 5),
+        ("medium", 6),
+        ("group_idx", 9),
+    ),
     "BlockRemoved": (("medium", 2), ("group_idx", 3)),
 }
+
+
+class StoredTokens(NamedTuple):
+    token_ids: list[int]
+    """The tokens of the stored blocks, concatenated."""
+    block_size: int
+    lora_id: int | None
 
 
 class VllmBatch(NamedTuple):
     seq: int
     dp_rank: int
     events: list[RouterEvent]
+    tokens: list[StoredTokens | None]
+    """Per event: its tokens for a BlockStored that carries them, else None."""
 
 
 def decode_vllm(frames: list[bytes]) -> VllmBatch:
@@ -62,26 +81,45 @@ def decode_vllm(frames: list[bytes]) -> VllmBatch:
         raise WireError("EventBatch.events must be a list")
     if dp_rank is not None and (not isinstance(dp_rank, int) or dp_rank < 0):
         raise WireError(f"bad data_parallel_rank {dp_rank!r}")
+    events: list[RouterEvent] = []
+    tokens: list[StoredTokens | None] = []
     try:
-        events = [e for e in map(_event, raw_events) if e is not None]
+        for raw in raw_events:
+            decoded = _event(raw)
+            if decoded is not None:
+                events.append(decoded[0])
+                tokens.append(decoded[1])
     except (ValueError, TypeError) as exc:
         raise WireError(f"bad vLLM event: {exc}") from None
-    return VllmBatch(seq, dp_rank or 0, events)
+    return VllmBatch(seq, dp_rank or 0, events, tokens)
 
 
-def _event(raw: Any) -> RouterEvent | None:
+def _event(raw: Any) -> tuple[RouterEvent, StoredTokens | None] | None:
     tag, fields = _tag_and_fields(raw)
     if fields.get("medium") not in (None, "GPU") or fields.get("group_idx") not in (None, 0):
         return None
     if tag == "AllBlocksCleared":
-        return Cleared()
+        return Cleared(), None
     hashes = fields["block_hashes"]
     if not isinstance(hashes, list):
         raise ValueError("block_hashes must be a list")
     if tag == "BlockRemoved":
-        return Removed(vllm_keys(hashes))
+        return Removed(vllm_keys(hashes)), None
     parent = fields["parent_block_hash"]
-    return Stored(vllm_keys(hashes), None if parent is None else vllm_key(parent))
+    stored = Stored(vllm_keys(hashes), None if parent is None else vllm_key(parent))
+    return stored, _stored_tokens(fields)
+
+
+def _stored_tokens(fields: dict[str, Any]) -> StoredTokens | None:
+    """The tokens a BlockStored carries, or None if it carries none usable."""
+    ids, size, lora = fields.get("token_ids"), fields.get("block_size"), fields.get("lora_id")
+    if not isinstance(ids, list) or isinstance(size, bool) or not isinstance(size, int):
+        return None
+    if size <= 0 or not all(type(t) is int for t in ids):
+        raise ValueError("BlockStored token_ids must be ints and block_size > 0")
+    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int)):
+        raise ValueError(f"bad lora_id {lora!r}")
+    return StoredTokens(ids, size, lora)
 
 
 def _tag_and_fields(raw: Any) -> tuple[str, dict[str, Any]]:

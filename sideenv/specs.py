@@ -62,4 +62,14 @@ SGLANG = SideEnv(
     "SGLang's HiCache storage classes and host KV pools on CPU (tests/test_sglang_*, bench sglang)",
 )  # fmt: skip
 
-ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, SGLANG)}
+DYNAMO_VERSION = "1.6.1"
+DYNAMO = SideEnv(
+    "dynamo",
+    # ai-dynamo-runtime holds the Rust KV indexer (dynamo._core.RadixTree), which
+    # runs on CPU with no etcd or NATS; msgpack reads the events `bench router`
+    # writes for it.
+    ((f"ai-dynamo-runtime=={DYNAMO_VERSION}", "msgpack>=1.0,<2", "numpy>=1.26,<3"),),
+    "NVIDIA Dynamo's KV indexer beside the router's (bench router)",
+)
+
+ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, SGLANG, DYNAMO)}

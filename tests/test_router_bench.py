@@ -8,10 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.router import replay_routed
+from bench.router_dynamo import DEEP_BLOCKS, compare, record
+from bench.router_peer import measure
 from cachesim.replay import DEFAULT_TRACE
 from cachesim.trace import load_mooncake
 from contract.ids import keys_from_ints
+from sideenv import python_of
+from sideenv.specs import DYNAMO
 from tests.sidecar_proc import ROOT
 
 
@@ -33,9 +39,41 @@ def test_overlap_routing_beats_round_robin_and_indexes_agree() -> None:
 def test_bench_router_command_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "kvsidecar", "bench", "router", "--limit", "40"]
-    cmd += ["--workers", "2,3", "--tokens-per-block", "128", "--json", str(out)]
+    cmd += ["--workers", "2,3", "--tokens-per-block", "128", "--json", str(out), "--no-peers"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "match/dict p50" in proc.stdout and "remove ms" in proc.stdout
     runs = json.loads(out.read_text())["runs"]
     assert set(runs) == {f"{n}/{k}" for n in (2, 3) for k in ("round_robin", "radix", "flat")}
+
+
+def _stream(requests: int = 60) -> dict:
+    trace = load_mooncake(DEFAULT_TRACE, tokens_per_block=16, limit=requests)
+    capacity = trace.num_unique_blocks() // 20
+    return record(trace, keys_from_ints(trace.block_ids), 8, capacity, 2, requests)
+
+
+def test_both_indexes_replay_a_recorded_stream_alike() -> None:
+    """The side by side's harness on our two indexes: same scores, every
+    figure measured, the held blocks as recorded."""
+    stream = _stream()
+    assert stream["held_blocks"] > 0 and stream["classes"]["full"] == 60
+    radix, flat = measure("radix", stream), measure("flat", stream)
+    assert radix["scores"] == flat["scores"]
+    assert len(radix["scores"]) == len(stream["queries"])
+    assert any(max((s for _, s in row), default=0) >= DEEP_BLOCKS for row in radix["scores"])
+    for run in (radix, flat):
+        assert run["ingest_blocks_per_s"] > 0 and run["remove_total_ms"] > 0
+
+
+@pytest.mark.skipif(python_of(DYNAMO) is None, reason="Dynamo's side environment is not installed")
+def test_dynamo_gives_the_same_scores() -> None:
+    side = compare(_stream(), str(python_of(DYNAMO)), lambda line: None)
+    assert side["queries"]["deep"] > 0 and side["held_blocks"] > 0
+    assert {t.split("/")[0] for t in side["targets"]} >= {
+        "ingest_blocks_per_s_vs_dynamo",
+        "bytes_per_held_block_vs_dynamo",
+        "find_matches_deep_p50_vs_dynamo",
+        "remove_worker_ms",
+        "longest_busy_ms",
+    }

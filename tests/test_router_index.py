@@ -224,3 +224,44 @@ def test_a_key_under_its_own_descendant_is_a_conflict(idx: KvIndex) -> None:
     assert idx.dump().entries == []
     store_chain(idx, W1, [1], parent=None)
     assert scores(idx, 1) == {W1: 1}
+
+
+def test_flat_holder_sets_survive_their_caches_starting_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flat index's interned holder sets give the tree's answers when
+    their transition caches start over every few stores (equal sets are then
+    distinct objects, which a match must still treat as equal)."""
+    import random
+
+    import router.flat
+
+    monkeypatch.setattr(router.flat, "MAX_TRANSITIONS", 3)
+    flat, tree = make_index("flat"), make_index("radix")
+    rng = random.Random(7)
+    chains = {w: [] for w in (W0, W1, W2, worker(3, 1))}
+    for step in range(300):
+        w = rng.choice(list(chains))
+        held = chains[w]
+        if held and rng.random() < 0.3:
+            gone = held[-rng.randint(1, len(held)) :]
+            for index in (flat, tree):
+                index.apply_removed(w, ks(*gone))
+            del held[-len(gone) :]
+        elif rng.random() < 0.05:
+            for index in (flat, tree):
+                index.apply_cleared(w)
+            for rank in [r for r in chains if r.worker_id == w.worker_id]:
+                chains[rank] = []
+        else:
+            n = rng.randint(1, 4)
+            new = list(range(len(held) + 1, len(held) + 1 + n))
+            for index in (flat, tree):
+                store_chain(index, w, new, held[-1] if held else None)
+            held += new
+        if step % 7 == 0:
+            flat.sweep(5)
+            tree.sweep(5)
+        query = ks(*range(1, 12))
+        for early in (False, True):
+            assert flat.find_matches(query, early) == tree.find_matches(query, early), step
