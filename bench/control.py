@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.codecs import measure_codecs
+from bench.control_calls_report import print_calls
 from bench.control_client import BLOCK_BYTES, ControlClient, echo_main
 from bench.control_report import print_report
 from bench.fleet import Fleet, Samples, Timing, summarize
@@ -165,6 +166,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="short cases, for the test suite")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--calls-only",
+        action="store_true",
+        help="only the per-call rows (save/load/lookup beside memcpy and the peers)",
+    )
+    which.add_argument("--no-calls", action="store_true", help="skip the per-call rows")
+    parser.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="per-call rows without the peers (AIBrix, LMCache), which otherwise are "
+        "installed into side environments on first use and run",
+    )
     parser.set_defaults(func=run)
 
 
@@ -414,6 +428,8 @@ def run(args: argparse.Namespace) -> int:
     if seconds <= 0:
         print("--seconds must be > 0", file=sys.stderr)
         return 2
+    if args.calls_only:
+        return run_calls_only(args)
     rounds = 1 if args.quick else ROUNDS
     timing = Timing(seconds, 2, 3) if args.quick else Timing(seconds / rounds, 10, 20)
     sizes = message_sizes()
@@ -447,6 +463,11 @@ def run(args: argparse.Namespace) -> int:
     print("measuring header encodings ...", file=sys.stderr, flush=True)
     result.update(measure_codecs(0.01 if args.quick else 0.1))
     derive(result)
+    if not args.no_calls:
+        from bench.control_calls import run_calls  # it builds on this module
+
+        result["calls"] = run_calls(args.quick, args.seconds, not args.no_peers)
+        result["targets"].update(result["calls"].pop("targets"))
     result.update(
         {
             "message_header_bytes": sizes,
@@ -464,6 +485,9 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     print_report(result)
+    if "calls" in result:
+        print()
+        print_calls({**result["calls"], "targets": result["targets"]})
     if args.json:
         write_json(args.json, result)
     if exit_code != 0 or leftovers:
@@ -473,4 +497,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def run_calls_only(args: argparse.Namespace) -> int:
+    from bench.control_calls import run_calls  # it builds on this module
+
+    calls = run_calls(args.quick, args.seconds, not args.no_peers)
+    result = {"calls": calls, "targets": calls.pop("targets"), "quick": bool(args.quick)}
+    print_calls({**calls, "targets": result["targets"]})
+    if args.json:
+        write_json(args.json, result)
     return 0
