@@ -140,6 +140,12 @@ class AibrixSystem:
         status = self._cache.exists(None, self._view(tokens))
         return int(status.value) if status.is_ok() else 0
 
+    def prepare_load(self, tokens: np.ndarray) -> None:
+        pass
+
+    def tidy(self) -> None:
+        pass
+
     def close(self) -> None:
         if self._cache is not None:
             self._cache.close()
@@ -149,4 +155,8 @@ class AibrixSystem:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(AibrixSystem(), "aibrix-kvcache " + version("aibrix-kvcache"), "aibrix"))
+    sys.exit(
+        worker_main(
+            lambda _: AibrixSystem(), "aibrix-kvcache " + version("aibrix-kvcache"), "aibrix"
+        )
+    )

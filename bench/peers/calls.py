@@ -109,6 +109,14 @@ class System(Protocol):
     def forget(self, tokens: np.ndarray) -> None: ...
     def load(self, tokens: np.ndarray, block_ids: np.ndarray) -> int: ...
     def lookup(self, tokens: np.ndarray) -> int: ...
+    def prepare_load(self, tokens: np.ndarray) -> None:
+        """Untimed, before every load: what the system's engine integration
+        does first (LMCache: the lookup that locks what a retrieve reads)."""
+
+    def tidy(self) -> None:
+        """Untimed, after every load and lookup: release what the call left
+        held (e.g. a peer's read locks), as an engine does once a request is done."""
+
     def close(self) -> None: ...
 
 
@@ -128,11 +136,14 @@ def timed(
     what: str,
     spec: Spec,
     after: Callable[[], None] | None = None,
+    before: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Warm up (checking each call gives `want` tokens), then time calls for
-    spec.seconds and at least spec.min_samples; `after` runs untimed after
-    each call. Large calls warm up once."""
+    spec.seconds and at least spec.min_samples; `before` and `after` run
+    untimed around each call."""
     for _ in range(max(1, spec.warmup)):
+        if before is not None:
+            before()
         got = step()
         if got != want:
             raise RuntimeError(f"{what} gave {got} tokens, expected {want}")
@@ -142,6 +153,8 @@ def timed(
     latencies: list[int] = []
     end = clock() + int(spec.seconds * 1e9)
     while True:
+        if before is not None:
+            before()
         t0 = clock()
         step()
         t1 = clock()
@@ -175,15 +188,20 @@ def run_cases(system: System, spec: Spec, name: str) -> dict[str, dict[str, floa
             for n in spec.transfer_blocks:
                 tokens, ids = token_ids(n * tpb, LOOKUP_SET), np.arange(n)
                 rows[f"load.{gname}.{n}"] = timed(
-                    lambda t=tokens, i=ids: system.load(t, i), n * tpb, f"{name} load", spec
+                    lambda t=tokens, i=ids: system.load(t, i),
+                    n * tpb,
+                    f"{name} load",
+                    spec,
+                    after=system.tidy,
+                    before=lambda t=tokens: system.prepare_load(t),
                 )
             for t in spec.lookups(gname):
                 hit, miss = token_ids(t, LOOKUP_SET), token_ids(t, MISS_SET)
                 rows[f"lookup_hit.{t}"] = timed(
-                    lambda x=hit: system.lookup(x), t, f"{name} lookup hit", spec
+                    lambda x=hit: system.lookup(x), t, f"{name} lookup hit", spec, system.tidy
                 )
                 rows[f"lookup_miss.{t}"] = timed(
-                    lambda x=miss: system.lookup(x), 0, f"{name} lookup miss", spec
+                    lambda x=miss: system.lookup(x), 0, f"{name} lookup miss", spec, system.tidy
                 )
         finally:
             system.close()
@@ -201,10 +219,10 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def worker_main(system: System, version: str, name: str, notes: str = "") -> int:
+def worker_main(make: Callable[[Spec], System], version: str, name: str, notes: str = "") -> int:
     """A worker's main: a Spec on stdin, {"version", "rows", "notes"} on stdout."""
     spec = Spec.from_json(sys.stdin.read())
-    rows = run_cases(system, spec, name)
+    rows = run_cases(make(spec), spec, name)
     json.dump({"version": version, "rows": rows, "notes": notes}, sys.stdout)
     sys.stdout.flush()
     return 0

@@ -75,6 +75,12 @@ class KvsidecarSystem:
     def lookup(self, tokens: np.ndarray) -> int:
         return self.client.lookup(tokens)
 
+    def prepare_load(self, tokens: np.ndarray) -> None:
+        pass
+
+    def tidy(self) -> None:
+        pass
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
@@ -96,7 +102,7 @@ def main() -> int:
     from importlib.metadata import version
 
     system = KvsidecarSystem()
-    code = worker_main(system, "kvsidecar " + version("kvsidecar"), "kvsidecar")
+    code = worker_main(lambda _: system, "kvsidecar " + version("kvsidecar"), "kvsidecar")
     for problem in system.problems:
         print(problem, file=sys.stderr)
     return 1 if system.problems else code

@@ -54,6 +54,12 @@ class MemcpyFloor:
     def lookup(self, tokens: np.ndarray) -> int:
         raise RuntimeError("the memcpy floor has no lookup")
 
+    def prepare_load(self, tokens: np.ndarray) -> None:
+        pass
+
+    def tidy(self) -> None:
+        pass
+
     def close(self) -> None:
         self._bases.clear()
         for m in self._maps:
@@ -62,4 +68,4 @@ class MemcpyFloor:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(MemcpyFloor(), "numpy " + np.__version__, "memcpy"))
+    sys.exit(worker_main(lambda _: MemcpyFloor(), "numpy " + np.__version__, "memcpy"))
