@@ -52,6 +52,12 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   `targets.lookup_rate_4_clients_vs_raw.from_separate_cases` shows it on
   the table's rates.
 - Header encoding: see `bench.codecs`.
+- Per-call rows (`bench.control_calls`, after the round trips): save / load
+  of 1, 32 and 2,048 blocks of 2 MiB and 128 KiB and lookups of 256 to
+  16,384 tokens, beside a memcpy of the same bytes, AIBrix's in-process L1
+  cache and LMCache's multiprocess server (each installed on first use into
+  a side environment; `--no-peers` skips them); 4- and 16-client lookup
+  rates. `--calls-only` runs only these, `--no-calls` skips them.
 
 Latencies are µs, p50 and p99 over every call of every client of a case;
 with 4 clients they all run for the same seconds at once. `vs_floor` holds
@@ -74,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.codecs import measure_codecs
+from bench.control_calls import add_call_arguments, run_calls, run_calls_only
 from bench.control_calls_report import print_calls
 from bench.control_client import BLOCK_BYTES, ControlClient, echo_main
 from bench.control_report import print_report
@@ -166,19 +173,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="short cases, for the test suite")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument(
-        "--calls-only",
-        action="store_true",
-        help="only the per-call rows (save/load/lookup beside memcpy and the peers)",
-    )
-    which.add_argument("--no-calls", action="store_true", help="skip the per-call rows")
-    parser.add_argument(
-        "--no-peers",
-        action="store_true",
-        help="per-call rows without the peers (AIBrix, LMCache), which otherwise are "
-        "installed into side environments on first use and run",
-    )
+    add_call_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -464,8 +459,6 @@ def run(args: argparse.Namespace) -> int:
     result.update(measure_codecs(0.01 if args.quick else 0.1))
     derive(result)
     if not args.no_calls:
-        from bench.control_calls import run_calls  # it builds on this module
-
         result["calls"] = run_calls(args.quick, args.seconds, not args.no_peers)
         result["targets"].update(result["calls"].pop("targets"))
     result.update(
@@ -497,15 +490,4 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return 0
-
-
-def run_calls_only(args: argparse.Namespace) -> int:
-    from bench.control_calls import run_calls  # it builds on this module
-
-    calls = run_calls(args.quick, args.seconds, not args.no_peers)
-    result = {"calls": calls, "targets": calls.pop("targets"), "quick": bool(args.quick)}
-    print_calls({**calls, "targets": result["targets"]})
-    if args.json:
-        write_json(args.json, result)
     return 0

@@ -3,7 +3,9 @@ side by side with the memcpy floor and two peers.
 
 Rows (bench/peers/calls.py runs them the same way for every system, each
 system in a process of its own, one after another, so the 4 GiB a side of
-2,048 x 2 MiB blocks is free before the next system starts):
+2,048 x 2 MiB blocks is free before the next system starts; in ROUNDS
+rounds, every other one in reverse order, a row's p50 the mean of its
+rounds'; LMCache in the first round only):
 - save / load of 1, 32 and 2,048 blocks of 2 MiB (16 tokens of Llama-3-8B's
   128 KiB a token) and of 128 KiB (one token), until done;
 - lookup of a cached prompt (hit) and of one whose first block misses, at
@@ -28,18 +30,26 @@ raw ping-pong's (0.53x: the rate before issue 30).
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.control_calls_report import print_calls
 from bench.control_client import ControlClient
 from bench.fleet import Fleet, Timing
 from bench.peers import PEERS, WorkerResult, run_worker
 from bench.peers.calls import GEOMETRIES, LOOKUP_GEOMETRY, Spec, block_bytes
+from cachesim.report import write_json
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 
+ROUNDS = 2
+ONCE = ("lmcache",)
+"""Systems measured in the first round only: LMCache's rows are 4-200x
+kvsidecar's, far beyond the machine's drift, and one round of them takes
+~9 minutes."""
 RATE_CLIENTS = (4, 16)
 RATE_BLOCKS = 64
 RATE_ROUNDS = 10
@@ -66,15 +76,20 @@ def measure_calls(quick: bool, seconds: float | None, peers: bool, workdir: Path
     """Every system's rows, the lookup rates, and the targets."""
     spec = spec_for(quick, seconds, workdir)
     systems = ["memcpy", "kvsidecar", *(PEERS if peers else ())]
-    results: dict[str, WorkerResult] = {}
-    for name in systems:
-        print(f"per-call rows: {name} ...", file=sys.stderr, flush=True)
-        floor_spec = Spec(**{**spec.__dict__, "lookup_tokens": []})
-        results[name] = run_worker(name, floor_spec if name == "memcpy" else spec)
-        if results[name].error and name in ("memcpy", "kvsidecar"):
-            raise RuntimeError(results[name].error)
-        if results[name].error:
-            print(f"{name}: no rows: {results[name].error}", file=sys.stderr, flush=True)
+    floor_spec = Spec(**{**spec.__dict__, "lookup_tokens": []})
+    runs: dict[str, list[WorkerResult]] = {name: [] for name in systems}
+    for r in range(1 if quick else ROUNDS):
+        # Every other round in reverse, so no system always runs first or last.
+        order = [s for s in systems if r == 0 or s not in ONCE]
+        for name in order if r % 2 == 0 else order[::-1]:
+            print(f"per-call rows, round {r + 1}: {name} ...", file=sys.stderr, flush=True)
+            result = run_worker(name, floor_spec if name == "memcpy" else spec)
+            if result.error and name in ("memcpy", "kvsidecar"):
+                raise RuntimeError(result.error)
+            if result.error:
+                print(f"{name}: no rows: {result.error}", file=sys.stderr, flush=True)
+            runs[name].append(result)
+    results = {name: merge(parts) for name, parts in runs.items()}
     print("lookup rates ...", file=sys.stderr, flush=True)
     rate_seconds = 0.05 if quick else spec.seconds * 4
     rates = measure_rates(workdir, rate_seconds, 2 if quick else RATE_ROUNDS)
@@ -87,6 +102,7 @@ def measure_calls(quick: bool, seconds: float | None, peers: bool, workdir: Path
             for name, r in results.items()
         },
         "rows_us": {name: r.rows for name, r in results.items()},
+        "rounds_us": {name: [r.rows for r in parts] for name, parts in runs.items()},
         "lookup_rates_rps": rates,
     }
     out["vs"] = ratios(out["rows_us"])
@@ -94,9 +110,29 @@ def measure_calls(quick: bool, seconds: float | None, peers: bool, workdir: Path
     return out
 
 
+def merge(parts: list[WorkerResult]) -> WorkerResult:
+    """One system's rounds as one: per row, the mean of the rounds' p50s and
+    means, the worst p99, all the samples; the first error, if any round
+    failed."""
+    failed = [p for p in parts if p.error]
+    if failed:
+        return failed[0]
+    rows: dict[str, dict[str, float]] = {}
+    for row in parts[0].rows:
+        of = [p.rows[row] for p in parts]
+        rows[row] = {
+            "p50": sum(s["p50"] for s in of) / len(of),
+            "p99": max(s["p99"] for s in of),
+            "mean": sum(s["mean"] for s in of) / len(of),
+            "samples": sum(s["samples"] for s in of),
+        }
+    return WorkerResult(parts[0].version, rows, parts[0].notes)
+
+
 def measure_rates(workdir: Path, seconds: float, rounds: int) -> dict[str, dict[str, float]]:
     """{clients: {"raw", "lookup", "lookup_vs_raw"}}: closed-loop calls/s,
     the KVClient lookups and the raw ping-pong side by side."""
+    # bench.control imports this module for its flags and its last table
     from bench.control import EchoServer, message_sizes, run_in_rounds
 
     sizes = message_sizes()
@@ -200,3 +236,28 @@ def run_calls(quick: bool, seconds: float | None, peers: bool) -> dict[str, Any]
         return measure_calls(quick, seconds, peers, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def add_call_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--calls-only",
+        action="store_true",
+        help="only the per-call rows (save/load/lookup beside memcpy and the peers)",
+    )
+    which.add_argument("--no-calls", action="store_true", help="skip the per-call rows")
+    parser.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="per-call rows without the peers (AIBrix, LMCache), which otherwise are "
+        "installed into side environments on first use and run",
+    )
+
+
+def run_calls_only(args: argparse.Namespace) -> int:
+    calls = run_calls(args.quick, args.seconds, not args.no_peers)
+    result = {"calls": calls, "targets": calls.pop("targets"), "quick": bool(args.quick)}
+    print_calls({**calls, "targets": result["targets"]})
+    if args.json:
+        write_json(args.json, result)
+    return 0

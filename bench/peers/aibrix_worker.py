@@ -51,7 +51,7 @@ class AibrixSystem:
         self._tpb = g["tokens_per_block"]
         self._layer_bytes = block_bytes(g) // g["num_layers"]
         # Read when aibrix_kvcache.envs is first used, i.e. by the manager below.
-        capacity_gb = cache_blocks * block_bytes(g) / 2**30 * 1.05
+        capacity_gb = cache_blocks * block_bytes(g) / 2**30
         os.environ["AIBRIX_KV_CACHE_OL_L1_CACHE_CAPACITY_GB"] = f"{capacity_gb:.4f}"
         os.environ["AIBRIX_KV_CACHE_OL_L2_CACHE_BACKEND"] = ""
         os.environ["AIBRIX_KV_CACHE_OL_TIME_MEASUREMENT_ENABLED"] = "0"

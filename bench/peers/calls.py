@@ -96,8 +96,10 @@ class Spec:
         return max([*self.transfer_blocks, *(t // tpb for t in self.lookups(geometry))])
 
     def cache_blocks(self, geometry: str) -> int:
-        """Blocks the cache must hold at once: the pre-saved set plus one save."""
-        return self.kv_blocks(geometry) + max(self.transfer_blocks) + 16
+        """The cache's size in blocks: the pre-saved set with a quarter to
+        spare (for eviction watermarks). The save rows run first, and each
+        saved prefix is forgotten after its call, so they fit in it too."""
+        return self.kv_blocks(geometry) * 5 // 4 + 16
 
 
 class System(Protocol):

@@ -75,7 +75,7 @@ class LmcacheSystem:
 
         g = geometry
         self._tpb = g["tokens_per_block"]
-        size_gb = cache_blocks * block_bytes(g) / 2**30 * 1.05
+        size_gb = cache_blocks * block_bytes(g) / 2**30
         port = free_port()
         self._log = self._workdir / f"lmcache-server-{port}.log"
         command = [
