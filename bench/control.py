@@ -52,6 +52,12 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   `targets.lookup_rate_4_clients_vs_raw.from_separate_cases` shows it on
   the table's rates.
 - Header encoding: see `bench.codecs`.
+- Per-call rows (`bench.control_calls`, after the round trips): save / load
+  of 1, 32 and 2,048 blocks of 2 MiB and 128 KiB and lookups of 256 to
+  16,384 tokens, beside a memcpy of the same bytes, AIBrix's in-process L1
+  cache and LMCache's multiprocess server (each installed on first use into
+  a side environment; `--no-peers` skips them); 4- and 16-client lookup
+  rates. `--calls-only` runs only these, `--no-calls` skips them.
 
 Latencies are µs, p50 and p99 over every call of every client of a case;
 with 4 clients they all run for the same seconds at once. `vs_floor` holds
@@ -74,6 +80,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.codecs import measure_codecs
+from bench.control_calls import add_call_arguments, run_calls, run_calls_only
+from bench.control_calls_report import print_calls
 from bench.control_client import BLOCK_BYTES, ControlClient, echo_main
 from bench.control_report import print_report
 from bench.fleet import Fleet, Samples, Timing, summarize
@@ -165,6 +173,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="short cases, for the test suite")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_call_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -414,6 +423,8 @@ def run(args: argparse.Namespace) -> int:
     if seconds <= 0:
         print("--seconds must be > 0", file=sys.stderr)
         return 2
+    if args.calls_only:
+        return run_calls_only(args)
     rounds = 1 if args.quick else ROUNDS
     timing = Timing(seconds, 2, 3) if args.quick else Timing(seconds / rounds, 10, 20)
     sizes = message_sizes()
@@ -447,6 +458,9 @@ def run(args: argparse.Namespace) -> int:
     print("measuring header encodings ...", file=sys.stderr, flush=True)
     result.update(measure_codecs(0.01 if args.quick else 0.1))
     derive(result)
+    if not args.no_calls:
+        result["calls"] = run_calls(args.quick, args.seconds, not args.no_peers)
+        result["targets"].update(result["calls"].pop("targets"))
     result.update(
         {
             "message_header_bytes": sizes,
@@ -464,6 +478,9 @@ def run(args: argparse.Namespace) -> int:
         }
     )
     print_report(result)
+    if "calls" in result:
+        print()
+        print_calls({**result["calls"], "targets": result["targets"]})
     if args.json:
         write_json(args.json, result)
     if exit_code != 0 or leftovers:

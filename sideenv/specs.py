@@ -72,4 +72,44 @@ DYNAMO = SideEnv(
     "NVIDIA Dynamo's KV indexer beside the router's (bench router)",
 )
 
-ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, SGLANG, DYNAMO)}
+AIBRIX_VERSION = "0.8.0"
+AIBRIX = SideEnv(
+    "aibrix",
+    (
+        ("torch==2.13.0",),  # the CPU build; aibrix-kvcache's own pin would pull CUDA's
+        (f"aibrix-kvcache=={AIBRIX_VERSION}", "--no-deps"),
+        (
+            "numpy>=1.26,<3", "pyzmq>=26,<28", "posix_ipc>=1.1,<2", "asyncio>=3.4.3",
+            "cityhash>=0.4.8", "more-itertools>=10.7.0", "msgspec>=0.19.0", "netifaces",
+            "requests>=2.26.0",
+            "tqdm>=4.67.1", "pydantic>=2.10", "pyyaml", "sortedcontainers>=2.4.0", "uvloop",
+            "validators>=0.35.0", "zstandard", "redis==6.0.0", "nvtx", "pyroscope-io",
+            "rocksdict",
+        ),
+    ),
+    "AIBrix's in-process L1 KV cache for `bench control`'s per-call rows",
+)  # fmt: skip
+
+LMCACHE_VERSION = "0.5.6"
+LMCACHE = SideEnv(
+    "lmcache",
+    (
+        ("torch==2.13.0",),  # the CPU build; lmcache's deps would pull CUDA's and cupy
+        (f"lmcache=={LMCACHE_VERSION}", "--no-deps"),
+        (
+            "numpy>=1.26,<=2.2.6", "pyzmq>=26,<28", "posix_ipc>=1.1,<2", "aiofile", "aiofiles",
+            "blake3", "aiohttp", "awscrt", "cryptography", "fastapi", "httpx",
+            "huggingface_hub>=1.5.0", "msgspec",
+            "numba", "nvtx", "opentelemetry-api>=1.20.0,<=1.40.0", "opentelemetry-sdk>=1.20.0",
+            "opentelemetry-exporter-otlp>=1.20.0",
+            "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0",
+            "prometheus_client>=0.18.0,<=0.24.1", "psutil", "py-cpuinfo", "pyyaml", "redis",
+            "safetensors", "setuptools>=77.0.3,<81", "setuptools_scm>=8", "sortedcontainers",
+            "transformers>=5.4", "uvicorn", "httptools", "cachetools", "grpcio>=1.78.0",
+            "protobuf>=6.31.1,<7", "google-api-core", "google-cloud-bigtable",
+        ),
+    ),
+    "LMCache's multiprocess server (ZeroMQ + POSIX shm) for `bench control`'s per-call rows",
+)  # fmt: skip
+
+ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, SGLANG, DYNAMO, AIBRIX, LMCACHE)}

@@ -44,7 +44,8 @@ def check_latencies(table: dict, name: str) -> None:
 
 def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
     out = tmp_path / "control.json"
-    assert main(["bench", "control", "--quick", "--blocks", "5000", "--json", str(out)]) == 0
+    argv = ["bench", "control", "--quick", "--no-calls", "--blocks", "5000", "--json", str(out)]
+    assert main(argv) == 0
     r = json.loads(out.read_text())
     assert r["block_counts"] == [1, 64, 2048, 5000]
 
@@ -134,3 +135,132 @@ def test_timed_rotation_runs_the_untimed_prelude_right_before_its_step_only():
     assert order == ["a", "before b", "before b", "a", "a", "before b"]
     # b's 2 ms are timed, its prelude's 50 ms are not
     assert (out["b"].latency_ns >= 2_000_000).all() and (out["b"].latency_ns < 40_000_000).all()
+
+
+# ---- the per-call rows (bench/control_calls.py, bench/peers/) ----------------------
+
+QUICK_TRANSFERS = [f"{kind}.{g}.{n}" for kind in ("save", "load") for g in ("2MiB", "128KiB")
+                   for n in (1, 4)]  # fmt: skip
+QUICK_LOOKUPS = ["lookup_hit.256", "lookup_miss.256"]
+
+
+def check_rows(rows: dict, names: list[str], what: str) -> None:
+    assert sorted(rows) == sorted(names), what
+    for name in names:
+        s = rows[name]
+        assert all(positive(s[q]) for q in ("p50", "p99", "mean", "samples")), (what, name)
+        assert s["p50"] <= s["p99"], (what, name)
+
+
+def calls_segments() -> list[str]:
+    prefixes = tuple(f"kvsidecar.{os.getuid()}.{tag}" for tag in ("calls", "rates"))
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefixes)]
+
+
+def test_control_calls_quick_without_peers_writes_every_row_and_cleans_up(tmp_path):
+    out = tmp_path / "calls.json"
+    argv = ["bench", "control", "--quick", "--calls-only", "--no-peers", "--json", str(out)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    c = r["calls"]
+
+    assert sorted(c["rows_us"]) == ["kvsidecar", "memcpy"]
+    check_rows(c["rows_us"]["memcpy"], QUICK_TRANSFERS, "memcpy")  # the floor has no lookup
+    check_rows(c["rows_us"]["kvsidecar"], QUICK_TRANSFERS + QUICK_LOOKUPS, "kvsidecar")
+    for row in QUICK_TRANSFERS:
+        memcpy, ours = c["rows_us"]["memcpy"][row]["p50"], c["rows_us"]["kvsidecar"][row]["p50"]
+        assert c["vs"][row] == {"memcpy": memcpy / ours}, row
+    assert all(c["vs"][row] == {} for row in QUICK_LOOKUPS)
+    assert all(not s["error"] and s["version"] for s in c["systems"].values())
+    assert c["geometries"]["2MiB"]["block_bytes"] == 2 << 20
+    assert c["geometries"]["128KiB"]["block_bytes"] == 128 << 10
+
+    for clients in ("4", "16"):
+        rates = c["lookup_rates_rps"][clients]
+        assert positive(rates["raw"]) and positive(rates["lookup"])
+        assert rates["lookup_vs_raw"] == rates["lookup"] / rates["raw"]
+    # Without peers and without 2,048-block rows, only the rate target is judged.
+    assert sorted(r["targets"]) == ["calls.lookup_rate_4_clients_vs_raw"]
+    target = r["targets"]["calls.lookup_rate_4_clients_vs_raw"]
+    assert target["value"] == c["lookup_rates_rps"]["4"]["lookup_vs_raw"]
+    assert target["limit"] == pytest.approx(1.06)
+    assert target["within"] == (target["value"] >= target["limit"])
+    assert calls_segments() == []
+
+
+def summary(p50: float) -> dict:
+    return {"p50": p50, "p99": p50, "mean": p50, "samples": 3}
+
+
+def test_calls_targets_follow_the_issue_rules_and_say_what_was_not_measured():
+    from bench.control_calls import ratios, targets
+
+    rows = {
+        "memcpy": {"save.2MiB.2048": summary(900.0), "save.2MiB.1": summary(50.0)},
+        "kvsidecar": {
+            "save.2MiB.2048": summary(1000.0),
+            "save.2MiB.1": summary(400.0),
+            "lookup_hit.256": summary(30.0),
+            "save.128KiB.1": summary(100.0),
+        },
+        "aibrix": {
+            "save.2MiB.2048": summary(4000.0),
+            "save.2MiB.1": summary(500.0),
+            "lookup_hit.256": summary(20.0),
+            "save.128KiB.1": summary(10.0),
+        },
+    }
+    r = {
+        "rows_us": rows,
+        "vs": ratios(rows),
+        "systems": {"lmcache": {"error": "the lmcache worker exited 1"}},
+        "lookup_rates_rps": {"4": {"lookup_vs_raw": 1.2}},
+    }
+    t = targets(r, peers=True)
+
+    assert t["calls.save.2MiB.2048.vs_memcpy"]["value"] == pytest.approx(0.9)  # speed share
+    assert t["calls.save.2MiB.2048.vs_memcpy"]["within"] is True
+    assert t["calls.save.2MiB.1.vs_aibrix"]["value"] == pytest.approx(0.8)
+    assert t["calls.save.2MiB.1.vs_aibrix"]["within"] is True
+    assert t["calls.lookup_hit.256.vs_aibrix"]["within"] is False  # 1.5x AIBrix's
+    # AIBrix targets only the one-block 2 MiB calls and the lookups.
+    assert "calls.save.128KiB.1.vs_aibrix" not in t
+    assert "calls.save.2MiB.2048.vs_aibrix" not in t
+    # Every row has an LMCache target; unmeasured, it says why instead of a verdict.
+    lmcache = {k: v for k, v in t.items() if k.endswith(".vs_lmcache")}
+    assert len(lmcache) == len(rows["kvsidecar"])
+    assert all(v["within"] is None and v["value"] is None for v in lmcache.values())
+    assert all("exited 1" in v["not_measured"] for v in lmcache.values())
+    assert t["calls.lookup_rate_4_clients_vs_raw"]["within"] is True
+    assert "calls.save.2MiB.1.vs_lmcache" not in targets(r, peers=False)
+
+
+@pytest.mark.parametrize("peer", ["aibrix", "lmcache"])
+def test_peer_worker_gives_every_row_in_its_side_environment(peer, tmp_path):
+    from bench.peers import SYSTEMS, run_worker
+    from bench.peers.calls import Spec
+    from sideenv import python_of
+
+    env = SYSTEMS[peer]
+    assert env is not None
+    if python_of(env) is None:
+        pytest.skip(f"the {peer} side environment is not installed (python -m sideenv ensure)")
+    spec = Spec(
+        transfer_blocks=[1, 2],
+        lookup_tokens=[32],
+        geometries=["2MiB"],
+        seconds=0.01,
+        min_samples=2,
+        warmup=1,
+        workdir=str(tmp_path),
+    )
+    result = run_worker(peer, spec, timeout=600)
+
+    assert result.error == ""
+    assert result.version.startswith(
+        {"aibrix": "aibrix-kvcache 0.8.0", "lmcache": "lmcache 0.5.6"}[peer]
+    )
+    names = [f"{k}.2MiB.{n}" for k in ("save", "load") for n in (1, 2)]
+    check_rows(result.rows, [*names, "lookup_hit.32", "lookup_miss.32"], peer)
+    # LMCache's server made its L1 segment (bench/peers/lmcache_worker.py names it) and removed it
+    assert [n for n in os.listdir("/dev/shm") if n.startswith("kvsbench_lmcache_")] == []

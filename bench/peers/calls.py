@@ -1,0 +1,230 @@
+"""The per-call cases of `kvsidecar bench control`, run the same way for every system.
+
+Every system (kvsidecar, the memcpy floor, AIBrix's L1 cache, LMCache's
+multiprocess server) runs in a process of its own, usually in its own side
+environment, as `python -m bench.peers.<name>_worker`: it reads a `Spec` as
+JSON on stdin, runs `run_cases` over its `System`, and prints
+{"version", "rows", "notes"} as JSON on stdout (progress on stderr). The
+process exits after its rows, so the gigabytes one system held are free
+before the next starts.
+
+This module needs only the standard library and numpy: it is imported in
+the peers' side environments, with the project's root on sys.path.
+
+Cases, for each geometry (`GEOMETRIES`: Llama-3-8B's 128 KiB a token in
+blocks of 16 tokens = 2 MiB, and of 1 token = 128 KiB):
+- save.<geometry>.<n>: save n blocks no system holds, until done (a saved
+  prefix is forgotten untimed after each call, so the next one stores again);
+- load.<geometry>.<n>: load the first n blocks of a pre-saved prefix into the
+  engine's KV tensors, until done;
+- in the lookup geometry only, lookup_hit.<tokens> (a pre-saved prompt,
+  every block hits) and lookup_miss.<tokens> (a prompt whose first block
+  misses): the call an engine makes for every arriving request.
+Every call is checked once (warm-up) for the tokens it should give, so a
+row never silently times a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+GEOMETRIES: dict[str, dict[str, Any]] = {
+    # Llama-3-8B: 32 layers x K/V x 8 KV heads x 128 x fp16 = 128 KiB a token
+    "2MiB": {"num_layers": 32, "tokens_per_block": 16, "num_kv_heads": 8, "head_dim": 128},
+    "128KiB": {"num_layers": 32, "tokens_per_block": 1, "num_kv_heads": 8, "head_dim": 128},
+}
+"""Block geometries (fp16): 2 MiB blocks of 16 tokens (vLLM's default page),
+128 KiB blocks of one token (SGLang's default page size)."""
+LOOKUP_GEOMETRY = "2MiB"
+TOKEN_STRIDE = 10_000_000
+LOOKUP_SET, SAVE_SET, MISS_SET = 0, 1, 2
+"""Token-sequence seeds: the pre-saved set (loads, lookup hits), the saved
+one (forgotten after each save) and one never saved (first-block misses)."""
+
+
+def layer_block_bytes(geometry: dict[str, Any]) -> int:
+    """Bytes of one layer of one block: K and V, fp16."""
+    g = geometry
+    return 2 * g["tokens_per_block"] * g["num_kv_heads"] * g["head_dim"] * 2
+
+
+def block_bytes(geometry: dict[str, Any]) -> int:
+    return geometry["num_layers"] * layer_block_bytes(geometry)
+
+
+def token_ids(num_tokens: int, seed: int) -> np.ndarray:
+    """A prompt; prompts of different seeds share no block."""
+    return np.arange(num_tokens, dtype=np.int64) + seed * TOKEN_STRIDE
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one worker measures."""
+
+    transfer_blocks: list[int] = field(default_factory=lambda: [1, 32, 2048])
+    lookup_tokens: list[int] = field(default_factory=lambda: [256, 2048, 16384])
+    geometries: list[str] = field(default_factory=lambda: list(GEOMETRIES))
+    seconds: float = 0.5
+    """Timed seconds of each case (at least min_samples calls)."""
+    min_samples: int = 5
+    warmup: int = 2
+    workdir: str = "/tmp"
+    """Where a worker may put sockets and scratch files."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> Spec:
+        return Spec(**json.loads(text))
+
+    def lookups(self, geometry: str) -> list[int]:
+        """The lookup prompts measured in this geometry (tokens)."""
+        return self.lookup_tokens if geometry == LOOKUP_GEOMETRY else []
+
+    def kv_blocks(self, geometry: str) -> int:
+        """Engine KV blocks a system allocates, and the pre-saved set: the
+        largest transfer, or the longest lookup prompt if longer."""
+        tpb = GEOMETRIES[geometry]["tokens_per_block"]
+        return max([*self.transfer_blocks, *(t // tpb for t in self.lookups(geometry))])
+
+    def cache_blocks(self, geometry: str) -> int:
+        """The cache's size in blocks: the pre-saved set with a quarter to
+        spare (for eviction watermarks). The save rows run first, and each
+        saved prefix is forgotten after its call, so they fit in it too."""
+        return self.kv_blocks(geometry) * 5 // 4 + 16
+
+
+class System(Protocol):
+    """One system under test, open on one geometry at a time. Every method
+    returns the tokens it saved, loaded or found."""
+
+    def open(self, geometry: dict[str, Any], kv_blocks: int, cache_blocks: int) -> None: ...
+    def save(self, tokens: np.ndarray, block_ids: np.ndarray) -> int: ...
+    def forget(self, tokens: np.ndarray) -> None: ...
+    def load(self, tokens: np.ndarray, block_ids: np.ndarray) -> int: ...
+    def lookup(self, tokens: np.ndarray) -> int: ...
+    def prepare_load(self, tokens: np.ndarray) -> None:
+        """Untimed, before every load: what the system's engine integration
+        does first (LMCache: the lookup that locks what a retrieve reads)."""
+
+    def tidy(self) -> None:
+        """Untimed, after every load and lookup: release what the call left
+        held (e.g. a peer's read locks), as an engine does once a request is done."""
+
+    def close(self) -> None: ...
+
+
+def summarize(latency_ns: list[int]) -> dict[str, float]:
+    lat = np.asarray(latency_ns, dtype=np.float64) / 1e3
+    return {
+        "p50": float(np.percentile(lat, 50)),
+        "p99": float(np.percentile(lat, 99)),
+        "mean": float(lat.mean()),
+        "samples": int(lat.size),
+    }
+
+
+def timed(
+    step: Callable[[], int],
+    want: int,
+    what: str,
+    spec: Spec,
+    after: Callable[[], None] | None = None,
+    before: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Warm up (checking each call gives `want` tokens), then time calls for
+    spec.seconds and at least spec.min_samples; `before` and `after` run
+    untimed around each call."""
+    for _ in range(max(1, spec.warmup)):
+        if before is not None:
+            before()
+        got = step()
+        if got != want:
+            raise RuntimeError(f"{what} gave {got} tokens, expected {want}")
+        if after is not None:
+            after()
+    clock = time.perf_counter_ns
+    latencies: list[int] = []
+    end = clock() + int(spec.seconds * 1e9)
+    while True:
+        if before is not None:
+            before()
+        t0 = clock()
+        step()
+        t1 = clock()
+        latencies.append(t1 - t0)
+        if after is not None:
+            after()
+        if t1 >= end and len(latencies) >= spec.min_samples:
+            break
+    return summarize(latencies)
+
+
+def run_cases(system: System, spec: Spec, name: str) -> dict[str, dict[str, float]]:
+    """Every row of `spec` for one system: {row name: latency summary (µs)}."""
+    rows: dict[str, dict[str, float]] = {}
+    for gname in spec.geometries:
+        geometry = GEOMETRIES[gname]
+        tpb = geometry["tokens_per_block"]
+        log(f"{name}: {gname} blocks ...")
+        system.open(geometry, spec.kv_blocks(gname), spec.cache_blocks(gname))
+        try:
+            for n in spec.transfer_blocks:
+                tokens, ids = token_ids(n * tpb, SAVE_SET), np.arange(n)
+                rows[f"save.{gname}.{n}"] = timed(
+                    lambda t=tokens, i=ids: system.save(t, i),
+                    n * tpb,
+                    f"{name} save of {n} blocks",
+                    spec,
+                    after=lambda t=tokens: system.forget(t),
+                )
+            presave(system, spec.kv_blocks(gname), tpb)
+            for n in spec.transfer_blocks:
+                tokens, ids = token_ids(n * tpb, LOOKUP_SET), np.arange(n)
+                rows[f"load.{gname}.{n}"] = timed(
+                    lambda t=tokens, i=ids: system.load(t, i),
+                    n * tpb,
+                    f"{name} load",
+                    spec,
+                    after=system.tidy,
+                    before=lambda t=tokens: system.prepare_load(t),
+                )
+            for t in spec.lookups(gname):
+                hit, miss = token_ids(t, LOOKUP_SET), token_ids(t, MISS_SET)
+                rows[f"lookup_hit.{t}"] = timed(
+                    lambda x=hit: system.lookup(x), t, f"{name} lookup hit", spec, system.tidy
+                )
+                rows[f"lookup_miss.{t}"] = timed(
+                    lambda x=miss: system.lookup(x), 0, f"{name} lookup miss", spec, system.tidy
+                )
+        finally:
+            system.close()
+    return rows
+
+
+def presave(system: System, blocks: int, tpb: int) -> None:
+    """Save the lookup set (every engine block), untimed, in one call."""
+    got = system.save(token_ids(blocks * tpb, LOOKUP_SET), np.arange(blocks))
+    if got != blocks * tpb:
+        raise RuntimeError(f"pre-saving {blocks} blocks gave {got} tokens")
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def worker_main(make: Callable[[Spec], System], version: str, name: str, notes: str = "") -> int:
+    """A worker's main: a Spec on stdin, {"version", "rows", "notes"} on stdout."""
+    spec = Spec.from_json(sys.stdin.read())
+    rows = run_cases(make(spec), spec, name)
+    json.dump({"version": version, "rows": rows, "notes": notes}, sys.stdout)
+    sys.stdout.flush()
+    return 0
