@@ -25,8 +25,24 @@ def logical_kv(dtype: torch.dtype, seed: int) -> torch.Tensor:
     return random_bytes((LAYERS, BLOCKS, 2, TOKENS, HEADS, DIM), dtype, gen)
 
 
+PAD = 16
+"""Elements of padding after each page of the padded layouts ("strided")."""
+
+
 def engine_kv(layout: str, kv: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-    """`kv` in an engine's layout, as fresh contiguous tensors on kv's device."""
+    """`kv` in an engine's layout, as fresh tensors on kv's device: contiguous,
+    but for "strided": per layer a `[blocks, 2, tokens, heads, dim]` view of
+    K/V-outer memory whose pages are padded (each block's K and V a run of
+    its own, PAD elements apart)."""
+    if layout == "strided":
+        page = TOKENS * HEADS * DIM
+        views = []
+        for layer in range(LAYERS):
+            memory = torch.zeros(2, BLOCKS, page + PAD, dtype=kv.dtype, device=kv.device)
+            view = memory[:, :, :page].unflatten(2, (TOKENS, HEADS, DIM)).transpose(0, 1)
+            view.copy_(kv[layer])
+            views.append(view)
+        return views
     if layout == "vllm_flash":
         return [kv[layer].transpose(0, 1).contiguous() for layer in range(LAYERS)]
     if layout == "flashinfer":
