@@ -141,9 +141,6 @@ def kv_planes(kv: torch.Tensor | Sequence[torch.Tensor], layout: str) -> KVPlane
     if name == "strided":
         runs = [block_runs(t) for t in tensors]
         planes = [run for layer in runs for run in layer]
-        if len({len(layer) for layer in runs}) != 1:
-            counts = [len(layer) for layer in runs]
-            raise ValueError(f"strided KV tensors of different strides: {counts} runs per block")
         ends = tuple(len(runs[0]) * (i + 1) for i in range(len(runs)))
     elif name == "vllm_flash":
         _expect(first, 5, "[2, num_blocks, block_size, kv_heads, head_dim]", 0)
@@ -160,9 +157,6 @@ def kv_planes(kv: torch.Tensor | Sequence[torch.Tensor], layout: str) -> KVPlane
             _expect(first, 3, "[num_blocks, block_size, latent_dim]", None)
         planes, ends = list(tensors), tuple(range(1, len(tensors) + 1))
     views = tuple(_bytes(p) for p in planes)
-    if len({v.shape[1] for v in views}) != 1:
-        sizes = sorted({int(v.shape[1]) for v in views})
-        raise ValueError(f"{name} KV tensors of different strides: blocks in runs of {sizes} bytes")
     check_disjoint(views)
     return KVPlanes(name, views, first.dtype, ends)
 
@@ -206,6 +200,11 @@ def _tensors(kv: torch.Tensor | Sequence[torch.Tensor], name: str) -> list[torch
             raise ValueError(f"KV tensor {i} has dtype {t.dtype}: not a KV cache dtype")
         if (t.dtype, t.shape, t.device) != (first.dtype, first.shape, first.device):
             raise ValueError(f"KV tensor {i} is {_s(t)} but tensor 0 is {_s(first)}")
+        if name == "strided" and t.stride() != first.stride():
+            raise ValueError(
+                f"strided KV tensors must share their strides (so every layer's blocks "
+                f"order their bytes alike): tensor {i} has {t.stride()}, tensor 0 {first.stride()}"
+            )
     return tensors
 
 
