@@ -4,7 +4,8 @@ with and without padded pages, fp32 and bf16, through the CPU copier (the C
 shm copier and the torch loop) and the staged copier (the torch fallback for
 CUDA planes, run on CPU planes): saves write exactly the bytes plain
 indexing gives, loads put them back into other blocks, and padding and
-untouched blocks keep their bytes. The same on a GPU: test_cuda_ext_gpu.py."""
+untouched blocks keep their bytes. The same with CUDA tensors through
+GpuBlockCopier's two paths (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from kv_helpers import (  # noqa: E402
     vllm_block_bytes,
     vllm_shard,
     vllm_views,
+    why_no_gpu,
 )
 
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier  # noqa: E402
@@ -34,6 +36,7 @@ from cuda_ext.runs import block_runs  # noqa: E402
 
 LAYERS, BLOCKS, TOKENS, DIM = 3, 10, 4, 8
 SENTINEL = 0xAB
+NEEDS_GPU = pytest.mark.skipif(why_no_gpu() is not None, reason=str(why_no_gpu()))
 HEADS_OUTSIDE = ("LHBNC", "BHLNC")
 """Layouts whose heads lie outside the block: a run per head."""
 
@@ -184,3 +187,57 @@ def test_a_padded_cross_layer_tensor_copies_only_its_payload(pool):
     assert torch.equal(back[4], kv[2]) and torch.equal(back[1], kv[7])
     assert (back_memory[:, LAYERS * 64 :] == -1).all()
     assert (back[[0, 2, 3, 5, 6, 7, 8, 9]] == -1).all()
+
+
+@NEEDS_GPU
+@pytest.mark.parametrize("path", ["sm", "dma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout, heads, padded", cases())
+def test_every_vllm_layout_round_trips_byte_exact_on_the_gpu(
+    pool, layout, heads, padded, dtype, path
+):
+    from cuda_ext.gpu import GpuBlockCopier
+
+    tp, pad = 2, padded_page(heads, padded)
+    kvs = [logical(heads, dtype, seed=5 * rank + 2) for rank in range(tp)]
+    planes = [kv_planes(vllm_views(kv.cuda(), layout, pad)[1], "strided") for kv in kvs]
+    block_layout = planes[0].block_layout(tp)
+    rng = np.random.default_rng(list(VLLM_ORDERS).index(layout) + 10 * heads + 100 * padded)
+    blocks = rng.permutation(BLOCKS)[:6]
+    slots = rng.permutation(pool.num_slots(block_layout.slot_stride))[:6]
+    for rank in range(tp):
+        with GpuBlockCopier(planes[rank], pool, path=path) as copier:
+            copier.save(blocks, slots, block_layout, rank).synchronize()
+    for block, slot in zip(blocks.tolist(), slots.tolist(), strict=True):
+        view = pool.slot_view(slot, block_layout.slot_stride)
+        shards = [vllm_shard(kv, layout, block) for kv in kvs]
+        assert np.array_equal(view[: block_layout.block_bytes], np.concatenate(shards))
+    targets = rng.permutation(BLOCKS)[:6]
+    for rank in range(tp):
+        memory, back = vllm_views(torch.zeros_like(kvs[rank]).cuda(), layout, pad)
+        padding = padding_mask(memory, back).bool().cuda()
+        with GpuBlockCopier(kv_planes(back, "strided"), pool, path=path) as copier:
+            copier.load(targets, slots, block_layout, rank).synchronize()
+        for target, block in zip(targets.tolist(), blocks.tolist(), strict=True):
+            for layer in range(LAYERS):
+                assert np.array_equal(raw(back[layer][target]), raw(kvs[rank][layer, block]))
+        untouched = torch.as_tensor(np.setdiff1d(np.arange(BLOCKS), targets), device="cuda")
+        assert not any(v[untouched].view(torch.uint8).any() for v in back)
+        assert (memory.view(torch.uint8)[padding] == FILL).all()
+
+
+@NEEDS_GPU
+def test_on_the_gpu_a_cross_layer_block_is_one_chunk_and_odd_strides_take_dma(pool):
+    from cuda_ext.gpu import GpuBlockCopier
+
+    kv = logical(2, torch.bfloat16, seed=9).cuda()
+    with GpuBlockCopier(kv_planes(vllm_views(kv, "BLHNC")[1], "strided"), pool) as copier:
+        assert len(copier._copy.planes) == 1 and copier.sm_capable
+    odd = TOKENS * 2 * 2 * DIM + 2  # a padded page of 4-byte elements, 8 bytes past 16
+    planes = kv_planes(vllm_views(kv.float(), "LBHNC", odd)[1], "strided")
+    with GpuBlockCopier(planes, pool) as copier:
+        assert not copier.sm_capable and copier.choose_path() == "dma"
+        layout = planes.block_layout()
+        copier.save([4, 1], [0, 2], layout, 0).synchronize()
+        view = pool.slot_view(2, layout.slot_stride)[: layout.block_bytes]
+        assert np.array_equal(view, vllm_shard(kv.float(), "LBHNC", 1))

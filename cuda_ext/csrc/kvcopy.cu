@@ -152,9 +152,9 @@ class DeviceGuard {
 // Queues one copy_chunks launch over planes [plane_begin, plane_end) of
 // `num_planes` (planes: their addresses, then their strides in vectors).
 cudaError_t launch_copy(const uint64_t *planes, int64_t num_planes, const int64_t *index,
-                        int64_t n,
-                        int64_t plane_begin, int64_t plane_end, int64_t chunk_bytes, bool to_host,
-                        int64_t max_ctas, cudaStream_t stream) {
+                        int64_t n, int64_t plane_begin, int64_t plane_end,
+                        int64_t chunk_bytes, bool to_host, int64_t max_ctas,
+                        cudaStream_t stream) {
   const int64_t chunk_vecs = chunk_bytes / 16;
   const int64_t total_vecs = (plane_end - plane_begin) * n * chunk_vecs;
   const int64_t units = (total_vecs + kPieceVecs - 1) / kPieceVecs;
@@ -356,12 +356,13 @@ KV_EXPORT int kv_stage_index(const int64_t *blocks, const int64_t *slots, int64_
 // A copier's sm-path state (KvOps above) for `num_planes` planes whose base
 // addresses are `plane_addrs` and block strides `plane_strides` bytes (host
 // arrays; strides multiples of 16, at least chunk_bytes), `num_blocks`
-// blocks of `chunk_bytes` each (a multiple of 16), copying to and from the `nseg` pool
-// segments mapped at device addresses `seg_bases`, on `stream`; launches use
+// blocks of `chunk_bytes` each (a multiple of 16), copying to and from the
+// `nseg` pool segments mapped at device addresses `seg_bases`, on `stream`; launches use
 // at most ctas_save / ctas_load CTAs. Index buffers start at min_entries int64s
 // and grow as ops need.
 KV_EXPORT int kv_ops_create(int device, void *stream, const uint64_t *plane_addrs,
-                            const uint64_t *plane_strides, int64_t num_planes, int64_t chunk_bytes, int64_t num_blocks,
+                            const uint64_t *plane_strides, int64_t num_planes,
+                            int64_t chunk_bytes, int64_t num_blocks,
                             const uint64_t *seg_bases, int64_t nseg, int64_t ctas_save,
                             int64_t ctas_load, int64_t min_entries, KvOps **out) {
   *out = nullptr;
