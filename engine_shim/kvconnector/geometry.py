@@ -88,17 +88,20 @@ class KVGeometry:
         heads_outside = order.index(_H) < max(order.index(_L), order.index(_B))
         return self.num_kv_heads if heads_outside else 1
 
-    def stand_in(self, num_blocks: int = 2) -> list[torch.Tensor]:
-        """Per-layer CPU views of one zeroed allocation of `num_blocks` blocks
-        in this geometry's layout, unpadded: the same runs as the workers'
-        tensors. The scheduler registers two blocks (with one, the runs of a
-        head-outer layout would lie end to end); `bench shm` copies many."""
+    def stand_in(
+        self, num_blocks: int = 2, device: str | torch.device = "cpu"
+    ) -> list[torch.Tensor]:
+        """Per-layer views of one zeroed allocation of `num_blocks` blocks in
+        this geometry's layout, unpadded: the same runs as the workers'
+        tensors. The scheduler registers two blocks on CPU (with one, the runs
+        of a head-outer layout would lie end to end); `bench shm` / `bench
+        gpu` copy many."""
         runs = self.runs_per_block  # the heads, where they are runs of their own
         shape = (self.num_layers, num_blocks, runs, 1, self.block_elems // runs)
         strides, step = [0] * 5, 1
         for dim in reversed(LAYOUT_ORDERS[self.layout]):
             strides[dim], step = step, step * shape[dim]
-        memory = torch.zeros(step, dtype=self.dtype)
+        memory = torch.zeros(step, dtype=self.dtype, device=device)
         full = memory.as_strided(shape, strides)
         return [full[layer] for layer in range(self.num_layers)]
 
