@@ -70,20 +70,37 @@ def _check_no_overlap(t: torch.Tensor, inner: list[tuple[int, int]]) -> None:
         extent += (size - 1) * stride
 
 
+MAX_PAIRS = 1 << 22
+"""Pairs of planes whose address ranges meet that check_disjoint tests one by
+one; past that (thousands of interleaved planes) it tests their offsets
+within one block stride instead."""
+
+
 def check_disjoint(planes: Sequence[torch.Tensor]) -> None:
     """ValueError if two uint8 planes `[num_blocks, chunk]` (rows contiguous)
-    share a byte. Planes of one block stride are checked exactly; planes of
-    different strides must not share an address range."""
+    share a byte. Only planes whose address ranges meet are compared: exactly
+    for planes of one block stride, by those ranges for planes of two."""
     if len(planes) < 2:
         return
     num_blocks, chunk = int(planes[0].shape[0]), int(planes[0].shape[1])
     bases = np.array([p.data_ptr() for p in planes], dtype=np.int64)
     strides = np.array([p.stride(0) if num_blocks > 1 else chunk for p in planes], np.int64)
-    i, j = np.triu_indices(len(planes), k=1)
+    order = np.argsort(bases, kind="stable")
+    ends = bases + strides * (num_blocks - 1) + chunk
+    # Plane order[k] can meet only the planes after it that start before it ends.
+    reach = np.searchsorted(bases[order], ends[order], side="left")
+    counts = np.maximum(reach - np.arange(len(planes)) - 1, 0)
+    total = int(counts.sum())
+    if total > MAX_PAIRS:
+        _check_offsets(bases, strides, chunk)
+        return
+    first = np.repeat(np.arange(len(planes)), counts)
+    step = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    i, j = order[first], order[first + 1 + step]
     delta, stride = bases[j] - bases[i], strides[i]
-    # Same stride: block b of plane i meets block b' of plane j where
-    # |delta - (b - b') * stride| < chunk; |delta - k * stride| is convex in
-    # k, so the k in range nearest delta / stride decides.
+    # One stride: block b of plane i meets block b' of plane j where
+    # |delta - (b - b') * stride| < chunk; that distance is convex in k = b - b',
+    # so the k in range nearest delta / stride decides.
     below = np.floor_divide(delta, stride)
     gap = np.minimum(
         *(
@@ -91,17 +108,36 @@ def check_disjoint(planes: Sequence[torch.Tensor]) -> None:
             for k in (below, below + 1)
         )
     )
-    same = strides[i] == strides[j]
-    span = strides * (num_blocks - 1) + chunk
-    apart = (bases[i] >= bases[j] + span[j]) | (bases[j] >= bases[i] + span[i])
-    clash_same, clash_other = same & (gap < chunk), ~same & ~apart
-    clash = np.flatnonzero(clash_same | clash_other)
+    # Planes of two strides whose ranges meet are refused: no engine makes them.
+    clash = np.flatnonzero((strides[i] != strides[j]) | (gap < chunk))
     if clash.size:
-        a, b = int(i[clash[0]]), int(j[clash[0]])
+        _shared(int(i[clash[0]]), int(j[clash[0]]))
+
+
+def _check_offsets(bases: np.ndarray, strides: np.ndarray, chunk: int) -> None:
+    """Planes of one block stride whose chunks start at distinct offsets
+    within it, none reaching the next: then no two share a byte."""
+    if (strides != strides[0]).any():
+        raise ValueError("too many interleaved KV planes of different block strides to check")
+    offsets = bases % strides[0]
+    order = np.argsort(offsets, kind="stable")
+    ordered = offsets[order]
+    gaps = np.append(np.diff(ordered), ordered[0] + strides[0] - ordered[-1])
+    bad = np.flatnonzero(gaps < chunk)
+    if bad.size:
+        a, b = sorted((int(order[bad[0]]), int(order[(bad[0] + 1) % len(order)])))
         raise ValueError(
-            f"planes {a} and {b} of the KV share memory (two tensors over the same "
-            "bytes?): a copy into one would overwrite the other"
+            f"planes {a} and {b} of the KV may share memory: their chunks start too close "
+            f"within a block stride, and the {len(bases)} planes interleave too much to "
+            "check pair by pair"
         )
+
+
+def _shared(a: int, b: int) -> None:
+    raise ValueError(
+        f"planes {min(a, b)} and {max(a, b)} of the KV share memory (two tensors over the "
+        "same bytes?): a copy into one would overwrite the other"
+    )
 
 
 def _s(t: torch.Tensor) -> str:

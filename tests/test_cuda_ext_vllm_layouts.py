@@ -241,3 +241,20 @@ def test_on_the_gpu_a_cross_layer_block_is_one_chunk_and_odd_strides_take_dma(po
         copier.save([4, 1], [0, 2], layout, 0).synchronize()
         view = pool.slot_view(2, layout.slot_stride)[: layout.block_bytes]
         assert np.array_equal(view, vllm_shard(kv.float(), "LBHNC", 1))
+
+
+@pytest.mark.parametrize("max_pairs", [None, 0])
+def test_planes_are_checked_disjoint_pair_by_pair_or_by_offsets(monkeypatch, max_pairs):
+    """Past MAX_PAIRS candidate pairs, the planes' offsets within one block
+    stride are checked instead: the same verdicts for these layouts."""
+    from cuda_ext import runs
+
+    if max_pairs is not None:
+        monkeypatch.setattr(runs, "MAX_PAIRS", max_pairs)
+    kv = logical(3, torch.float32, seed=6)
+    for layout in ("BHLNC", "BLHNC", "BLNHC"):
+        kv_planes(vllm_views(kv, layout)[1], "strided")  # interleaved, never shared
+    memory = torch.zeros(BLOCKS, 2, 64)
+    shifted = memory.view(-1)[32:].as_strided((BLOCKS - 1, 64), (128, 1))
+    with pytest.raises(ValueError, match="share memory"):
+        kv_planes([memory[:-1, 0], shifted], "strided")
