@@ -129,3 +129,16 @@ def test_views_of_another_layout_are_refused(layout):
     else:
         with pytest.raises(ValueError, match=f"not a {layout} view"):
             geo.planes(views)
+
+
+def test_kernel_blocks_regroup_or_are_refused_where_they_reorder_a_block():
+    """Views in kernel blocks of BLOCK / 2 tokens: LBNHC's two make a block
+    laid out as an unsplit engine's; LBHNC's would not, so they are refused."""
+    half = BLOCK // 2
+    lbnhc = torch.zeros(2 * NUM_BLOCKS, half, 2, 2 * DIM).permute(0, 2, 1, 3)
+    geo = geometry("LBNHC", 2, torch.float32)
+    planes = kv_planes(geo.planes({"a": lbnhc, "b": lbnhc.clone()}), "strided")
+    assert planes.num_blocks == NUM_BLOCKS and planes.chunk_bytes == geo.block_elems * 4
+    lbhnc = torch.zeros(2 * NUM_BLOCKS, 2, half, 2 * DIM)
+    with pytest.raises(ValueError, match="kernels split"):
+        geometry("LBHNC", 2, torch.float32).planes({"a": lbhnc, "b": lbhnc.clone()})

@@ -89,11 +89,12 @@ def test_vllms_views_copy_byte_exact_through_the_geometry(layout, heads, padded,
     round_trip(geometry, views, back, [(3, 8), (0, 5), (9, 1)], kernel_ratio=1)
 
 
-@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
-def test_kernel_blocks_regroup_into_vllms_blocks(layout):
+@pytest.mark.parametrize(("layout", "heads"), [("LBNHC", 2), ("LBHNC", 1)])
+def test_kernel_blocks_regroup_into_vllms_blocks(layout, heads):
     """Attention kernels with smaller blocks than the scheduler's: vLLM's
-    views index kernel blocks; ratio consecutive ones make a block."""
-    spec = spec_of(2, torch.bfloat16, padded=False)
+    views index kernel blocks; ratio consecutive ones make a block, in the
+    order an engine without the split has."""
+    spec = spec_of(heads, torch.bfloat16, padded=False)
     views, config = vllm_kv(layout, spec, kernel_block=BLOCK // 2)
     assert next(iter(views.values())).shape[0] == 2 * NUM_BLOCKS
     gen = torch.Generator().manual_seed(2)
@@ -119,3 +120,11 @@ def round_trip(geometry, views, back, moves, *, kernel_ratio: int) -> None:
             for k in range(kernel_ratio):
                 want = raw(view[kernel_ratio * source + k])
                 assert np.array_equal(raw(back[name][kernel_ratio * target + k]), want)
+
+
+def test_kernel_blocks_that_reorder_a_blocks_bytes_are_refused():
+    """LBHNC with two heads: kernel blocks of 4 tokens make a block's bytes
+    [2, H, 4, C], an unsplit engine's [H, 8, C]; sharing would mix them."""
+    views, config = vllm_kv("LBHNC", spec_of(2, torch.bfloat16, padded=False), BLOCK // 2)
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=LBNHC or --block-size 4"):
+        geometry_of(config, None).planes(views)

@@ -15,7 +15,9 @@ is supported, each view copied in place with strided copies (cuda_ext's
 | `BHLNC` (cross-layer, head-outer) | a `[N, C]` run per head in the block | H |
 
 Padded pages (`page_size_padded`) only move blocks further apart: the
-padding is never copied. A slot holds a block's layers one after another,
+padding is never copied. Where attention kernels use smaller blocks, their
+views are regrouped into vLLM's blocks, except where that would order a
+block's bytes unlike an unsplit engine's (LBHNC, several heads): refused. A slot holds a block's layers one after another,
 each in its memory order; the layout goes into the namespace, so engines
 whose blocks order their bytes differently never share a block.
 
@@ -45,7 +47,7 @@ LAYOUT_ORDERS = {
 }
 """Supported vLLM KV cache layouts: the memory order of the logical axes
 [L, B, H, N, C] (vLLM's `KVCacheLayout` values)."""
-_L, _B, _H = 0, 1, 2
+_L, _B, _H, _N = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ class KVGeometry:
         strides = [t.stride(d) for d in physical if t.shape[d] > 1]
         if strides != sorted(strides, reverse=True):
             raise ValueError(f"{wrong} (its memory order differs){hint}")
-        view = self._manager_blocks(t, wrong)
+        view = self._manager_blocks(name, t, wrong)
         try:
             runs = block_runs(view)
         except ValueError as err:
@@ -144,14 +146,26 @@ class KVGeometry:
             )
         return view
 
-    def _manager_blocks(self, t: torch.Tensor, wrong: str) -> torch.Tensor:
+    def _manager_blocks(self, name: str, t: torch.Tensor, wrong: str) -> torch.Tensor:
         """`t` with vLLM's blocks on dimension 0: where attention kernels use
-        smaller blocks, `ratio` consecutive kernel blocks form one."""
+        smaller blocks, `ratio` consecutive kernel blocks form one. Refused
+        where that reorders a block's bytes (heads before tokens, several
+        heads): an engine without the split would share blocks it reads
+        differently, and the scheduler cannot tell the two apart."""
         tokens = int(t.shape[2])
         if tokens == self.block_size:
             return t
         if tokens == 0 or self.block_size % tokens or t.shape[0] % (self.block_size // tokens):
             raise ValueError(f"{wrong}: blocks of {tokens} tokens, not {self.block_size}")
+        order = LAYOUT_ORDERS[self.layout]
+        if t.shape[1] > 1 and order.index(_H) < order.index(_N):
+            raise ValueError(
+                f"KV of {name}: the attention kernels split each "
+                f"{self.block_size}-token block into blocks of {tokens} tokens, which in "
+                f"{self.layout} orders a block's bytes unlike an engine without the split "
+                f"(both would share blocks): set VLLM_KV_CACHE_LAYOUT=LBNHC or "
+                f"--block-size {tokens}"
+            )
         ratio = self.block_size // tokens
         shape = (t.shape[0] // ratio, ratio, *t.shape[1:])
         return t.as_strided(shape, (t.stride(0) * ratio, *t.stride()), t.storage_offset())
