@@ -30,9 +30,8 @@ end in every block (a cross-layer block's layers) into one chunk
 (`KVPlanes.coalesced`), with the same slot bytes.
 
 Planes are uint8 views `[N, chunk_bytes]` of the engine's memory (row
-stride `block_strides`, at least chunk_bytes), so fp8 and
-every other dtype copy as bytes; `KVPlanes.dtype` keeps the engine's dtype for
-the namespace.
+stride `block_strides`, at least chunk_bytes), so fp8 and every other dtype
+copy as bytes; `KVPlanes.dtype` keeps the engine's dtype for the namespace.
 """
 
 from __future__ import annotations
