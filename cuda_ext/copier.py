@@ -134,21 +134,22 @@ class CpuBlockCopier:
         if planes.device.type != "cpu":
             raise ValueError(f"CpuBlockCopier needs CPU planes, not {planes.device}")
         self.planes, self.pool, self.impl = planes, pool, impl
-        self._copy = planes.coalesced()
+        self.copied_planes = planes.coalesced()
+        """What the copies read and write: `planes` coalesced (the same bytes)."""
 
     def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
         check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
-        planes, pool = self._copy.planes, self.pool
-        layout = coalesced_layout(self._copy, layout)
+        planes, pool = self.copied_planes.planes, self.pool
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.save_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
     def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
         check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
-        planes, pool = self._copy.planes, self.pool
-        layout = coalesced_layout(self._copy, layout)
+        planes, pool = self.copied_planes.planes, self.pool
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.load_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
@@ -173,27 +174,28 @@ class StagedBlockCopier:
 
     def __init__(self, planes: KVPlanes, pool: ShmPool, *, impl: str | None = None) -> None:
         self.planes, self.pool, self.impl = planes, pool, impl
-        self._copy = planes.coalesced()
+        self.copied_planes = planes.coalesced()
+        """What the copies read and write: `planes` coalesced (the same bytes)."""
 
     def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
         index = torch.from_numpy(request.blocks).to(self.planes.device)
-        staged = [plane.index_select(0, index).cpu() for plane in self._copy.planes]
+        staged = [plane.index_select(0, index).cpu() for plane in self.copied_planes.planes]
         rows = np.arange(len(request.blocks))
-        layout = coalesced_layout(self._copy, layout)
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.save_blocks(staged, rows, self.pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
     def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
-        n, chunk = len(request.blocks), self._copy.chunk_bytes
-        staged = [torch.empty((n, chunk), dtype=torch.uint8) for _ in self._copy.planes]
-        layout = coalesced_layout(self._copy, layout)
+        n, chunk = len(request.blocks), self.copied_planes.chunk_bytes
+        staged = [torch.empty((n, chunk), dtype=torch.uint8) for _ in self.copied_planes.planes]
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.load_blocks(staged, np.arange(n), self.pool, slots, layout, rank, impl=self.impl)
         index = torch.from_numpy(request.blocks).to(self.planes.device)
-        for plane, rows in zip(self._copy.planes, staged, strict=True):
+        for plane, rows in zip(self.copied_planes.planes, staged, strict=True):
             plane.index_copy_(0, index, rows.to(plane.device))
         return DoneHandle(self.planes.num_layers)
 

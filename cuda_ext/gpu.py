@@ -225,12 +225,15 @@ class GpuBlockCopier:
         # between them would overwrite the index they read.
         self._enqueue = threading.Lock()
         self._lib = _lib.load()
-        self._copy = planes.coalesced()
-        """The planes as copied: a cross-layer block's layers as one chunk."""
-        self._plane_addrs = np.array([p.data_ptr() for p in self._copy.planes], dtype=np.uint64)
-        self._plane_strides = np.array(self._copy.block_strides, dtype=np.uint64)
+        self.copied_planes = planes.coalesced()
+        """What the copies read and write: `planes` coalesced (a cross-layer
+        block's layers as one chunk; the same bytes)."""
+        self._plane_addrs = np.array(
+            [p.data_ptr() for p in self.copied_planes.planes], dtype=np.uint64
+        )
+        self._plane_strides = np.array(self.copied_planes.block_strides, dtype=np.uint64)
         self.sm_capable = (
-            self._copy.chunk_bytes % 16 == 0
+            self.copied_planes.chunk_bytes % 16 == 0
             and not (self._plane_addrs % 16).any()
             and not (self._plane_strides % 16).any()
         )
@@ -268,7 +271,7 @@ class GpuBlockCopier:
                     self._plane_addrs.ctypes.data,
                     self._plane_strides.ctypes.data,
                     self._plane_addrs.size,
-                    self._copy.chunk_bytes,
+                    self.copied_planes.chunk_bytes,
                     planes.num_blocks,
                     self._dev_bases.ctypes.data,
                     self._dev_bases.size,
@@ -314,11 +317,11 @@ class GpuBlockCopier:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if path == "auto":
-            large = self._copy.chunk_bytes >= self.dma_min_chunk_bytes
+            large = self.copied_planes.chunk_bytes >= self.dma_min_chunk_bytes
             return "dma" if large or not self.sm_capable else "sm"
         if path == "sm" and not self.sm_capable:
             raise ValueError(
-                f"the sm path copies 16-byte vectors: chunk_bytes ({self._copy.chunk_bytes}), "
+                f"the sm path copies 16-byte vectors: chunk_bytes ({self.copied_planes.chunk_bytes}), "
                 "block strides and plane addresses must be multiples of 16; use path='dma'"
             )
         return path
@@ -458,12 +461,12 @@ class GpuBlockCopier:
         found = self._group_cache.get(key)
         if found is not None:
             return found
-        ends = self._copy.layer_ends
+        ends = self.copied_planes.layer_ends
         if not layer_events:
-            group_ends, event_of_layer = [len(self._copy.planes)], [0] * len(ends)
+            group_ends, event_of_layer = [len(self.copied_planes.planes)], [0] * len(ends)
         else:
             distinct = sorted(set(ends))
-            plane_bytes = n * self._copy.chunk_bytes
+            plane_bytes = n * self.copied_planes.chunk_bytes
             group_ends, begin = [], 0
             for end in distinct:
                 if (end - begin) * plane_bytes >= self.load_group_bytes or end == distinct[-1]:
@@ -487,7 +490,7 @@ class GpuBlockCopier:
 
     def _launch_dma(self, request: CopyRequest, begin: int, end: int, save: bool) -> None:
         """One copy per (plane, block) of planes [begin, end), plane-major."""
-        chunk = np.uint64(self._copy.chunk_bytes)
+        chunk = np.uint64(self.copied_planes.chunk_bytes)
         blocks = request.blocks.astype(np.uint64)
         strides = self._plane_strides[begin:end, None]
         gpu = self._plane_addrs[begin:end, None] + blocks[None, :] * strides
@@ -500,7 +503,7 @@ class GpuBlockCopier:
             self._index,
             dsts.ctypes.data,
             srcs.ctypes.data,
-            self._copy.chunk_bytes,
+            self.copied_planes.chunk_bytes,
             srcs.size,
             int(self._try_batch),
             self._stream_ptr,

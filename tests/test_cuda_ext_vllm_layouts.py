@@ -232,7 +232,7 @@ def test_on_the_gpu_a_cross_layer_block_is_one_chunk_and_odd_strides_take_dma(po
 
     kv = logical(2, torch.bfloat16, seed=9).cuda()
     with GpuBlockCopier(kv_planes(vllm_views(kv, "BLHNC")[1], "strided"), pool) as copier:
-        assert len(copier._copy.planes) == 1 and copier.sm_capable
+        assert len(copier.copied_planes.planes) == 1 and copier.sm_capable
     odd = TOKENS * 2 * 2 * DIM + 2  # a padded page of 4-byte elements, 8 bytes past 16
     planes = kv_planes(vllm_views(kv.float(), "LBHNC", odd)[1], "strided")
     with GpuBlockCopier(planes, pool) as copier:
