@@ -320,9 +320,10 @@ class GpuBlockCopier:
             large = self.copied_planes.chunk_bytes >= self.dma_min_chunk_bytes
             return "dma" if large or not self.sm_capable else "sm"
         if path == "sm" and not self.sm_capable:
+            chunk = self.copied_planes.chunk_bytes
             raise ValueError(
-                f"the sm path copies 16-byte vectors: chunk_bytes ({self.copied_planes.chunk_bytes}), "
-                "block strides and plane addresses must be multiples of 16; use path='dma'"
+                f"the sm path copies 16-byte vectors: chunk_bytes ({chunk}), block strides "
+                "and plane addresses must be multiples of 16; use path='dma'"
             )
         return path
 
