@@ -17,9 +17,10 @@ is supported, each view copied in place with strided copies (cuda_ext's
 Padded pages (`page_size_padded`) only move blocks further apart: the
 padding is never copied. Where attention kernels use smaller blocks, their
 views are regrouped into vLLM's blocks, except where that would order a
-block's bytes unlike an unsplit engine's (LBHNC, several heads): refused. A slot holds a block's layers one after another,
-each in its memory order; the layout goes into the namespace, so engines
-whose blocks order their bytes differently never share a block.
+block's bytes unlike an unsplit engine's (LBHNC, several heads): refused.
+A slot holds a block's layers one after another, each in its memory order;
+the layout goes into the namespace, so engines whose blocks order their
+bytes differently never share a block.
 
 The scheduler has no KV tensors: it registers a two-block stand-in of the
 geometry, laid out alike, so its lookups hash into the same namespace as the
