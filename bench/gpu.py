@@ -40,11 +40,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cachesim.report import positive_int_list, print_table, time_interleaved, write_json
+from engine_shim.kvconnector.geometry import LAYOUT_ORDERS
 
 TARGET_VS_FLOOR = 0.85
 TARGET_BLOCKS = 1024
 TOKENS_PER_BLOCK = 16
-LAYOUTS = ("vllm_flash", "flashinfer", "cross_layer")
+LAYOUTS = ("vllm_flash", "flashinfer", "cross_layer", *LAYOUT_ORDERS)
+"""cuda_ext layouts, and vLLM 0.33 KV cache layouts (per-layer views of one
+allocation, copied as cuda_ext's "strided" layout, as the connector does)."""
 PATHS = ("sm", "dma")
 MATMUL_SIZE = 8192
 # A GPU sleep (~2.5 ms at 2 GHz) longer than any op's host part, for the
@@ -184,7 +187,7 @@ def measure_case(
 
     device = torch.device("cuda", torch.cuda.current_device())
     kv = _engine_kv(model, 2 * n, layout_name, device, seed)
-    planes = kv_planes(kv, layout_name)
+    planes = kv_planes(kv, "strided" if layout_name in LAYOUT_ORDERS else layout_name)
     layout = planes.block_layout()
     nbytes = n * layout.block_bytes
     rng = np.random.default_rng(seed)
@@ -262,6 +265,17 @@ def _engine_kv(model: Model, num_blocks: int, layout: str, device: Any, seed: in
     import torch
 
     torch.manual_seed(seed)
+    if layout in LAYOUT_ORDERS:
+        from engine_shim.kvconnector.geometry import KVGeometry
+
+        page = TOKENS_PER_BLOCK * model.kv_heads * 2 * model.head_dim
+        geometry = KVGeometry(layout, num_layers=model.layers, block_size=TOKENS_PER_BLOCK,
+                              num_kv_heads=model.kv_heads, head_dim=model.head_dim,
+                              dtype=torch.bfloat16, block_elems=page)  # fmt: skip
+        views = geometry.stand_in(num_blocks, device=device)
+        for view in views:
+            view.view(torch.uint8).random_(0, 256)
+        return views
     chunk = (TOKENS_PER_BLOCK, model.kv_heads, model.head_dim)
     shape = {
         "vllm_flash": (2, num_blocks, *chunk),

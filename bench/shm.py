@@ -17,6 +17,12 @@ bytes (`floor_raw_*`; without the extension only numpy's). Figures are GB/s
 pool's prefault time (fallocate + populate of every page) is reported too.
 The machine's memory bandwidth drifts: compare ratios, not absolute figures
 from different runs.
+
+With `--layout` a vLLM KV cache layout (`LHBNC`, `BLHNC`, ...), the engine
+side is instead one allocation in that layout with --heads KV heads, copied
+through its strided runs as the connector copies it (cuda_ext's "strided"
+layout, coalesced: a cross-layer block is one range, a head-outer one a range
+per head); the floor is the same memcpy.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from cachesim.report import print_table, time_interleaved, write_json
+from engine_shim.kvconnector.geometry import LAYOUT_ORDERS
 from shm import copy as shm_copy
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
@@ -65,6 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="cap on the C copy's threads (default: auto)"
     )
+    p.add_argument(
+        "--layout",
+        choices=("layers", *LAYOUT_ORDERS),
+        default="layers",
+        help="engine tensors: one contiguous tensor per layer (default), or a vLLM KV cache layout",
+    )
+    p.add_argument("--heads", type=int, default=8, help="KV heads of a --layout allocation (8)")
     p.add_argument("--quick", action="store_true", help="small sizes, for the test suite")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -97,20 +111,27 @@ def measure_case(
     repeats: int,
     seed: int,
     threads: int | None = None,
+    vllm_layout: str | None = None,
+    heads: int = 8,
 ) -> dict[str, Any]:
     """Copy `total` bytes of `kib`-KiB blocks each way; GB/s per impl and the floor."""
     import torch
 
-    layout = BlockLayout(layers, kib * 1024 // layers)
-    n = max(1, total // layout.block_bytes)
+    page = kib * 1024 // layers
+    n = max(1, total // (kib * 1024))
+    if vllm_layout is None:
+        kv = [torch.full((n, page), i + 1, dtype=torch.uint8) for i in range(layers)]
+    else:
+        kv = _layout_planes(vllm_layout, n, layers, page, heads)
+    layout = BlockLayout(len(kv), int(kv[0].shape[1]))
     nbytes = n * layout.block_bytes
     rng = np.random.default_rng(seed)
     blocks, slots = rng.permutation(n), rng.permutation(n)
-    shape = (n, layout.layer_block_bytes)
-    kv = [torch.full(shape, i + 1, dtype=torch.uint8) for i in range(layers)]
     tags = torch.arange(n, dtype=torch.int32).view(torch.uint8).reshape(n, 4)
-    for tensor in kv:  # each block starts with its id, so a misplaced block shows
-        tensor[:, : min(4, shape[1])] = tags[:, : shape[1]]
+    for i, tensor in enumerate(kv):  # each block starts with its id, so a misplaced block shows
+        width = min(4, layout.layer_block_bytes)
+        tensor[:, width:] = i % 255 + 1
+        tensor[:, :width] = tags[:, :width]
     # A page-aligned anonymous buffer, faulted in: the floor's engine side.
     plain = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     plain[:] = 1
@@ -135,6 +156,8 @@ def measure_case(
         result = {
             "block_kib": kib,
             "layers": layers,
+            "layout": vllm_layout or "layers",
+            "ranges_per_block": len(kv),
             "range_bytes": layout.layer_block_bytes,
             "blocks": n,
             "bytes": nbytes,
@@ -152,6 +175,19 @@ def measure_case(
             best,
         )
     return result
+
+
+def _layout_planes(vllm_layout: str, n: int, layers: int, page: int, heads: int) -> list:
+    """The uint8 planes, as the copiers copy them (coalesced), of one
+    allocation of n blocks in `vllm_layout`, each layer's page `page` bytes."""
+    import torch
+
+    from cuda_ext.layouts import kv_planes
+    from engine_shim.kvconnector.geometry import KVGeometry
+
+    geometry = KVGeometry(vllm_layout, num_layers=layers, block_size=1, num_kv_heads=heads,
+                          head_dim=1, dtype=torch.uint8, block_elems=page)  # fmt: skip
+    return list(kv_planes(geometry.stand_in(n), "strided").coalesced().planes)
 
 
 RAW_PIECE_BYTES = 1 << 20
@@ -208,12 +244,14 @@ def run(args: argparse.Namespace) -> int:
     for i, (kib, layers) in enumerate(cases):
         name = case_name(kib, layers)
         print(f"case {name}: {total >> 20} MiB each way ...", file=sys.stderr, flush=True)
+        layout = None if args.layout == "layers" else args.layout
         by_case[name] = measure_case(
-            kib, layers, total, impls, repeats, args.seed + i, args.threads
+            kib, layers, total, impls, repeats, args.seed + i, args.threads, layout, args.heads
         )
     result = _summary(by_case, impls, total, repeats)
     result["copy_threads"] = args.threads or shm_copy.MAX_THREADS
     result["quick"] = bool(args.quick)
+    result["layout"] = args.layout
     result["seed"] = args.seed
     print_table(
         ("case", "range KiB", "impl", "save GB/s", "load GB/s", "floor save", "floor load",

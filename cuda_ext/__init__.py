@@ -2,7 +2,9 @@
 the shared-memory CPU tier (docs/gpu.md).
 
 - `layouts`: every engine layout (vLLM flash, FlashInfer, cross-layer, MLA,
-  block-major) as a list of block-major planes;
+  block-major, and vLLM 0.33's strided views) as a list of block-major planes;
+- `runs`: a strided tensor's blocks as contiguous runs, and the check that
+  planes never share a byte;
 - `copier`: argument checks shared by both copiers, and the CPU copier
   (shm.copy) that CPU tensors and CI use;
 - `gpu`: the CUDA copier over libkvcopy.so (csrc/kvcopy.cu, built by nvcc

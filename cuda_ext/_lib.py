@@ -16,7 +16,7 @@ import functools
 from pathlib import Path
 
 LIB_PATH = Path(__file__).resolve().parent / "libkvcopy.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # Errors meaning "no usable GPU here" rather than "this call was wrong".
 UNAVAILABLE_ERRORS = frozenset(
@@ -54,7 +54,7 @@ _SIGNATURES: dict[str, tuple[type | None, tuple]] = {
     "kv_stage_index": (_I, (_P, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I, _P, _P)),
     "kv_ops_create": (
         _I,
-        (_I, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, ctypes.POINTER(_P)),
+        (_I, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, ctypes.POINTER(_P)),
     ),
     "kv_ops_destroy": (_I, (_P,)),
     "kv_ops_run": (

@@ -10,7 +10,9 @@
 Every copier takes the same arguments and rejects bad ones the same way
 (`check_request`) before a byte moves. A CPU copy (and a staged one, the
 fallback for CUDA planes without libkvcopy.so) is done when it returns; its
-handle only keeps the interface the same.
+handle only keeps the interface the same. Every copier copies the planes'
+`coalesced()` form (a cross-layer block's layers as one chunk): the same
+slot bytes in fewer, larger copies.
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ def _ids(what: str, values: Any) -> np.ndarray:
     return array.astype(np.int64) if array.size else np.zeros(0, np.int64)
 
 
+def coalesced_layout(copy_planes: KVPlanes, layout: BlockLayout) -> BlockLayout:
+    """`layout` (checked against the planes) for their coalesced form: the
+    same shard, in fewer, larger chunks."""
+    return BlockLayout(len(copy_planes.planes), copy_planes.chunk_bytes, layout.tp_size)
+
+
 class DoneHandle:
     """A copy that finished before it was returned."""
 
@@ -126,18 +134,22 @@ class CpuBlockCopier:
         if planes.device.type != "cpu":
             raise ValueError(f"CpuBlockCopier needs CPU planes, not {planes.device}")
         self.planes, self.pool, self.impl = planes, pool, impl
+        self.copied_planes = planes.coalesced()
+        """What the copies read and write: `planes` coalesced (the same bytes)."""
 
     def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
         check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
-        planes, pool = self.planes.planes, self.pool
+        planes, pool = self.copied_planes.planes, self.pool
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.save_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
     def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
         check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
-        planes, pool = self.planes.planes, self.pool
+        planes, pool = self.copied_planes.planes, self.pool
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.load_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
@@ -162,24 +174,28 @@ class StagedBlockCopier:
 
     def __init__(self, planes: KVPlanes, pool: ShmPool, *, impl: str | None = None) -> None:
         self.planes, self.pool, self.impl = planes, pool, impl
+        self.copied_planes = planes.coalesced()
+        """What the copies read and write: `planes` coalesced (the same bytes)."""
 
     def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
         index = torch.from_numpy(request.blocks).to(self.planes.device)
-        staged = [plane.index_select(0, index).cpu() for plane in self.planes.planes]
+        staged = [plane.index_select(0, index).cpu() for plane in self.copied_planes.planes]
         rows = np.arange(len(request.blocks))
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.save_blocks(staged, rows, self.pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
     def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
-        n, chunk = len(request.blocks), self.planes.chunk_bytes
-        staged = [torch.empty((n, chunk), dtype=torch.uint8) for _ in self.planes.planes]
+        n, chunk = len(request.blocks), self.copied_planes.chunk_bytes
+        staged = [torch.empty((n, chunk), dtype=torch.uint8) for _ in self.copied_planes.planes]
+        layout = coalesced_layout(self.copied_planes, layout)
         shm_copy.load_blocks(staged, np.arange(n), self.pool, slots, layout, rank, impl=self.impl)
         index = torch.from_numpy(request.blocks).to(self.planes.device)
-        for plane, rows in zip(self.planes.planes, staged, strict=True):
+        for plane, rows in zip(self.copied_planes.planes, staged, strict=True):
             plane.index_copy_(0, index, rows.to(plane.device))
         return DoneHandle(self.planes.num_layers)
 

@@ -16,14 +16,19 @@ or overwrite the slots).
 
 Paths (`path=`), each one launch or one batch per group of planes:
 - "sm": the copy_chunks kernel moves 16-byte vectors between GPU memory and
-  the mapped pinned shm; needs chunk_bytes and plane addresses multiples of 16.
+  the mapped pinned shm; needs chunk_bytes, block strides and plane
+  addresses multiples of 16.
 - "dma": the copy engines: one cudaMemcpyBatchAsync (CUDA 13 runtime and a
   driver that has it), else a loop of cudaMemcpyAsync, one copy per chunk.
 - "auto" (default): "dma" for chunks of dma_min_chunk_bytes or more, or when
   "sm" cannot run; "sm" otherwise. `kvsidecar bench gpu` measures both.
 
-Planes must stay allocated at the same addresses for the copier's life, and
-the pool stays mapped and pinned until `close()`.
+Planes may be strided (a padded page, a layer of a cross-layer block, a head
+of a head-outer layer: cuda_ext.layouts): both paths read and write each
+block at its own address, with no staging copy. The copier copies the
+planes' `coalesced()` form, so a cross-layer block is one chunk. Planes must
+stay allocated at the same addresses for the copier's life, and the pool
+stays mapped and pinned until `close()`.
 """
 
 from __future__ import annotations
@@ -220,8 +225,18 @@ class GpuBlockCopier:
         # between them would overwrite the index they read.
         self._enqueue = threading.Lock()
         self._lib = _lib.load()
-        self._plane_addrs = np.array([p.data_ptr() for p in planes.planes], dtype=np.uint64)
-        self.sm_capable = planes.chunk_bytes % 16 == 0 and not (self._plane_addrs % 16).any()
+        self.copied_planes = planes.coalesced()
+        """What the copies read and write: `planes` coalesced (a cross-layer
+        block's layers as one chunk; the same bytes)."""
+        self._plane_addrs = np.array(
+            [p.data_ptr() for p in self.copied_planes.planes], dtype=np.uint64
+        )
+        self._plane_strides = np.array(self.copied_planes.block_strides, dtype=np.uint64)
+        self.sm_capable = (
+            self.copied_planes.chunk_bytes % 16 == 0
+            and not (self._plane_addrs % 16).any()
+            and not (self._plane_strides % 16).any()
+        )
         if max_ctas is not None and (isinstance(max_ctas, bool) or max_ctas < 1):
             raise ValueError(f"max_ctas must be a positive int or None, got {max_ctas!r}")
         sms = _lib.sm_count(self._index)
@@ -254,8 +269,9 @@ class GpuBlockCopier:
                     self._index,
                     self._stream_ptr,
                     self._plane_addrs.ctypes.data,
+                    self._plane_strides.ctypes.data,
                     self._plane_addrs.size,
-                    planes.chunk_bytes,
+                    self.copied_planes.chunk_bytes,
                     planes.num_blocks,
                     self._dev_bases.ctypes.data,
                     self._dev_bases.size,
@@ -301,11 +317,12 @@ class GpuBlockCopier:
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if path == "auto":
-            large = self.planes.chunk_bytes >= self.dma_min_chunk_bytes
+            large = self.copied_planes.chunk_bytes >= self.dma_min_chunk_bytes
             return "dma" if large or not self.sm_capable else "sm"
         if path == "sm" and not self.sm_capable:
+            chunk = self.copied_planes.chunk_bytes
             raise ValueError(
-                f"the sm path copies 16-byte vectors: chunk_bytes ({self.planes.chunk_bytes}) "
+                f"the sm path copies 16-byte vectors: chunk_bytes ({chunk}), block strides "
                 "and plane addresses must be multiples of 16; use path='dma'"
             )
         return path
@@ -445,12 +462,12 @@ class GpuBlockCopier:
         found = self._group_cache.get(key)
         if found is not None:
             return found
-        ends = self.planes.layer_ends
+        ends = self.copied_planes.layer_ends
         if not layer_events:
-            group_ends, event_of_layer = [len(self.planes.planes)], [0] * len(ends)
+            group_ends, event_of_layer = [len(self.copied_planes.planes)], [0] * len(ends)
         else:
             distinct = sorted(set(ends))
-            plane_bytes = n * self.planes.chunk_bytes
+            plane_bytes = n * self.copied_planes.chunk_bytes
             group_ends, begin = [], 0
             for end in distinct:
                 if (end - begin) * plane_bytes >= self.load_group_bytes or end == distinct[-1]:
@@ -474,9 +491,10 @@ class GpuBlockCopier:
 
     def _launch_dma(self, request: CopyRequest, begin: int, end: int, save: bool) -> None:
         """One copy per (plane, block) of planes [begin, end), plane-major."""
-        chunk = np.uint64(self.planes.chunk_bytes)
+        chunk = np.uint64(self.copied_planes.chunk_bytes)
         blocks = request.blocks.astype(np.uint64)
-        gpu = self._plane_addrs[begin:end, None] + blocks[None, :] * chunk
+        strides = self._plane_strides[begin:end, None]
+        gpu = self._plane_addrs[begin:end, None] + blocks[None, :] * strides
         host = self._host_bases[request.segments] + request.offsets.astype(np.uint64)
         host = host[None, :] + np.arange(begin, end, dtype=np.uint64)[:, None] * chunk
         srcs, dsts = (gpu, host) if save else (host, gpu)
@@ -486,7 +504,7 @@ class GpuBlockCopier:
             self._index,
             dsts.ctypes.data,
             srcs.ctypes.data,
-            self.planes.chunk_bytes,
+            self.copied_planes.chunk_bytes,
             srcs.size,
             int(self._try_batch),
             self._stream_ptr,

@@ -141,7 +141,8 @@ class KVClient:
     ) -> None:
         """Describe this rank's paged KV cache, CPU or CUDA tensors in `layout`:
         "paged" (= "block_major": one tensor per layer, [num_blocks, ...]),
-        "vllm_flash", "flashinfer", "cross_layer" or "mla" (cuda_ext.layouts).
+        "vllm_flash", "flashinfer", "cross_layer", "mla" or "strided" (per-layer
+        views of any strides, e.g. vLLM's in every KV cache layout; cuda_ext.layouts).
         CUDA tensors copy with libkvcopy.so, or where it cannot run with torch's
         slower staged path (cuda_ext.copier.StagedBlockCopier; a warning says so).
         `layout_detail` tells apart engine layouts that give one cuda_ext

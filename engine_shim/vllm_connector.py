@@ -11,8 +11,9 @@ does). The logic lives in `engine_shim.kvconnector`; here vLLM's config is
 read once into its settings and geometry, and every hook is forwarded.
 
 Supported: TP=1, PP=1, one KV cache group of full attention (MLA included),
-KV cache layout LBHNC or LBNHC (`VLLM_KV_CACHE_LAYOUT`). Anything else is
-refused with a ValueError when vLLM creates the connector.
+every KV cache layout (`VLLM_KV_CACHE_LAYOUT`: layer-compact, head-outer
+LHBNC, cross-layer) and padded pages. Anything else is refused with a
+ValueError when vLLM creates the connector.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def settings_of(vllm_config: Any) -> ConnectorSettings:
 
 def geometry_of(kv_cache_config: Any, vllm_config: Any) -> KVGeometry:
     """The KV geometry of vLLM's KV cache config: one group of full attention
-    (MLA included) in a layer-compact layout."""
+    (MLA included), in any KV cache layout; a padded page counts its payload."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -87,7 +88,7 @@ def geometry_of(kv_cache_config: Any, vllm_config: Any) -> KVGeometry:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_size,
         dtype=spec.dtype,
-        block_elems=spec.page_size_bytes // itemsize,
+        block_elems=getattr(spec, "real_page_size_bytes", spec.page_size_bytes) // itemsize,
     )
 
 

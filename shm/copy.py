@@ -12,6 +12,12 @@ Two implementations give identical bytes:
 - "torch": a Python loop of slice copies over torch views of the segments,
   used when the extension is not built.
 
+Strided tensors: a tensor's blocks need only be contiguous each, not one
+after the other (rows `stride(0)` elements apart: a padded page, one layer
+of a cross-layer block, one head of a head-outer layer, as cuda_ext.layouts
+makes them). Each (block, layer) range is then copied from its own address,
+with no staging copy.
+
 Alignment: slots are page-aligned and a rank's layer starts at a multiple of
 layer_block_bytes inside one. torch's CPU allocator returns 64-byte-aligned
 storage (large tensors start 64 bytes past a page boundary), so source and
@@ -164,10 +170,11 @@ def _copy_c(
 ) -> None:
     size = layout.layer_block_bytes
     layer_starts = np.array([t.data_ptr() for t in layers], dtype=np.uint64)
+    block_strides = np.array([_block_stride(t) for t in layers], dtype=np.uint64)
     bases = np.array([pin.ctypes.data for pin in pins], dtype=np.uint64)
     per_layer = np.arange(len(layers), dtype=np.uint64) * np.uint64(size)
     # Block-major: one block's layers are adjacent in its slot.
-    engine = blocks.astype(np.uint64)[:, None] * np.uint64(size) + layer_starts[None, :]
+    engine = blocks.astype(np.uint64)[:, None] * block_strides[None, :] + layer_starts[None, :]
     slot_starts = bases[segments] + offsets.astype(np.uint64)
     shm = slot_starts[:, None] + per_layer[None, :]
     threads, stream = copy_settings(engine.size * size, max_threads)
@@ -187,7 +194,7 @@ def _copy_torch(
     import torch
 
     size = layout.layer_block_bytes
-    engine = [t.detach().view(t.shape[0], -1).view(torch.uint8) for t in layers]
+    engine = [_rows(t.detach()).view(torch.uint8) for t in layers]
     shm = [torch.from_numpy(pin) for pin in pins]
     for block, segment, offset in zip(
         blocks.tolist(), segments.tolist(), offsets.tolist(), strict=True
@@ -218,10 +225,13 @@ def _check_layers(kv_layers: Sequence[torch.Tensor], layout: BlockLayout) -> tup
             raise ValueError(
                 f"kv_layers[{i}] must be a dense CPU tensor, not {t.device} {t.layout}"
             )
-        if not t.is_contiguous() or t.is_conj() or t.is_neg():
-            raise ValueError(f"kv_layers[{i}] must be contiguous (and not a conj/neg view)")
         if t.dim() < 1 or t.shape[0] == 0:
             raise ValueError(f"kv_layers[{i}] must be shaped [num_blocks, ...], got {t.shape}")
+        if not _blocks_contiguous(t) or t.is_conj() or t.is_neg():
+            raise ValueError(
+                f"kv_layers[{i}] must hold each block contiguous, blocks at least a block "
+                f"apart (and not be a conj/neg view): shape {tuple(t.shape)}, strides {t.stride()}"
+            )
         if t.dtype != layers[0].dtype or t.shape != layers[0].shape:
             raise ValueError(
                 f"kv_layers[{i}] is {t.dtype} {tuple(t.shape)}, "
@@ -234,6 +244,29 @@ def _check_layers(kv_layers: Sequence[torch.Tensor], layout: BlockLayout) -> tup
             f"the layout says {layout.layer_block_bytes}"
         )
     return layers
+
+
+def _blocks_contiguous(t: torch.Tensor) -> bool:
+    """Each block t[b] contiguous and blocks not overlapping: a contiguous
+    tensor, or one whose rows are padded or interleaved with other memory."""
+    if t.is_contiguous():
+        return True
+    block = t[0]
+    return block.is_contiguous() and (t.shape[0] == 1 or t.stride(0) >= max(block.numel(), 1))
+
+
+def _block_stride(t: torch.Tensor) -> int:
+    """Bytes from one block of `t` to the next."""
+    if t.shape[0] == 1:
+        return math.prod(t.shape[1:]) * t.element_size()
+    return int(t.stride(0)) * t.element_size()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as `[num_blocks, block elements]` over the same memory."""
+    row = math.prod(t.shape[1:])
+    stride = int(t.stride(0)) if t.shape[0] > 1 else row
+    return t.as_strided((t.shape[0], row), (stride, 1), t.storage_offset())
 
 
 def _index_array(what: str, values: np.ndarray) -> np.ndarray:

@@ -46,3 +46,21 @@ def test_shm_cli_rejects_bad_arguments(capsys):
     assert "unknown or unavailable" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "shm", "--cases", "64x3"])
+
+
+@pytest.mark.parametrize(
+    ("layout", "range_kib", "ranges"), [("LHBNC", 8, 256), ("BLHNC", 2048, 1), ("LBNHC", 64, 32)]
+)
+def test_shm_cli_copies_a_vllm_layout_through_its_strided_runs(tmp_path, layout, range_kib, ranges):
+    """2 MiB blocks of 32 layers and 8 heads: a head-outer layout copies a
+    range per head, a cross-layer one a range per block (its bytes checked
+    by the bench itself before it reports)."""
+    out = tmp_path / "shm.json"
+    args = ["bench", "shm", "--quick", "--cases", "2048x32", "--layout", layout]
+    assert main([*args, "--total-mib", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    case = data["by_case"]["2048x32"]
+    assert data["layout"] == case["layout"] == layout
+    assert (case["range_bytes"], case["ranges_per_block"]) == (range_kib * 1024, ranges)
+    assert math.isfinite(data["save_vs_floor"]["2048x32"])
+    assert shm_entries(f"kvsbench.{os.getpid()}.") == []

@@ -238,3 +238,37 @@ def test_the_index_staging_agrees_with_check_request_on_any_ids(staging_pool):
             assert np.array_equal(out[blocks.size :], want)
 
     check()
+
+
+@pytest.mark.skipif(not _lib.LIB_PATH.exists(), reason="libkvcopy.so is not built")
+def test_the_sm_path_refuses_block_strides_it_cannot_copy_before_touching_a_gpu():
+    """kv_ops_create checks each plane's block stride (host code) before any
+    CUDA call: a stride that is not a multiple of 16, or shorter than a
+    chunk, is cudaErrorInvalidValue; good strides get as far as the device
+    (no GPU here: an error of GpuUnavailable's kind, never a crash)."""
+    import ctypes
+
+    import numpy as np
+
+    lib = _lib.load()
+
+    def create(strides: list[int], chunk: int = 64) -> int:
+        addrs = np.full(len(strides), 1 << 40, np.uint64)
+        plane_strides = np.array(strides, np.uint64)
+        bases = np.array([1 << 41], np.uint64)
+        ops = ctypes.c_void_p(0)
+        code = lib.kv_ops_create(
+            0, None, addrs.ctypes.data, plane_strides.ctypes.data, len(strides), chunk, 8,
+            bases.ctypes.data, 1, 8, 16, 4096, ctypes.byref(ops),
+        )  # fmt: skip
+        assert ops.value is None or code == 0
+        if ops.value:
+            lib.kv_ops_destroy(ops)
+        return code
+
+    invalid = 1  # cudaErrorInvalidValue
+    assert create([64, 72]) == invalid  # not a multiple of 16
+    assert create([64, 48]) == invalid  # shorter than a chunk
+    code = create([64, 192, 4096])
+    if code != 0:  # no usable GPU: the device guard refuses, after the checks
+        assert code != invalid and _lib.error_name(code) in _lib.UNAVAILABLE_ERRORS

@@ -168,7 +168,7 @@ def test_a_load_launches_once_per_group_of_whole_layers_of_enough_bytes():
     assert planes.chunk_bytes == 8192 and planes.layer_ends == (1, 2, 3, 4, 5)
 
     def groups(group_bytes: int, n: int, layer_events: bool = True, kv=planes):
-        copier = SimpleNamespace(planes=kv, load_group_bytes=group_bytes, _group_cache={})
+        copier = SimpleNamespace(copied_planes=kv, load_group_bytes=group_bytes, _group_cache={})
         ends, event_of_layer = GpuBlockCopier._groups(copier, layer_events, n)  # type: ignore[arg-type]
         return ends.tolist(), event_of_layer  # where each launch's planes end
 

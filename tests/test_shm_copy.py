@@ -179,6 +179,29 @@ def test_an_empty_batch_copies_nothing(pool):
     assert (pool.segment_view(0) == SENTINEL).all()
 
 
+@pytest.mark.parametrize("impl", shm_copy.IMPLS)
+def test_padded_and_interleaved_blocks_copy_in_place(pool, impl):
+    """Blocks need only be contiguous each: one layer of a cross-layer block
+    (the layers interleaved block by block), and padded pages, copy from and
+    to their own addresses; the memory between blocks is never touched."""
+    gen = torch.Generator().manual_seed(3)
+    cross = torch.randn(8, 2, 4, 6, generator=gen)  # [blocks, layers, ...]
+    padded = torch.full((8, 30), -7.0)
+    padded[:, :24] = torch.randn(8, 24, generator=gen)
+    for layers in ([cross[:, 0], cross[:, 1]], [padded[:, :24].view(8, 4, 6)]):
+        layout = BlockLayout.for_tensors(layers)
+        shm_copy.save_blocks(layers, np.array([5, 2]), pool, np.array([1, 3]), layout, 0, impl=impl)
+        view = pool.slot_view(3, layout.slot_stride)[: layout.block_bytes]
+        assert np.array_equal(view, np.concatenate([raw(t[2]) for t in layers]))
+        memory = torch.full((8, 2, 30), -7.0)
+        back = [memory[:, i, :24].view(8, 4, 6) for i in range(len(layers))]
+        shm_copy.load_blocks(back, np.array([0, 6]), pool, np.array([1, 3]), layout, 0, impl=impl)
+        for t, b in zip(layers, back, strict=True):
+            assert torch.equal(b[0], t[5]) and torch.equal(b[6], t[2])
+            assert (b[[1, 2, 3, 4, 5, 7]] == -7).all()
+        assert (memory[:, :, 24:] == -7).all() and (memory[:, len(layers) :] == -7).all()
+
+
 def strided(t):
     """The same values as `t`, in a non-contiguous tensor of the same shape."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -191,6 +214,10 @@ BAD_INPUTS = {
     "too few layers": (lambda a: a.update(kv=a["kv"][:1]), ValueError),
     "meta device": (lambda a: a["kv"].__setitem__(1, a["kv"][1].to("meta")), ValueError),
     "not contiguous": (lambda a: a["kv"].__setitem__(1, strided(a["kv"][1])), ValueError),
+    "blocks overlap": (
+        lambda a: a["kv"].__setitem__(1, a["kv"][1].as_strided((8, 4, 2), (4, 2, 1))),
+        ValueError,
+    ),
     "dtype differs": (lambda a: a["kv"].__setitem__(1, a["kv"][1].view(torch.int32)), ValueError),
     "shape differs": (lambda a: a["kv"].__setitem__(1, a["kv"][1][:5]), ValueError),
     "block bytes differ": (lambda a: a.update(layout=BlockLayout(2, 64)), ValueError),

@@ -255,8 +255,8 @@ def test_kv_caches_of_another_geometry_are_refused(sidecar):
     kv = kv_caches(seed=None)
     first = next(iter(kv.values()))
     for caches, match in (
-        ({n: t.contiguous() for n, t in kv.items()}, "not a contiguous LBNHC run"),  # LBHNC
-        ({n: t[:, :, :, :8] for n, t in kv.items()}, "not a contiguous LBNHC run"),
+        ({n: t.contiguous() for n, t in kv.items()}, "not a LBNHC view.*memory order"),  # LBHNC
+        ({n: t[:, :, :, :8] for n, t in kv.items()}, "not a LBNHC view.*runs of"),
         ({"only": first}, "1 KV tensors for 2 layers"),
         ({}, "non-empty"),
         ({n: t.half() for n, t in kv.items()}, "torch.float16"),
@@ -267,7 +267,7 @@ def test_kv_caches_of_another_geometry_are_refused(sidecar):
     with pytest.raises(RuntimeError, match="register_kv_caches"):
         worker.start_loads(ConnectorMeta(loads=(LoadSpec("x", _keys(1), np.zeros(1), 0),)))
     with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT"):
-        dataclasses.replace(GEOMETRY, layout="BLHNC")
+        dataclasses.replace(GEOMETRY, layout="NHD")
 
 
 def test_bad_scheduler_calls_change_nothing(pair):

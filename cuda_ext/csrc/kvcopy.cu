@@ -6,9 +6,12 @@
 //
 // Vocabulary (cuda_ext/layouts.py): a *plane* is a block-major GPU buffer
 // whose per-block *chunk* is `chunk_bytes` contiguous bytes, the same for every
-// plane. A CPU slot holds one rank's chunks plane after plane: chunk (plane p,
-// block i) lives at slot_i + p * chunk_bytes, where slot_i already includes
-// the rank's shard offset.
+// plane; block b of plane p starts b * stride_p bytes into it, stride_p at
+// least chunk_bytes (more for a padded page, a layer of a cross-layer block
+// or a head of a head-outer layer: the copies are strided, never staged). A
+// CPU slot holds one rank's chunks plane after plane: chunk (plane p, block
+// i) lives at slot_i + p * chunk_bytes, where slot_i already includes the
+// rank's shard offset.
 //
 // Every function returns a cudaError_t (0: success) and leaves no pending
 // error behind. Those taking a device make it current for the call only and
@@ -23,7 +26,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB per CTA step
@@ -40,10 +43,12 @@ constexpr int64_t kPieceVecs = kThreads * kUnroll;  // 16-byte vectors: 16 KiB p
 // Index is the type of positions in that run: uint32_t whenever the launch
 // has fewer than 2^32 vectors (64 GiB), because a 64-bit division is a long
 // software routine on the GPU and each vector takes two. Addresses are always
-// computed in 64 bits.
+// computed in 64 bits. `planes` holds each plane's base address, then each
+// plane's block stride in 16-byte vectors.
 template <typename Index>
 __global__ void __launch_bounds__(kThreads)
-    copy_chunks(const uint64_t *__restrict__ planes, const int64_t *__restrict__ blocks,
+    copy_chunks(const uint64_t *__restrict__ planes, int64_t num_planes,
+                const int64_t *__restrict__ blocks,
                 const uint64_t *__restrict__ slots, Index n, Index plane_begin,
                 Index chunk_vecs, Index total_vecs, bool to_host) {
   const Index stride = static_cast<Index>(gridDim.x) * kPieceVecs;
@@ -60,7 +65,7 @@ __global__ void __launch_bounds__(kThreads)
         const Index plane = plane_begin + chunk / n;
         const Index i = chunk - (chunk / n) * n;
         uint4 *gpu = reinterpret_cast<uint4 *>(planes[plane]) +
-                     blocks[i] * static_cast<int64_t>(chunk_vecs) + offset;
+                     blocks[i] * static_cast<int64_t>(planes[num_planes + plane]) + offset;
         uint4 *host = reinterpret_cast<uint4 *>(slots[i]) +
                       static_cast<int64_t>(plane) * chunk_vecs + offset;
         v[u] = to_host ? *gpu : *host;
@@ -144,10 +149,12 @@ class DeviceGuard {
   cudaError_t err_;
 };
 
-// Queues one copy_chunks launch over planes [plane_begin, plane_end).
-cudaError_t launch_copy(const uint64_t *planes, const int64_t *index, int64_t n,
-                        int64_t plane_begin, int64_t plane_end, int64_t chunk_bytes, bool to_host,
-                        int64_t max_ctas, cudaStream_t stream) {
+// Queues one copy_chunks launch over planes [plane_begin, plane_end) of
+// `num_planes` (planes: their addresses, then their strides in vectors).
+cudaError_t launch_copy(const uint64_t *planes, int64_t num_planes, const int64_t *index,
+                        int64_t n, int64_t plane_begin, int64_t plane_end,
+                        int64_t chunk_bytes, bool to_host, int64_t max_ctas,
+                        cudaStream_t stream) {
   const int64_t chunk_vecs = chunk_bytes / 16;
   const int64_t total_vecs = (plane_end - plane_begin) * n * chunk_vecs;
   const int64_t units = (total_vecs + kPieceVecs - 1) / kPieceVecs;
@@ -156,11 +163,12 @@ cudaError_t launch_copy(const uint64_t *planes, const int64_t *index, int64_t n,
   // The last step's base + kPieceVecs must fit as well as total_vecs.
   if (total_vecs + ctas * kPieceVecs <= static_cast<int64_t>(UINT32_MAX)) {
     copy_chunks<uint32_t><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-        planes, index, slots, static_cast<uint32_t>(n), static_cast<uint32_t>(plane_begin),
+        planes, num_planes, index, slots, static_cast<uint32_t>(n),
+        static_cast<uint32_t>(plane_begin),
         static_cast<uint32_t>(chunk_vecs), static_cast<uint32_t>(total_vecs), to_host);
   } else {
     copy_chunks<int64_t><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-        planes, index, slots, n, plane_begin, chunk_vecs, total_vecs, to_host);
+        planes, num_planes, index, slots, n, plane_begin, chunk_vecs, total_vecs, to_host);
   }
   return cudaGetLastError();
 }
@@ -177,7 +185,7 @@ constexpr int kRing = 8;
 struct KvOps {
   int device;
   cudaStream_t stream;
-  uint64_t *planes;  // device array, one base address per plane
+  uint64_t *planes;  // device array: each plane's base address, then its block stride in vectors
   int64_t num_planes, chunk_bytes, num_blocks;
   int64_t ctas[2];  // by direction: [load, save]
   int64_t nseg;
@@ -346,19 +354,26 @@ KV_EXPORT int kv_stage_index(const int64_t *blocks, const int64_t *slots, int64_
 }
 
 // A copier's sm-path state (KvOps above) for `num_planes` planes whose base
-// addresses are `plane_addrs` (host array), `num_blocks` blocks of
-// `chunk_bytes` each (a multiple of 16), copying to and from the `nseg` pool
-// segments mapped at device addresses `seg_bases`, on `stream`; launches use
+// addresses are `plane_addrs` and block strides `plane_strides` bytes (host
+// arrays; strides multiples of 16, at least chunk_bytes), `num_blocks`
+// blocks of `chunk_bytes` each (a multiple of 16), copying to and from the
+// `nseg` pool segments mapped at device addresses `seg_bases`, on `stream`; launches use
 // at most ctas_save / ctas_load CTAs. Index buffers start at min_entries int64s
 // and grow as ops need.
 KV_EXPORT int kv_ops_create(int device, void *stream, const uint64_t *plane_addrs,
-                            int64_t num_planes, int64_t chunk_bytes, int64_t num_blocks,
+                            const uint64_t *plane_strides, int64_t num_planes,
+                            int64_t chunk_bytes, int64_t num_blocks,
                             const uint64_t *seg_bases, int64_t nseg, int64_t ctas_save,
                             int64_t ctas_load, int64_t min_entries, KvOps **out) {
   *out = nullptr;
   if (num_planes <= 0 || chunk_bytes <= 0 || chunk_bytes % 16 != 0 || num_blocks <= 0 ||
       nseg <= 0 || ctas_save <= 0 || ctas_load <= 0 || min_entries <= 0) {
     return done(cudaErrorInvalidValue);
+  }
+  for (int64_t p = 0; p < num_planes; ++p) {
+    if (plane_strides[p] % 16 != 0 || plane_strides[p] < static_cast<uint64_t>(chunk_bytes)) {
+      return done(cudaErrorInvalidValue);
+    }
   }
   DeviceGuard guard(device);
   if (guard.error() != cudaSuccess) return done(guard.error());
@@ -379,11 +394,21 @@ KV_EXPORT int kv_ops_create(int device, void *stream, const uint64_t *plane_addr
   ops->ctas[1] = ctas_save;
   ops->nseg = nseg;
   ops->min_entries = min_entries;
-  const size_t plane_bytes = num_planes * sizeof(uint64_t);
+  uint64_t *table = static_cast<uint64_t *>(malloc(2 * num_planes * sizeof(uint64_t)));
+  if (table == nullptr) {
+    kv_ops_destroy(ops);
+    return done(cudaErrorMemoryAllocation);
+  }
+  for (int64_t p = 0; p < num_planes; ++p) {
+    table[p] = plane_addrs[p];
+    table[num_planes + p] = plane_strides[p] / 16;
+  }
+  const size_t plane_bytes = 2 * num_planes * sizeof(uint64_t);
   cudaError_t err = cudaMalloc(reinterpret_cast<void **>(&ops->planes), plane_bytes);
   if (err == cudaSuccess) {
-    err = cudaMemcpy(ops->planes, plane_addrs, plane_bytes, cudaMemcpyHostToDevice);
+    err = cudaMemcpy(ops->planes, table, plane_bytes, cudaMemcpyHostToDevice);
   }
+  free(table);
   if (err == cudaSuccess) err = cudaEventCreateWithFlags(&ops->ready, cudaEventDisableTiming);
   for (int r = 0; r < kRing && err == cudaSuccess; ++r) {
     err = cudaEventCreateWithFlags(&ops->copied[r], cudaEventDisableTiming);
@@ -469,7 +494,8 @@ KV_EXPORT int kv_ops_run(KvOps *ops, const int64_t *blocks, const int64_t *slots
   if (err == cudaSuccess) err = cudaStreamWaitEvent(stream, ops->ready, 0);
   for (int64_t g = 0, begin = 0; g < ngroups && err == cudaSuccess; begin = group_ends[g++]) {
     if (n > 0) {
-      err = launch_copy(ops->planes, ops->dev, n, begin, group_ends[g], ops->chunk_bytes,
+      err = launch_copy(ops->planes, ops->num_planes, ops->dev, n, begin, group_ends[g],
+                        ops->chunk_bytes,
                         to_host != 0, ops->ctas[to_host != 0], stream);
       queued = queued || err == cudaSuccess;
     }
