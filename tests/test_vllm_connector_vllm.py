@@ -147,6 +147,8 @@ class Engine:
         out = self.scheduler.schedule()
         if before_forward is not None:
             before_forward(out)
+        # As vLLM's GPU model runner does, before the inputs are prepared.
+        self.worker.handle_preemptions(out.kv_connector_metadata)
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs

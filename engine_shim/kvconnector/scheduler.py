@@ -11,14 +11,21 @@ Contract with vLLM's scheduler:
   must compute at least one token to get logits.
 - A hit found by a lookup may be evicted before the load runs; the worker
   then reports those blocks as load errors and vLLM recomputes them.
-- `request_finished` returns True (keep the blocks) while a save of the
-  request's new full blocks is pending; the workers report it finished.
+- Every full block is offered for saving in the step whose forward
+  completes it (`build_meta`), once; the sidecar makes it visible only when
+  every TP rank's copy has landed, so a block of a request preempted or
+  aborted before its save landed is never seen.
+- `request_finished` returns True (keep the blocks) when any save was
+  offered for the request; the workers report it finished sending once
+  those saves are done. A preempted request's blocks are freed at once:
+  the workers wait for its saves before the next forward (handle_preemptions).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +37,7 @@ from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.lookups import Lookups
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
+from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -44,29 +52,55 @@ class _Pending:
     keys: BlockKeys
 
 
+@dataclass
+class _Running:
+    """A request vLLM allocated blocks for."""
+
+    request: Any
+    offered: int
+    """Leading full blocks offered for saving, or loaded from the sidecar."""
+    saving: bool = False
+    """A save was offered: its blocks must outlive it (delayed free)."""
+
+
+BlockTable = Callable[[str], Sequence[int]]
+"""The engine block ids a request holds now, from its first block on."""
+
+
 class SchedulerSide:
     def __init__(
-        self, settings: ConnectorSettings, geometry: KVGeometry, *, use_block_hashes: bool
+        self,
+        settings: ConnectorSettings,
+        geometry: KVGeometry,
+        *,
+        use_block_hashes: bool,
+        block_table: BlockTable,
+        parallel: Parallel | None = None,
     ) -> None:
         """`use_block_hashes`: key blocks from `request.block_hashes` rather
-        than from the tokens (the glue decides; see vllm_connector)."""
+        than from the tokens (the glue decides; see vllm_connector).
+        `block_table(req_id)`: the request's engine blocks (vLLM's cache
+        manager knows them)."""
         self.settings, self.geometry = settings, geometry
         self.block_size = geometry.block_size
         self.use_block_hashes = use_block_hashes
+        self._block_table = block_table
         self._client = KVClient.connect(settings.endpoint, timeout=settings.timeout)
         try:
             self._client.register(
                 geometry.stand_in(),
                 engine_id=f"{settings.engine_id}-scheduler-{os.getpid()}",
+                tp_size=(parallel or Parallel()).shards,  # the workers' namespace
                 **geometry.register_args(settings),
             )
         except SidecarUnavailable as err:  # lookups re-register once it is up
             log.warning("kvsidecar: no sidecar yet (%s); every lookup misses until one is", err)
         self._lookups = Lookups(self._client, background=settings.lookup_async)
         self._pending: dict[str, _Pending] = {}
-        self._loaded_blocks: dict[str, int] = {}
+        self._running: dict[str, _Running] = {}
+        self._step = 0
         self._loads: list[LoadSpec] = []
-        self._saves: list[SaveSpec] = []
+        self._finished: list[str] = []
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """(tokens to load past `num_computed`, whether asynchronously), or
@@ -97,6 +131,7 @@ class SchedulerSide:
         pending = self._pending.get(req_id)
         if num_external_tokens == 0 or pending is None:
             self._forget(req_id)
+            self._track(request, 0)
             return
         skip = pending.num_computed // self.block_size
         end = skip + num_external_tokens // self.block_size
@@ -110,32 +145,63 @@ class SchedulerSide:
         blocks = np.asarray(block_ids[:end], dtype=np.int64)
         self._forget(req_id)
         self._loads.append(LoadSpec(req_id, BlockKeys(pending.keys[:end]), blocks, skip))
-        self._loaded_blocks[req_id] = end
+        self._track(request, end)
 
-    def build_meta(self) -> ConnectorMeta:
-        """This step's loads and saves; each is handed out once."""
-        meta = ConnectorMeta(tuple(self._loads), tuple(self._saves))
-        self._loads, self._saves = [], []
+    def build_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        """This step's loads, saves and finished requests; each is handed out
+        once. Every full block the step's forward completes is offered now
+        (chunked prefill and decode alike), so another request with the
+        same prefix hits while this one still runs. `scheduler_output`:
+        vLLM's, read before it advances the requests' computed tokens."""
+        preempted = tuple(scheduler_output.preempted_req_ids or ())
+        for req_id in preempted:
+            running = self._running.get(req_id)
+            if running is not None:  # its blocks are gone; re-tracked when it resumes
+                running.offered = 0
+        saves = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            running = self._running.get(req_id)
+            if running is not None and n > 0:
+                spec = self._fill_save(running, running.request.num_computed_tokens + n)
+                if spec is not None:
+                    saves.append(spec)
+        self._step += 1
+        meta = ConnectorMeta(
+            self._step, tuple(self._loads), tuple(saves), tuple(self._finished), preempted
+        )
+        self._loads, self._finished = [], []
         return meta
 
-    def finished(self, request: Any, block_ids: list[int]) -> bool:
-        """The request is done: save its computed full blocks that it did not
-        load from us. True: keep `block_ids` until a worker reports the save."""
+    def finished(self, request: Any) -> bool:
+        """The request is done (finished, aborted or dropped). True: keep its
+        blocks until the workers report every save offered for it done."""
         req_id = request.request_id
         self._forget(req_id)
-        loaded = self._loaded_blocks.pop(req_id, 0)
-        if not self._cacheable(request):
+        running = self._running.pop(req_id, None)
+        if running is None or not running.saving:
             return False
-        computed = min(request.num_computed_tokens, len(request.all_token_ids))
-        n = min(computed // self.block_size, len(block_ids))
-        if n <= loaded:
-            return False
-        keys = self.request_keys(request, n)
-        if len(keys) <= loaded:
-            return False
-        blocks = np.asarray(block_ids[: len(keys)], dtype=np.int64)
-        self._saves.append(SaveSpec(req_id, keys, blocks))
+        self._finished.append(req_id)
         return True
+
+    def _track(self, request: Any, loaded_blocks: int) -> None:
+        if self._cacheable(request):
+            running = self._running.setdefault(request.request_id, _Running(request, 0))
+            running.offered = loaded_blocks
+
+    def _fill_save(self, running: _Running, computed_after: int) -> SaveSpec | None:
+        """The save of the full blocks the step completes, if any."""
+        request = running.request
+        full = min(computed_after, len(request.all_token_ids)) // self.block_size
+        if full <= running.offered:
+            return None
+        table = self._block_table(request.request_id)
+        keys = self.request_keys(request, min(full, len(table)))
+        if len(keys) <= running.offered:
+            return None
+        blocks = np.asarray(table[: len(keys)], dtype=np.int64)
+        spec = SaveSpec(request.request_id, keys, blocks, len(keys) - running.offered)
+        running.offered, running.saving = len(keys), True
+        return spec
 
     def request_keys(self, request: Any, num_blocks: int) -> BlockKeys:
         """Keys of the request's first `num_blocks` full blocks (fewer if vLLM
