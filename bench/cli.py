@@ -17,6 +17,7 @@ BENCH_MODULES = (
     "bench.ttft",
     "bench.remote",
     "bench.router",
+    "bench.connector",
 )
 
 
