@@ -94,10 +94,14 @@ class StepOutput:
 
 
 def scheduler_side(
-    s: ConnectorSettings, *, use_block_hashes: bool = False, tables: Tables | None = None
+    s: ConnectorSettings,
+    *,
+    use_block_hashes: bool = False,
+    tables: Tables | None = None,
+    geometry: KVGeometry = GEOMETRY,
 ) -> SchedulerSide:
     return SchedulerSide(
-        s, GEOMETRY, use_block_hashes=use_block_hashes, block_table=tables or Tables()
+        s, geometry, use_block_hashes=use_block_hashes, block_table=tables or Tables()
     )
 
 
