@@ -184,9 +184,11 @@ class SchedulerSide:
         return True
 
     def _track(self, request: Any, loaded_blocks: int) -> None:
+        """A request was allocated blocks: first, or again after an
+        asynchronous load or a preemption (which reset what it offered)."""
         if self._cacheable(request):
             running = self._running.setdefault(request.request_id, _Running(request, 0))
-            running.offered = loaded_blocks
+            running.offered = max(running.offered, loaded_blocks)
 
     def _fill_save(self, running: _Running, computed_after: int) -> SaveSpec | None:
         """The save of the full blocks the step completes, if any."""
