@@ -226,9 +226,9 @@ class WorkerSide:
 
     def _save(self, step: int, spec: SaveSpec, ready: Any) -> None:
         """Copy the blocks to the sidecar (a failure is a later miss). Never raises."""
-        client = self._require_client()
         tag = (step, "save", spec.req_id)
         try:
+            client = self._require_client()
             with self._on_stream(ready):
                 if self._relay is not None and not self.parallel.leader:
                     plan = self._relay.take(tag, RELAY_WAIT * self.settings.timeout)
