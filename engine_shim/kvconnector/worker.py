@@ -5,8 +5,9 @@ Every sidecar call and copy runs on one thread of its own (the only user of
 the rank's client), in the order the steps queued them, so the step never
 waits for a save: `wait_for_save` queues the step's saves and returns. With
 CUDA KV the thread queues each copy on its own stream after an event
-recorded on the forward's stream at `wait_for_save`, so a save reads the
-blocks only once the forward has written them. vLLM keeps a finished
+recorded on the caller's stream (at `wait_for_save` for saves, so a save
+reads the blocks only once the forward has written them; at `start_load_kv`
+for loads, so a load lands after the work queued before it). vLLM keeps a finished
 request's blocks until `finished()` reports its saves done (delayed free);
 a preempted request's saves are waited for before the next forward
 (`handle_preemptions`). Asynchronous loads run on the same thread: a
@@ -111,8 +112,10 @@ class WorkerSide:
         planned and queued before this returns, so `wait_for_layer` can wait
         for them; a short hit is reported as load errors now."""
         self._require_client()
+        ready = self._stream_point() if meta.loads else None
         for spec in meta.loads:
-            future = self._pool.submit(self._load, meta.step, spec, not self.settings.load_async)
+            queue_only = not self.settings.load_async
+            future = self._pool.submit(self._load, meta.step, spec, queue_only, ready)
             if self.settings.load_async:
                 self._async_loads.append(_Load(spec, future))
                 continue
@@ -146,10 +149,7 @@ class WorkerSide:
         `meta.finished` are reported by `finished()` once all their saves
         queued so far are done."""
         self._end_sync_loads()
-        ready = None
-        if meta.saves and self._stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()  # where the forward's stream stands: the blocks are written
+        ready = self._stream_point() if meta.saves else None  # the forward wrote the blocks
         if self.parallel.saves:
             for spec in meta.saves:
                 self._pool.submit(self._save, meta.step, spec, ready)
@@ -190,12 +190,13 @@ class WorkerSide:
 
     # ---- on the transfer thread ------------------------------------------------------
 
-    def _load(self, step: int, spec: LoadSpec, queue_only: bool) -> tuple[Any, int]:
-        """(handle, blocks in the cache once it lands): copies queued, and
-        with `queue_only` false, landed and reported. Never raises."""
+    def _load(self, step: int, spec: LoadSpec, queue_only: bool, ready: Any) -> tuple[Any, int]:
+        """(handle, blocks in the cache once it lands): copies queued (after
+        `ready`: work queued before on the forward's stream may still use the
+        blocks), and with `queue_only` false, landed and reported. Never raises."""
         handle: TransferHandle | None = None
         try:
-            with self._on_stream(None):
+            with self._on_stream(ready):
                 handle, in_cache = self._plan_load(step, spec)
                 if handle is not None and not queue_only:
                     handle.wait()
@@ -246,6 +247,14 @@ class WorkerSide:
                 handle.wait()
         except Exception as err:
             log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
+
+    def _stream_point(self) -> Any:
+        """CUDA KV: an event where the caller's current stream stands now; else None."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @contextlib.contextmanager
     def _on_stream(self, ready: Any) -> Iterator[None]:
