@@ -512,3 +512,17 @@ def test_a_short_synchronous_load_is_reported_before_wait_for_save(make_pair):
     assert worker.finished() == (set(), set())
     assert worker.load_errors() == set()  # not reported again next step
     assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
+
+
+@pytest.mark.parametrize("use_block_hashes", [False, True])
+def test_keys_extended_block_by_block_equal_keys_hashed_at_once(make_pair, use_block_hashes):
+    """The scheduler side hashes only the blocks a step completes, from the
+    keys it has: the same keys as hashing the whole prefix again."""
+    sched, _, _ = make_pair(seed=8, use_block_hashes=use_block_hashes)
+    req = request("k", prompt(6 * BLOCK + 3, start=9))
+    whole = sched.request_keys(req, 6)
+    known = sched.request_keys(req, 2)
+    for n in (2, 3, 6):
+        known = sched.request_keys(req, n, known)
+        assert np.array_equal(known, whole[:n])
+    assert np.array_equal(sched.request_keys(req, 4, whole), whole[:4])

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from contract.ids import BlockKeys
+from contract.ids import BlockKeys, key_at
 from engine_shim.channel import SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
@@ -61,6 +61,8 @@ class _Running:
     """Leading full blocks offered for saving, or loaded from the sidecar."""
     saving: bool = False
     """A save was offered: its blocks must outlive it (delayed free)."""
+    keys: BlockKeys | None = None
+    """Its leading blocks' keys so far: each step hashes only its new blocks."""
 
 
 BlockTable = Callable[[str], Sequence[int]]
@@ -197,7 +199,7 @@ class SchedulerSide:
         if full <= running.offered:
             return None
         table = self._block_table(request.request_id)
-        keys = self.request_keys(request, min(full, len(table)))
+        keys = running.keys = self.request_keys(request, min(full, len(table)), running.keys)
         if len(keys) <= running.offered:
             return None
         blocks = np.asarray(table[: len(keys)], dtype=np.int64)
@@ -205,13 +207,25 @@ class SchedulerSide:
         running.offered, running.saving = len(keys), True
         return spec
 
-    def request_keys(self, request: Any, num_blocks: int) -> BlockKeys:
+    def request_keys(
+        self, request: Any, num_blocks: int, known: BlockKeys | None = None
+    ) -> BlockKeys:
         """Keys of the request's first `num_blocks` full blocks (fewer if vLLM
-        has not hashed that many yet)."""
+        has not hashed that many yet); `known`: keys of its first blocks
+        already computed, which the new ones extend."""
+        done = 0 if known is None else min(len(known), num_blocks)
+        if known is not None and done == num_blocks:
+            return BlockKeys(known[:num_blocks])
+        parent = None if not done else key_at(known, done - 1)  # type: ignore[arg-type]
         if self.use_block_hashes:
-            return self._client.digest_keys(list(request.block_hashes[:num_blocks]))
-        tokens = request.all_token_ids[: num_blocks * self.block_size]
-        return self._client.block_keys(np.asarray(tokens, dtype=np.int64))
+            digests = list(request.block_hashes[done:num_blocks])
+            new = self._client.digest_keys(digests, parent)
+        else:
+            tokens = request.all_token_ids[done * self.block_size : num_blocks * self.block_size]
+            new = self._client.block_keys(np.asarray(tokens, dtype=np.int64), parent)
+        if not done:
+            return new
+        return BlockKeys(np.concatenate([known[:done], new]))  # type: ignore[index]
 
     def _forget(self, req_id: str) -> None:
         """Drop the request's lookup result and pending hit."""
