@@ -99,6 +99,8 @@ class SchedulerSide:
             log.warning("kvsidecar: no sidecar yet (%s); every lookup misses until one is", err)
         self._lookups = Lookups(self._client, background=settings.lookup_async)
         self._pending: dict[str, _Pending] = {}
+        self._prompt_keys: dict[str, BlockKeys] = {}
+        """Keys hashed for a request's lookup, kept until it is allocated."""
         self._running: dict[str, _Running] = {}
         self._step = 0
         self._loads: list[LoadSpec] = []
@@ -115,7 +117,12 @@ class SchedulerSide:
         loadable = (len(request.all_token_ids) - 1) // self.block_size
         if loadable * self.block_size <= num_computed:
             return 0, False
-        keys = self.request_keys(request, loadable)
+        keys = self._prompt_keys.get(request.request_id)
+        if keys is None or len(keys) < loadable:
+            running = self._running.get(request.request_id)  # a preempted one, resuming
+            known = keys if keys is not None else (running.keys if running else None)
+            keys = self.request_keys(request, loadable, known)
+            self._prompt_keys[request.request_id] = keys
         hit = self._lookups.poll(request.request_id, keys)
         if hit is None:
             return None, False
@@ -131,9 +138,10 @@ class SchedulerSide:
         and will have `num_external_tokens` loaded past the local hit."""
         req_id = request.request_id
         pending = self._pending.get(req_id)
+        keys = self._prompt_keys.get(req_id)
         if num_external_tokens == 0 or pending is None:
             self._forget(req_id)
-            self._track(request, 0)
+            self._track(request, 0, keys)
             return
         skip = pending.num_computed // self.block_size
         end = skip + num_external_tokens // self.block_size
@@ -147,7 +155,7 @@ class SchedulerSide:
         blocks = np.asarray(block_ids[:end], dtype=np.int64)
         self._forget(req_id)
         self._loads.append(LoadSpec(req_id, BlockKeys(pending.keys[:end]), blocks, skip))
-        self._track(request, end)
+        self._track(request, end, keys)
 
     def build_meta(self, scheduler_output: Any) -> ConnectorMeta:
         """This step's loads, saves and finished requests; each is handed out
@@ -185,12 +193,15 @@ class SchedulerSide:
         self._finished.append(req_id)
         return True
 
-    def _track(self, request: Any, loaded_blocks: int) -> None:
+    def _track(self, request: Any, loaded_blocks: int, keys: BlockKeys | None) -> None:
         """A request was allocated blocks: first, or again after an
-        asynchronous load or a preemption (which reset what it offered)."""
+        asynchronous load or a preemption (which reset what it offered).
+        `keys`: its leading blocks' keys, hashed for its lookup."""
         if self._cacheable(request):
             running = self._running.setdefault(request.request_id, _Running(request, 0))
             running.offered = max(running.offered, loaded_blocks)
+            if keys is not None and (running.keys is None or len(keys) > len(running.keys)):
+                running.keys = keys
 
     def _fill_save(self, running: _Running, computed_after: int) -> SaveSpec | None:
         """The save of the full blocks the step completes, if any."""
@@ -228,9 +239,10 @@ class SchedulerSide:
         return BlockKeys(np.concatenate([known[:done], new]))  # type: ignore[index]
 
     def _forget(self, req_id: str) -> None:
-        """Drop the request's lookup result and pending hit."""
+        """Drop the request's lookup result, pending hit and lookup keys."""
         self._lookups.forget(req_id)
         self._pending.pop(req_id, None)
+        self._prompt_keys.pop(req_id, None)
 
     def _cacheable(self, request: Any) -> bool:
         """Token keys know nothing of images, LoRA adapters, cache salts or
