@@ -9,6 +9,7 @@ asynchronously and synchronously layer by layer, byte for byte.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -61,8 +62,6 @@ def finished_eventually(worker: WorkerSide) -> tuple[set[str], set[str]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("load_async", [True, False])
 def test_saves_follow_the_forward_stream_and_load_back_exactly(sidecar, dtype, load_async):
-    import dataclasses
-
     geometry = dataclasses.replace(GEOMETRY, dtype=dtype)
     s = settings(sidecar.endpoint, load_async=load_async)
     kv = cuda_kv(dtype)
