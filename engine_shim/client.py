@@ -369,6 +369,13 @@ class KVClient:
         nothing is copied, and the plan died with that sidecar."""
         return self._run(plan, 0)
 
+    def cancel(self, plan: PlanOps) -> None:
+        """Tell the sidecar this rank will never run `plan` (another rank of
+        the engine asked for it, and it came too late): the plan is rolled
+        back. Best effort: a restarted sidecar took its plans along."""
+        if plan.boot_id == self._boot_id:
+            self._give_back(plan.plan_id)
+
     def exists(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
         """Whether every full block of `token_ids` is cached."""
         keys = self._keys(token_ids)

@@ -25,6 +25,7 @@ from vllm_helpers import (
     settings,
 )
 
+from engine_shim.channel import SidecarError
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
 from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.relay import RankRelay
@@ -111,17 +112,67 @@ def test_two_ranks_save_and_load_their_own_shards(sidecar, load_async):
             worker.close()
 
 
-def test_a_follower_without_its_leader_reports_the_load_for_recompute(sidecar):
+def save_through(sched: SchedulerSide, workers: list[WorkerSide], tables: Tables, tokens):
+    """Request "a" computes `tokens` in one step on every rank and finishes."""
+    req = request("a", tokens)
+    tables["a"] = list(range(len(tokens) // BLOCK + 1))
+    sched.after_alloc(req, tables["a"], 0)
+    meta = sched.build_meta(StepOutput({"a": len(tokens)}))
+    for worker in workers:
+        worker.run_saves(meta)
+    req.num_computed_tokens = len(tokens)
+    assert sched.finished(req) is True
+    meta = sched.build_meta(StepOutput())
+    for worker in workers:
+        worker.run_saves(meta)
+    all_finished(workers, ({"a"}, set()))
+
+
+def test_a_follower_without_its_leader_recomputes_and_cancels_the_late_plan(sidecar):
+    """The follower gives up on its leader's plan (RELAY_WAIT timeouts) and
+    reports the load for recompute; the plan that comes later is cancelled,
+    not run, so the sidecar unlocks its blocks."""
     s = settings(sidecar.endpoint, timeout=0.2)
-    follower = WorkerSide(s, GEOMETRY, Parallel(1, 2))
+    leader, follower = (WorkerSide(s, GEOMETRY, Parallel(rank, 2)) for rank in range(2))
+    tables = Tables()
+    sched = SchedulerSide(
+        s, GEOMETRY, use_block_hashes=False, block_table=tables, parallel=Parallel(0, 2)
+    )
     try:
-        follower.register(kv_caches(seed=12))  # rank 0 never registers
-        keys = follower._require_client().block_keys(prompt(2 * BLOCK))
-        spec = LoadSpec("x", keys, np.array([4, 5]), 0)
-        follower.start_loads(ConnectorMeta(step=1, loads=(spec,)))
-        all_finished([follower], (set(), {"x"}))  # after RELAY_WAIT timeouts
-        assert follower.load_errors() == {4, 5}
+        leader.register(kv_caches(seed=12))
+        follower_kv = kv_caches(seed=13)
+        follower.register(follower_kv)
+        untouched = blocks_of(follower_kv, [8, 9])
+        tokens = prompt(2 * BLOCK + 1, start=70)
+        save_through(sched, [leader, follower], tables, tokens)
+        keys = sched.request_keys(request("b", tokens), 2)
+        late = ConnectorMeta(step=100, loads=(LoadSpec("b", keys, np.array([8, 9]), 0),))
+        follower.start_loads(late)  # the leader is not there yet
+        all_finished([follower], (set(), {"b"}))
+        assert follower.load_errors() == {8, 9}
+        leader.start_loads(late)  # now it plans and copies, and relays the plan
+        all_finished([leader], (set(), {"b"}))
+        with pytest.raises(SidecarError, match=r"(?i)busy|in use"):
+            sched._client.delete(tokens[: 2 * BLOCK])  # the plan still locks the blocks
+
+        on_time = ConnectorMeta(step=101, loads=(LoadSpec("c", keys, np.array([12, 13]), 0),))
+        leader.start_loads(on_time)
+        follower.start_loads(on_time)  # takes its plan, cancels the late one first
+        all_finished([leader, follower], (set(), {"c"}))
+        assert follower.load_errors() == set() and leader.load_errors() == set()
+        deadline = time.monotonic() + DEADLINE
+        while True:  # the late plan is rolled back: nothing locks the blocks
+            try:
+                assert sched._client.delete(tokens[: 2 * BLOCK]) == 1  # the 2nd block
+                break
+            except SidecarError:
+                assert time.monotonic() < deadline, "the late plan still holds the blocks"
+                time.sleep(0.01)
+        for got, want in zip(blocks_of(follower_kv, [8, 9]), untouched, strict=True):
+            assert np.array_equal(got, want), "the late plan was run, not cancelled"
     finally:
+        sched.close()
+        leader.close()
         follower.close()
 
 

@@ -40,7 +40,7 @@ from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
 from engine_shim.kvconnector.parallel import Parallel
-from engine_shim.kvconnector.relay import RankRelay
+from engine_shim.kvconnector.relay import RankRelay, Tag
 from engine_shim.kvconnector.settings import ConnectorSettings
 from engine_shim.transfer import TransferHandle
 
@@ -78,6 +78,8 @@ class WorkerSide:
         self._finals: list[Future[str]] = []
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._abandoned: set[Tag] = set()
+        """Follower: plans it gave up waiting for (cancelled if they come)."""
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register vLLM's `{layer name: [B, H, N, C] view}` (model order) with
@@ -210,7 +212,7 @@ class WorkerSide:
         tag = (step, "load", spec.req_id)
         skip = spec.skip_blocks * self.block_size
         if self._relay is not None and not self.parallel.leader:
-            got = self._relay.take(tag, RELAY_WAIT * self.settings.timeout)
+            got = self._leader_plan(tag)
             if got is None:  # the leader's load failed
                 return None, spec.skip_blocks
             plan, num_tokens = got
@@ -232,7 +234,7 @@ class WorkerSide:
             client = self._require_client()
             with self._on_stream(ready):
                 if self._relay is not None and not self.parallel.leader:
-                    plan = self._relay.take(tag, RELAY_WAIT * self.settings.timeout)
+                    plan = self._leader_plan(tag)
                     if plan is not None:
                         client.execute(plan).wait()
                     return
@@ -255,6 +257,25 @@ class WorkerSide:
         event = torch.cuda.Event()
         event.record()
         return event
+
+    def _leader_plan(self, tag: Tag) -> Any:
+        """Follower: what the leader sent under `tag`; TimeoutError after
+        RELAY_WAIT client timeouts. A plan that comes after its follower gave
+        up is cancelled (its slots go back), never run: the blocks it names
+        may be another request's by then."""
+        assert self._relay is not None
+        client = self._require_client()
+        for late_tag, payload in self._relay.late(self._abandoned).items():
+            self._abandoned.discard(late_tag)
+            plan = payload[0] if late_tag[1] == "load" and payload is not None else payload
+            if plan is not None:
+                log.warning("kvsidecar: cancelling the leader's late plan for %s", late_tag)
+                client.cancel(plan)
+        try:
+            return self._relay.take(tag, RELAY_WAIT * self.settings.timeout)
+        except TimeoutError:
+            self._abandoned.add(tag)
+            raise
 
     @contextlib.contextmanager
     def _on_stream(self, ready: Any) -> Iterator[None]:
