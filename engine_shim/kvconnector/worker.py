@@ -204,7 +204,8 @@ class WorkerSide:
                     handle.wait()
             return handle, in_cache
         except Exception as err:
-            log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err, exc_info=True)
+            unexpected = not isinstance(err, TRANSFER_ERRORS)  # a bug: its traceback too
+            log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err, exc_info=unexpected)
             return None, spec.skip_blocks
 
     def _plan_load(self, step: int, spec: LoadSpec) -> tuple[TransferHandle | None, int]:
