@@ -18,6 +18,7 @@ BENCH_MODULES = (
     "bench.remote",
     "bench.router",
     "bench.sglang",
+    "bench.connector",
 )
 
 

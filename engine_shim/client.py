@@ -37,7 +37,7 @@ from contract import protocol as p
 from contract import replies as r
 from contract.blocks import KeyHasher, Namespace
 from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
-from contract.ids import BlockKeys
+from contract.ids import BlockKey, BlockKeys
 from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
@@ -381,6 +381,13 @@ class KVClient:
         nothing is copied, and the plan died with that sidecar."""
         return self._run(plan, 0)
 
+    def cancel(self, plan: PlanOps) -> None:
+        """Tell the sidecar this rank will never run `plan` (another rank of
+        the engine asked for it, and it came too late): the plan is rolled
+        back. Best effort: a restarted sidecar took its plans along."""
+        if plan.boot_id == self._boot_id:
+            self._give_back(plan.plan_id)
+
     def exists(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bool:
         """Whether every full block of `token_ids` is cached."""
         keys = self._keys(token_ids)
@@ -436,21 +443,28 @@ class KVClient:
     def _req(self, kind: type, **fields: Any) -> Any:
         return kind(v=p.PROTOCOL_VERSION, id=0, session=self.session, **fields)
 
-    def block_keys(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> BlockKeys:
-        """The keys of the full blocks of `token_ids` in this client's namespace."""
-        return self._keys(token_ids)
+    def block_keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        parent: BlockKey | None = None,
+    ) -> BlockKeys:
+        """The keys of the full blocks of `token_ids` in this client's
+        namespace; `parent`: the key of the block before them (None: they
+        start the sequence), so a longer sequence's keys extend a shorter's."""
+        return self._keys(token_ids, parent)
 
-    def digest_keys(self, digests: Sequence[bytes]) -> BlockKeys:
+    def digest_keys(self, digests: Sequence[bytes], parent: BlockKey | None = None) -> BlockKeys:
         """Keys, in this client's namespace, of blocks the engine already
         identifies by chained digests of its own (vLLM's block hashes), one
-        per full block of tokens_per_block tokens; see KeyHasher.hash_digests."""
-        return self._hasher.hash_digests(digests)
+        per full block of tokens_per_block tokens; see KeyHasher.hash_digests.
+        `parent` as for `block_keys`."""
+        return self._hasher.hash_digests(digests, parent)
 
-    def _keys(self, token_ids: Any) -> BlockKeys:
+    def _keys(self, token_ids: Any, parent: BlockKey | None = None) -> BlockKeys:
         hasher = self._hasher
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.detach().cpu().numpy()
-        return hasher.hash_tokens(token_ids)
+        return hasher.hash_tokens(token_ids, parent)
 
     def _run(self, plan: PlanOps | None, num_tokens: int) -> TransferHandle:
         """Copy this rank's shard for every op and report them all at once: a

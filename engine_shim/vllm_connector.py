@@ -10,10 +10,15 @@ base, the first time `KVSidecarConnector` is looked up (as vLLM's factory
 does). The logic lives in `engine_shim.kvconnector`; here vLLM's config is
 read once into its settings and geometry, and every hook is forwarded.
 
-Supported: TP=1, PP=1, one KV cache group of full attention (MLA included),
-every KV cache layout (`VLLM_KV_CACHE_LAYOUT`: layer-compact, head-outer
-LHBNC, cross-layer) and padded pages. Anything else is refused with a
-ValueError when vLLM creates the connector.
+Supported: any tensor-parallel size (ranks on one host, one sidecar), PP=1,
+one KV cache group of full attention (MLA included: one copy stored, loaded
+into every rank), every KV cache layout (`VLLM_KV_CACHE_LAYOUT`:
+layer-compact, head-outer LHBNC, cross-layer) and padded pages.
+Sliding-window models run with vLLM's hybrid allocator off (vLLM turns it
+off for a connector that is not `SupportsHMA`), which gives one group of
+full attention; a model that still has several groups (Mamba hybrids, or
+`--enable-hybrid-kv-cache-manager`) is refused naming them. Anything else is
+refused with a ValueError when vLLM creates the connector.
 """
 
 from __future__ import annotations
@@ -25,18 +30,26 @@ from typing import Any
 import torch
 
 from engine_shim.kvconnector.geometry import KVGeometry
+from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
 TARGET_VLLM = "0.33"
+FULL_ATTENTION = ("FullAttentionSpec", "MLAAttentionSpec")
 SHAREABLE_HASH_ALGOS = ("sha256", "sha256_cbor")
 """vLLM hash algorithms collision-resistant enough to key a shared cache
 (xxhash is not). Their hashes are the same in every process only with
 PYTHONHASHSEED set: else vLLM starts every chain from random bytes drawn
 per process (`init_none_hash`)."""
 
-__all__ = ["KVSidecarConnector", "geometry_of", "settings_of", "uses_block_hashes"]  # noqa: F822
+__all__ = [  # noqa: F822
+    "KVSidecarConnector",
+    "geometry_of",
+    "parallel_of",
+    "settings_of",
+    "uses_block_hashes",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -51,34 +64,60 @@ def settings_of(vllm_config: Any) -> ConnectorSettings:
     """The connector settings of a vLLM config; ValueError for a deployment
     this connector does not support."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise ValueError(
-            "KVSidecarConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-            f"only, not TP={parallel.tensor_parallel_size} PP={parallel.pipeline_parallel_size}"
+            "KVSidecarConnector does not support pipeline parallelism "
+            f"(pipeline_parallel_size={parallel.pipeline_parallel_size}): use "
+            "--pipeline-parallel-size 1 (tensor parallelism of any size is supported)"
         )
     transfer = vllm_config.kv_transfer_config
     model = vllm_config.model_config
+    dp_rank = getattr(parallel, "data_parallel_rank", 0) or 0
     return ConnectorSettings.from_extra_config(
         transfer.kv_connector_extra_config,
         model_name=model.model,
         model_revision=model.revision or "unpinned",
-        engine_id=f"vllm-{transfer.engine_id}",
+        engine_id=f"vllm-{transfer.engine_id}-dp{dp_rank}",
     )
+
+
+def parallel_of(vllm_config: Any, kv_cache_config: Any, role_is_worker: bool) -> Parallel:
+    """This process's place among the engine's TP ranks (the scheduler's: rank 0)."""
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    one_copy = type(kv_cache_config.kv_cache_groups[0].kv_cache_spec).__name__ == (
+        "MLAAttentionSpec"
+    )
+    rank = 0
+    if role_is_worker and tp_size > 1:
+        from vllm.distributed import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            raise ValueError(
+                f"KVSidecarConnector: tensor_parallel_size={tp_size} but vLLM's "
+                "tensor-parallel group is not initialized in this worker"
+            )
+        rank = parallel_state.get_tensor_model_parallel_rank()
+    return Parallel(tp_rank=rank, tp_size=tp_size, one_copy=one_copy)
 
 
 def geometry_of(kv_cache_config: Any, vllm_config: Any) -> KVGeometry:
     """The KV geometry of vLLM's KV cache config: one group of full attention
     (MLA included), in any KV cache layout; a padded page counts its payload."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    others = [
+        f"group {i} ({kind}, layers {g.layer_names[0]}..)"
+        for i, (g, kind) in enumerate(zip(groups, kinds, strict=True))
+        if kind not in FULL_ATTENTION
+    ]
+    if len(groups) != 1 or others:
         raise ValueError(
-            f"KVSidecarConnector needs one KV cache group, this model has {len(groups)} "
-            "(hybrid attention is not supported)"
+            "KVSidecarConnector caches one KV cache group of full attention; this model has "
+            f"{len(groups)} groups ({', '.join(kinds)}); not cacheable: "
+            f"{', '.join(others) or 'the groups past the first'}. Leave vLLM's hybrid KV "
+            "cache manager off (the default with this connector) for sliding-window models"
         )
     spec = groups[0].kv_cache_spec
-    kind = type(spec).__name__
-    if kind not in ("FullAttentionSpec", "MLAAttentionSpec"):
-        raise ValueError(f"KVSidecarConnector caches full attention only, not {kind}")
     layout = kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
     itemsize = torch.empty(0, dtype=spec.dtype).element_size()
     return KVGeometry(
@@ -146,13 +185,21 @@ def _connector_class() -> type:
                     "'recompute' in --kv-transfer-config"
                 )
             geometry = geometry_of(kv_cache_config, vllm_config)
+            is_worker = role != KVConnectorRole.SCHEDULER
+            parallel = parallel_of(vllm_config, kv_cache_config, is_worker)
             self._scheduler: SchedulerSide | None = None
             self._worker: WorkerSide | None = None
-            if role == KVConnectorRole.SCHEDULER:
+            if not is_worker:
                 hashes = uses_block_hashes(settings, vllm_config, geometry.block_size)
-                self._scheduler = SchedulerSide(settings, geometry, use_block_hashes=hashes)
+                self._scheduler = SchedulerSide(
+                    settings,
+                    geometry,
+                    use_block_hashes=hashes,
+                    block_table=self._block_table,
+                    parallel=parallel,
+                )
             else:
-                self._worker = WorkerSide(settings, geometry)
+                self._worker = WorkerSide(settings, geometry, parallel)
 
         @property
         def requires_kv_delivery(self) -> bool:
@@ -170,24 +217,35 @@ def _connector_class() -> type:
             self, request: Any, blocks: Any, num_external_tokens: int
         ) -> None:
             assert self._scheduler is not None
-            block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+            block_ids = blocks.get_block_ids()[0]
             self._scheduler.after_alloc(request, list(block_ids), num_external_tokens)
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             assert self._scheduler is not None
-            return self._scheduler.build_meta()
+            return self._scheduler.build_meta(scheduler_output)
 
         def request_finished(
             self, request: Any, block_ids: list[int]
         ) -> tuple[bool, dict[str, Any] | None]:
             assert self._scheduler is not None
-            return self._scheduler.finished(request, list(block_ids)), None
+            return self._scheduler.finished(request), None
+
+        def _block_table(self, req_id: str) -> list[int]:
+            """The request's engine blocks, from vLLM's cache manager (bound
+            by the scheduler after this connector is made)."""
+            manager = self._kv_cache_manager
+            assert manager is not None, "vLLM binds its KV cache manager before scheduling"
+            return list(manager.get_block_ids(req_id)[0])
 
         # ---- worker side ------------------------------------------------------------
 
         def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
             assert self._worker is not None
             self._worker.register(kv_caches)
+
+        def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+            assert self._worker is not None
+            self._worker.handle_preemptions(kv_connector_metadata)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             assert self._worker is not None
@@ -200,7 +258,8 @@ def _connector_class() -> type:
         def save_kv_layer(
             self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
         ) -> None:
-            """Nothing per layer: whole blocks are saved when a request finishes."""
+            """Nothing per layer: the step's full blocks are saved together,
+            on the transfer thread, once `wait_for_save` queues them."""
 
         def wait_for_save(self) -> None:
             assert self._worker is not None

@@ -12,7 +12,19 @@ import numpy as np
 import pytest
 import torch
 from sidecar_proc import DEADLINE, Sidecar
-from vllm_helpers import BLOCK, GEOMETRY, blocks_of, halves, kv_caches, prompt, request, settings
+from vllm_helpers import (
+    BLOCK,
+    GEOMETRY,
+    StepOutput,
+    blocks_of,
+    halves,
+    kv_caches,
+    prompt,
+    request,
+    scheduler_side,
+    settings,
+    tables_of,
+)
 
 import engine_shim.vllm_connector as glue
 from engine_shim.client import KVClient, SidecarUnavailable
@@ -55,13 +67,37 @@ def pair(make_pair):
     return make_pair()
 
 
+def finished_eventually(worker: WorkerSide) -> tuple[set[str], set[str]]:
+    """worker.finished() once it reports something (the transfers run on a thread)."""
+    deadline = time.monotonic() + DEADLINE
+    while not any(got := worker.finished()):
+        assert time.monotonic() < deadline, "nothing finished"
+        time.sleep(0.002)
+    return got
+
+
+def step(sched: SchedulerSide, worker: WorkerSide, scheduled: dict[str, int]) -> ConnectorMeta:
+    """One vLLM step computing `scheduled` tokens per request: the worker
+    runs its loads and queues its saves."""
+    meta = sched.build_meta(StepOutput(scheduled))
+    worker.start_loads(meta)
+    worker.run_saves(meta)
+    return meta
+
+
 def save(sched: SchedulerSide, worker: WorkerSide, req, block_ids: list[int]) -> None:
-    """vLLM finishing `req`: the save runs in the next step, then frees the blocks."""
-    req.num_computed_tokens = len(req.all_token_ids) - 1
-    assert sched.finished(req, block_ids) is True  # keep the blocks: a save is pending
-    assert worker.finished() == (set(), set())
-    worker.run_saves(sched.build_meta())
-    assert worker.finished() == ({req.request_id}, set())
+    """vLLM prefilling `req` in one step, then finishing it: its full blocks
+    are offered in the step, vLLM keeps them until the save is reported."""
+    tables_of(sched)[req.request_id] = block_ids
+    sched.after_alloc(req, block_ids, 0)
+    n = len(req.all_token_ids)
+    meta = step(sched, worker, {req.request_id: n})
+    assert [s.req_id for s in meta.saves] == ([req.request_id] if n >= BLOCK else [])
+    req.num_computed_tokens = n
+    assert sched.finished(req) is (n >= BLOCK)  # keep the blocks: a save is pending
+    if n >= BLOCK:
+        step(sched, worker, {})
+        assert finished_eventually(worker) == ({req.request_id}, set())
 
 
 def cached(sched: SchedulerSide, worker: WorkerSide, tokens: list[int], block_ids: list[int]):
@@ -79,13 +115,13 @@ def test_lookup_then_load_is_byte_exact(pair):
     req = request("b", tokens)
     assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
     sched.after_alloc(req, [10, 11, 12, 13], 3 * BLOCK)
-    meta = sched.build_meta()
+    meta = sched.build_meta(StepOutput())
     assert [(s.req_id, s.block_ids.tolist(), s.skip_blocks) for s in meta.loads] == [
         ("b", [10, 11, 12], 0)
     ]
-    assert sched.build_meta() == ConnectorMeta()  # handed out once
+    assert sched.build_meta(StepOutput()).loads == ()  # handed out once
     worker.start_loads(meta)
-    assert worker.finished() == (set(), {"b"})
+    assert finished_eventually(worker) == (set(), {"b"})
     assert worker.load_errors() == set()
     for got, expected in zip(blocks_of(kv, [10, 11, 12]), want, strict=True):
         assert np.array_equal(got, expected)
@@ -101,8 +137,8 @@ def test_a_local_hit_is_skipped_and_the_last_token_never_claimed(pair):
     assert sched.num_new_matched_tokens(req, 2 * BLOCK) == (0, False)
     assert sched.num_new_matched_tokens(req, BLOCK) == (BLOCK, True)
     sched.after_alloc(req, [20, 21, 22], BLOCK)
-    worker.start_loads(sched.build_meta())
-    assert worker.finished() == (set(), {"b"})
+    worker.start_loads(sched.build_meta(StepOutput()))
+    assert finished_eventually(worker) == (set(), {"b"})
     assert not blocks_of(kv, [20])[0].any(), "the local hit was overwritten"
     assert np.array_equal(blocks_of(kv, [21])[0], blocks_of(kv, [1])[0])
 
@@ -128,24 +164,65 @@ def test_ask_again_while_the_lookup_is_in_flight(sidecar, make_pair):
     # The answer stands until allocation: asking again does not look up again.
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
     sched.after_alloc(req, [5, 6, 7], 2 * BLOCK)
-    worker.start_loads(sched.build_meta())
-    assert worker.finished() == (set(), {"b"})
+    worker.start_loads(sched.build_meta(StepOutput()))
+    assert finished_eventually(worker) == (set(), {"b"})
 
 
-def test_a_finished_request_saves_only_what_it_did_not_load(pair):
+def test_a_request_offers_only_what_it_did_not_load(pair):
     sched, worker, _ = pair
     tokens = prompt(2 * BLOCK + 3)
     req = cached(sched, worker, tokens, [0, 1, 2])
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, True)
+    tables_of(sched)["b"] = [4, 5, 6]
     sched.after_alloc(req, [4, 5, 6], 2 * BLOCK)
-    worker.start_loads(sched.build_meta())
-    worker.finished()
+    worker.start_loads(sched.build_meta(StepOutput()))
+    finished_eventually(worker)
+    req.num_computed_tokens = 2 * BLOCK
+    assert step(sched, worker, {"b": 3}).saves == ()  # no block completed past the load
     req.num_computed_tokens = len(tokens)
-    assert sched.finished(req, [4, 5, 6]) is False  # nothing new: free at once
+    assert sched.finished(req) is False  # nothing offered: free at once
     short = request("c", prompt(BLOCK - 1))
-    short.num_computed_tokens = BLOCK - 1
-    assert sched.finished(short, [7]) is False
-    assert sched.build_meta() == ConnectorMeta()
+    tables_of(sched)["c"] = [7]
+    sched.after_alloc(short, [7], 0)
+    assert step(sched, worker, {"c": BLOCK - 1}).saves == ()
+    assert sched.finished(short) is False
+    assert sched.build_meta(StepOutput()) == ConnectorMeta(step=sched._step)
+
+
+def test_each_block_is_offered_in_the_step_that_completes_it(pair):
+    """Chunked prefill then decode: every full block is offered once, in its
+    step; a second request hits the prefix while the first still runs."""
+    sched, worker, kv = pair
+    tokens = prompt(3 * BLOCK + 2, start=40)
+    req = request("a", tokens)
+    tables_of(sched)["a"] = [5, 6, 7, 8]
+    sched.after_alloc(req, [5, 6, 7, 8], 0)
+    offered = []
+    for n in (BLOCK + 3, BLOCK, BLOCK - 3 + 2):  # three chunks of the prompt
+        meta = step(sched, worker, {"a": n})
+        offered.append([(s.block_ids.tolist(), s.new_blocks) for s in meta.saves])
+        req.num_computed_tokens += n
+    assert offered == [[([5], 1)], [([5, 6], 1)], [([5, 6, 7], 1)]]
+    other = request("b", tokens)
+    deadline = time.monotonic() + DEADLINE
+    while sched.num_new_matched_tokens(other, 0) != (3 * BLOCK, True):  # saves land
+        sched._forget("b")
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    req.all_token_ids += list(range(BLOCK - 2))  # decode up to the end of block 3
+    for _ in range(BLOCK - 2):
+        meta = step(sched, worker, {"a": 1})
+        req.num_computed_tokens += 1
+    assert [(s.block_ids.tolist(), s.new_blocks) for s in meta.saves] == [([5, 6, 7, 8], 1)]
+    assert sched.finished(req) is True
+    step(sched, worker, {})
+    assert finished_eventually(worker) == ({"a"}, set())
+    tables_of(sched)["b"] = [20, 21, 22]
+    sched.after_alloc(other, [20, 21, 22], 3 * BLOCK)
+    worker.start_loads(sched.build_meta(StepOutput()))
+    assert finished_eventually(worker) == (set(), {"b"})
+    for got, want in zip(blocks_of(kv, [20, 21, 22]), blocks_of(kv, [5, 6, 7]), strict=True):
+        assert np.array_equal(got, want)
 
 
 def test_vllm_block_hashes_key_the_blocks(make_pair):
@@ -155,7 +232,7 @@ def test_vllm_block_hashes_key_the_blocks(make_pair):
     assert sched.num_new_matched_tokens(request("b", tokens), 0) == (2 * BLOCK, True)
     # Other hashes of the same tokens (another cache salt, an image): a miss.
     assert sched.num_new_matched_tokens(request("c", tokens, salt=b"x"), 0) == (0, False)
-    by_tokens = SchedulerSide(sched.settings, GEOMETRY, use_block_hashes=False)
+    by_tokens = scheduler_side(sched.settings, use_block_hashes=False)
     try:  # the two key sources never meet
         assert by_tokens.num_new_matched_tokens(request("d", tokens), 0) == (0, False)
     finally:
@@ -177,8 +254,9 @@ def test_token_keys_skip_requests_their_tokens_do_not_describe(pair):
         for name, value in extra.items():
             setattr(req, name, value)
         assert sched.num_new_matched_tokens(req, 0) == (0, False)
-        req.num_computed_tokens = len(tokens)
-        assert sched.finished(req, [3, 4]) is False
+        sched.after_alloc(req, [3, 4], 0)
+        assert sched.build_meta(StepOutput({"b": len(tokens)})).saves == ()
+        assert sched.finished(req) is False
 
 
 def test_a_load_from_a_killed_sidecar_is_reported_for_recompute(sidecar, pair):
@@ -189,8 +267,8 @@ def test_a_load_from_a_killed_sidecar_is_reported_for_recompute(sidecar, pair):
     sched.after_alloc(req, [8, 9, 10, 11], 2 * BLOCK)
     sidecar.kill()
     started = time.monotonic()
-    worker.start_loads(sched.build_meta())
-    assert worker.finished() == (set(), {"b"})  # finished receiving, with errors
+    worker.start_loads(sched.build_meta(StepOutput()))
+    assert finished_eventually(worker) == (set(), {"b"})  # finished receiving, with errors
     assert worker.load_errors() == {9, 10}
     assert worker.load_errors() == set()
     # Later lookups miss fast; a save is dropped but still frees the blocks.
@@ -206,8 +284,8 @@ def test_a_block_evicted_after_the_lookup_is_reported(pair):
     assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, True)
     sched.after_alloc(req, [8, 9, 10, 11], 3 * BLOCK)
     assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
-    worker.start_loads(sched.build_meta())
-    assert worker.finished() == (set(), {"b"})
+    worker.start_loads(sched.build_meta(StepOutput()))
+    assert finished_eventually(worker) == (set(), {"b"})
     assert worker.load_errors() == {9, 10}
     assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
 
@@ -218,7 +296,7 @@ def test_synchronous_loads_wait_per_layer(make_pair):
     req = cached(sched, worker, tokens, [0, 1])
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
     sched.after_alloc(req, [3, 4, 5], 2 * BLOCK)
-    meta = sched.build_meta()
+    meta = sched.build_meta(StepOutput())
     worker.start_loads(meta)
     for name in kv:
         worker.wait_for_layer(name)
@@ -281,9 +359,9 @@ def test_bad_scheduler_calls_change_nothing(pair):
         sched.after_alloc(req, [1, 2, 3, 4], 3 * BLOCK)
     with pytest.raises(ValueError, match="1 blocks for a 2-block load"):
         sched.after_alloc(req, [1], 2 * BLOCK)
-    assert sched.build_meta() == ConnectorMeta()
+    assert sched.build_meta(StepOutput()).loads == ()
     sched.after_alloc(req, [1, 2, 3], 2 * BLOCK)  # the hit still stands
-    assert [s.block_ids.tolist() for s in sched.build_meta().loads] == [[1, 2]]
+    assert [s.block_ids.tolist() for s in sched.build_meta(StepOutput()).loads] == [[1, 2]]
 
 
 def test_kvclient_key_methods_validate(pair):
@@ -319,7 +397,7 @@ def test_the_glue_imports_without_vllm_and_reads_vllm_config(monkeypatch):
     assert (s.model_name, s.model_revision, s.engine_id, s.tenant) == (
         "org/model",
         "unpinned",
-        "vllm-e1",
+        "vllm-e1-dp0",
         "t",
     )
     # "auto": vLLM's hashes only when the same in every process and collision-resistant
@@ -330,7 +408,9 @@ def test_the_glue_imports_without_vllm_and_reads_vllm_config(monkeypatch):
     config.cache_config.prefix_caching_hash_algo = "xxhash"
     assert not glue.uses_block_hashes(s, config, 16)
     config.parallel_config.tensor_parallel_size = 2
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+    assert glue.settings_of(config).engine_id == "vllm-e1-dp0"  # any TP size
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline parallelism"):
         glue.settings_of(config)
 
 
@@ -424,7 +504,7 @@ def test_a_short_synchronous_load_is_reported_before_wait_for_save(make_pair):
     assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
     sched.after_alloc(req, [8, 9, 10, 11], 3 * BLOCK)
     assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
-    meta = sched.build_meta()
+    meta = sched.build_meta(StepOutput())
     worker.start_loads(meta)
     assert worker.finished() == (set(), set())
     assert worker.load_errors() == {9, 10}  # the step's pass, before its wait_for_save
@@ -432,3 +512,17 @@ def test_a_short_synchronous_load_is_reported_before_wait_for_save(make_pair):
     assert worker.finished() == (set(), set())
     assert worker.load_errors() == set()  # not reported again next step
     assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
+
+
+@pytest.mark.parametrize("use_block_hashes", [False, True])
+def test_keys_extended_block_by_block_equal_keys_hashed_at_once(make_pair, use_block_hashes):
+    """The scheduler side hashes only the blocks a step completes, from the
+    keys it has: the same keys as hashing the whole prefix again."""
+    sched, _, _ = make_pair(seed=8, use_block_hashes=use_block_hashes)
+    req = request("k", prompt(6 * BLOCK + 3, start=9))
+    whole = sched.request_keys(req, 6)
+    known = sched.request_keys(req, 2)
+    for n in (2, 3, 6):
+        known = sched.request_keys(req, n, known)
+        assert np.array_equal(known, whole[:n])
+    assert np.array_equal(sched.request_keys(req, 4, whole), whole[:4])

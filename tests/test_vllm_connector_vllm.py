@@ -147,6 +147,8 @@ class Engine:
         out = self.scheduler.schedule()
         if before_forward is not None:
             before_forward(out)
+        # As vLLM's GPU model runner does, before the inputs are prepared.
+        self.worker.handle_preemptions(out.kv_connector_metadata)
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
@@ -361,3 +363,39 @@ def test_a_short_synchronous_load_is_reported_in_its_own_step(tmp_path, sidecar)
         engine.assert_kv_of("b", tokens)
     finally:
         engine.close()
+
+
+def test_a_hybrid_model_is_refused_naming_the_group(engine):
+    """Full attention beside a sliding-window group (vLLM's hybrid manager
+    on): refused when vLLM makes the connector, naming the group."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    full = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    window = SlidingWindowSpec(
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=HEAD_DIM,
+        dtype=torch.float32,
+        sliding_window=64,
+    )
+    hybrid = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(LAYER_NAMES[:1], full),
+            KVCacheGroupSpec(LAYER_NAMES[1:], window),
+        ],
+    )
+    with pytest.raises(ValueError, match=r"group 1 \(SlidingWindowSpec, layers model.layers.1"):
+        KVConnectorFactory.create_connector(
+            config=engine.config, role=KVConnectorRole.WORKER, kv_cache_config=hybrid
+        )
+
+
+def test_a_bad_extra_config_key_stops_vllm_naming_it(tmp_path, sidecar):
+    with pytest.raises(ValueError, match="load_asynch"):
+        Engine(tmp_path, sidecar.endpoint, load_asynch=True)
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        Engine(tmp_path, sidecar.endpoint, timeout=-1)

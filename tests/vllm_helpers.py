@@ -78,13 +78,48 @@ def kv_caches(seed: int | None) -> dict[str, torch.Tensor]:
     }
 
 
+class Tables(dict[str, list[int]]):
+    """Block tables by request id: what vLLM's cache manager tells the scheduler side."""
+
+    def __call__(self, req_id: str) -> list[int]:
+        return self[req_id]
+
+
+@dataclass
+class StepOutput:
+    """What the scheduler side reads of vLLM's SchedulerOutput."""
+
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+def scheduler_side(
+    s: ConnectorSettings,
+    *,
+    use_block_hashes: bool = False,
+    tables: Tables | None = None,
+    geometry: KVGeometry = GEOMETRY,
+) -> SchedulerSide:
+    return SchedulerSide(
+        s, geometry, use_block_hashes=use_block_hashes, block_table=tables or Tables()
+    )
+
+
 def halves(
     endpoint: str, kv: dict[str, torch.Tensor], *, use_block_hashes: bool = False, **overrides: Any
 ) -> tuple[SchedulerSide, WorkerSide]:
+    """(scheduler side, worker side); the scheduler side's block tables are
+    `tables_of(sched)`."""
     s = settings(endpoint, **overrides)
     worker = WorkerSide(s, GEOMETRY)
     worker.register(kv)
-    return SchedulerSide(s, GEOMETRY, use_block_hashes=use_block_hashes), worker
+    return scheduler_side(s, use_block_hashes=use_block_hashes), worker
+
+
+def tables_of(sched: SchedulerSide) -> Tables:
+    tables = sched._block_table
+    assert isinstance(tables, Tables)
+    return tables
 
 
 def blocks_of(kv: dict[str, torch.Tensor], ids: list[int]) -> list[np.ndarray]:

@@ -35,21 +35,37 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Offer engine blocks `block_ids` (the full blocks of a finished
-    request, kept alive until the save is reported) under `keys`."""
+    """Offer engine blocks `block_ids` (a request's full blocks from its
+    first on, the last `new_blocks` of them completed by this step's
+    forward) under `keys`. The sidecar skips the blocks it has or is being
+    sent already, so earlier blocks cost a key each, not a copy."""
 
     req_id: str
     keys: BlockKeys
     block_ids: np.ndarray
+    new_blocks: int
 
     def __post_init__(self) -> None:
         if len(self.keys) != len(self.block_ids) or len(self.keys) == 0:
             raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} block ids")
+        if not 0 < self.new_blocks <= len(self.keys):
+            raise ValueError(f"new_blocks {self.new_blocks} of {len(self.keys)}")
 
 
 @dataclass(frozen=True)
 class ConnectorMeta:
-    """One step's work for every worker (vLLM's KVConnectorMetadata role)."""
+    """One step's work for every worker (vLLM's KVConnectorMetadata role).
 
+    Workers run `saves` after the step's forward, in order, on a thread of
+    their own; a request in `finished` is reported finished sending (vLLM
+    may free its blocks) once every save offered for it before is done."""
+
+    step: int = 0
+    """The scheduler's step count: TP ranks name the plans they share by it."""
     loads: tuple[LoadSpec, ...] = field(default=())
     saves: tuple[SaveSpec, ...] = field(default=())
+    finished: tuple[str, ...] = field(default=())
+    """Requests vLLM keeps the blocks of (request_finished returned True)."""
+    preempted: tuple[str, ...] = field(default=())
+    """Requests whose blocks vLLM freed: their saves must land before this
+    step's forward may overwrite the blocks (handle_preemptions)."""

@@ -11,25 +11,33 @@ Contract with vLLM's scheduler:
   must compute at least one token to get logits.
 - A hit found by a lookup may be evicted before the load runs; the worker
   then reports those blocks as load errors and vLLM recomputes them.
-- `request_finished` returns True (keep the blocks) while a save of the
-  request's new full blocks is pending; the workers report it finished.
+- Every full block is offered for saving in the step whose forward
+  completes it (`build_meta`), once; the sidecar makes it visible only when
+  every TP rank's copy has landed, so a block of a request preempted or
+  aborted before its save landed is never seen.
+- `request_finished` returns True (keep the blocks) when any save was
+  offered for the request; the workers report it finished sending once
+  those saves are done. A preempted request's blocks are freed at once:
+  the workers wait for its saves before the next forward (handle_preemptions).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from contract.ids import BlockKeys
+from contract.ids import BlockKeys, key_at
 from engine_shim.channel import SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.lookups import Lookups
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
+from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
@@ -44,29 +52,59 @@ class _Pending:
     keys: BlockKeys
 
 
+@dataclass
+class _Running:
+    """A request vLLM allocated blocks for."""
+
+    request: Any
+    offered: int
+    """Leading full blocks offered for saving, or loaded from the sidecar."""
+    saving: bool = False
+    """A save was offered: its blocks must outlive it (delayed free)."""
+    keys: BlockKeys | None = None
+    """Its leading blocks' keys so far: each step hashes only its new blocks."""
+
+
+BlockTable = Callable[[str], Sequence[int]]
+"""The engine block ids a request holds now, from its first block on."""
+
+
 class SchedulerSide:
     def __init__(
-        self, settings: ConnectorSettings, geometry: KVGeometry, *, use_block_hashes: bool
+        self,
+        settings: ConnectorSettings,
+        geometry: KVGeometry,
+        *,
+        use_block_hashes: bool,
+        block_table: BlockTable,
+        parallel: Parallel | None = None,
     ) -> None:
         """`use_block_hashes`: key blocks from `request.block_hashes` rather
-        than from the tokens (the glue decides; see vllm_connector)."""
+        than from the tokens (the glue decides; see vllm_connector).
+        `block_table(req_id)`: the request's engine blocks (vLLM's cache
+        manager knows them)."""
         self.settings, self.geometry = settings, geometry
         self.block_size = geometry.block_size
         self.use_block_hashes = use_block_hashes
+        self._block_table = block_table
         self._client = KVClient.connect(settings.endpoint, timeout=settings.timeout)
         try:
             self._client.register(
                 geometry.stand_in(),
                 engine_id=f"{settings.engine_id}-scheduler-{os.getpid()}",
+                tp_size=(parallel or Parallel()).shards,  # the workers' namespace
                 **geometry.register_args(settings),
             )
         except SidecarUnavailable as err:  # lookups re-register once it is up
             log.warning("kvsidecar: no sidecar yet (%s); every lookup misses until one is", err)
         self._lookups = Lookups(self._client, background=settings.lookup_async)
         self._pending: dict[str, _Pending] = {}
-        self._loaded_blocks: dict[str, int] = {}
+        self._prompt_keys: dict[str, BlockKeys] = {}
+        """Keys hashed for a request's lookup, kept until it is allocated."""
+        self._running: dict[str, _Running] = {}
+        self._step = 0
         self._loads: list[LoadSpec] = []
-        self._saves: list[SaveSpec] = []
+        self._finished: list[str] = []
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """(tokens to load past `num_computed`, whether asynchronously), or
@@ -79,7 +117,12 @@ class SchedulerSide:
         loadable = (len(request.all_token_ids) - 1) // self.block_size
         if loadable * self.block_size <= num_computed:
             return 0, False
-        keys = self.request_keys(request, loadable)
+        keys = self._prompt_keys.get(request.request_id)
+        if keys is None or len(keys) < loadable:
+            running = self._running.get(request.request_id)  # a preempted one, resuming
+            known = keys if keys is not None else (running.keys if running else None)
+            keys = self.request_keys(request, loadable, known)
+            self._prompt_keys[request.request_id] = keys
         hit = self._lookups.poll(request.request_id, keys)
         if hit is None:
             return None, False
@@ -95,8 +138,10 @@ class SchedulerSide:
         and will have `num_external_tokens` loaded past the local hit."""
         req_id = request.request_id
         pending = self._pending.get(req_id)
+        keys = self._prompt_keys.get(req_id)
         if num_external_tokens == 0 or pending is None:
             self._forget(req_id)
+            self._track(request, 0, keys)
             return
         skip = pending.num_computed // self.block_size
         end = skip + num_external_tokens // self.block_size
@@ -110,45 +155,94 @@ class SchedulerSide:
         blocks = np.asarray(block_ids[:end], dtype=np.int64)
         self._forget(req_id)
         self._loads.append(LoadSpec(req_id, BlockKeys(pending.keys[:end]), blocks, skip))
-        self._loaded_blocks[req_id] = end
+        self._track(request, end, keys)
 
-    def build_meta(self) -> ConnectorMeta:
-        """This step's loads and saves; each is handed out once."""
-        meta = ConnectorMeta(tuple(self._loads), tuple(self._saves))
-        self._loads, self._saves = [], []
+    def build_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        """This step's loads, saves and finished requests; each is handed out
+        once. Every full block the step's forward completes is offered now
+        (chunked prefill and decode alike), so another request with the
+        same prefix hits while this one still runs. `scheduler_output`:
+        vLLM's, read before it advances the requests' computed tokens."""
+        preempted = tuple(scheduler_output.preempted_req_ids or ())
+        for req_id in preempted:
+            running = self._running.get(req_id)
+            if running is not None:  # its blocks are gone; re-tracked when it resumes
+                running.offered = 0
+        saves = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            running = self._running.get(req_id)
+            if running is not None and n > 0:
+                spec = self._fill_save(running, running.request.num_computed_tokens + n)
+                if spec is not None:
+                    saves.append(spec)
+        self._step += 1
+        meta = ConnectorMeta(
+            self._step, tuple(self._loads), tuple(saves), tuple(self._finished), preempted
+        )
+        self._loads, self._finished = [], []
         return meta
 
-    def finished(self, request: Any, block_ids: list[int]) -> bool:
-        """The request is done: save its computed full blocks that it did not
-        load from us. True: keep `block_ids` until a worker reports the save."""
+    def finished(self, request: Any) -> bool:
+        """The request is done (finished, aborted or dropped). True: keep its
+        blocks until the workers report every save offered for it done."""
         req_id = request.request_id
         self._forget(req_id)
-        loaded = self._loaded_blocks.pop(req_id, 0)
-        if not self._cacheable(request):
+        running = self._running.pop(req_id, None)
+        if running is None or not running.saving:
             return False
-        computed = min(request.num_computed_tokens, len(request.all_token_ids))
-        n = min(computed // self.block_size, len(block_ids))
-        if n <= loaded:
-            return False
-        keys = self.request_keys(request, n)
-        if len(keys) <= loaded:
-            return False
-        blocks = np.asarray(block_ids[: len(keys)], dtype=np.int64)
-        self._saves.append(SaveSpec(req_id, keys, blocks))
+        self._finished.append(req_id)
         return True
 
-    def request_keys(self, request: Any, num_blocks: int) -> BlockKeys:
+    def _track(self, request: Any, loaded_blocks: int, keys: BlockKeys | None) -> None:
+        """A request was allocated blocks: first, or again after an
+        asynchronous load or a preemption (which reset what it offered).
+        `keys`: its leading blocks' keys, hashed for its lookup."""
+        if self._cacheable(request):
+            running = self._running.setdefault(request.request_id, _Running(request, 0))
+            running.offered = max(running.offered, loaded_blocks)
+            if keys is not None and (running.keys is None or len(keys) > len(running.keys)):
+                running.keys = keys
+
+    def _fill_save(self, running: _Running, computed_after: int) -> SaveSpec | None:
+        """The save of the full blocks the step completes, if any."""
+        request = running.request
+        full = min(computed_after, len(request.all_token_ids)) // self.block_size
+        if full <= running.offered:
+            return None
+        table = self._block_table(request.request_id)
+        keys = running.keys = self.request_keys(request, min(full, len(table)), running.keys)
+        if len(keys) <= running.offered:
+            return None
+        blocks = np.asarray(table[: len(keys)], dtype=np.int64)
+        spec = SaveSpec(request.request_id, keys, blocks, len(keys) - running.offered)
+        running.offered, running.saving = len(keys), True
+        return spec
+
+    def request_keys(
+        self, request: Any, num_blocks: int, known: BlockKeys | None = None
+    ) -> BlockKeys:
         """Keys of the request's first `num_blocks` full blocks (fewer if vLLM
-        has not hashed that many yet)."""
+        has not hashed that many yet); `known`: keys of its first blocks
+        already computed, which the new ones extend."""
+        done = 0 if known is None else min(len(known), num_blocks)
+        if known is not None and done == num_blocks:
+            return BlockKeys(known[:num_blocks])
+        parent = None if not done else key_at(known, done - 1)  # type: ignore[arg-type]
         if self.use_block_hashes:
-            return self._client.digest_keys(list(request.block_hashes[:num_blocks]))
-        tokens = request.all_token_ids[: num_blocks * self.block_size]
-        return self._client.block_keys(np.asarray(tokens, dtype=np.int64))
+            digests = list(request.block_hashes[done:num_blocks])
+            new = self._client.digest_keys(digests, parent)
+        else:
+            tokens = request.all_token_ids[done * self.block_size : num_blocks * self.block_size]
+            new = self._client.block_keys(np.asarray(tokens, dtype=np.int64), parent)
+        if not done:
+            return new
+        return BlockKeys(np.concatenate([known[:done], new]))  # type: ignore[index]
 
     def _forget(self, req_id: str) -> None:
-        """Drop the request's lookup result and pending hit."""
+        """Drop the request's lookup result, pending hit and lookup keys."""
         self._lookups.forget(req_id)
         self._pending.pop(req_id, None)
+        self._prompt_keys.pop(req_id, None)
 
     def _cacheable(self, request: Any) -> bool:
         """Token keys know nothing of images, LoRA adapters, cache salts or

@@ -1,53 +1,85 @@
-"""`WorkerSide`: the connector's half in a vLLM worker. It runs the loads
-and saves the scheduler side planned, on this rank's KV tensors.
+"""`WorkerSide`: the connector's half in a vLLM worker (one per TP rank). It
+runs the loads and saves the scheduler side planned, on this rank's KV.
+
+Every sidecar call and copy runs on one thread of its own (the only user of
+the rank's client), in the order the steps queued them, so the step never
+waits for a save: `wait_for_save` queues the step's saves and returns. With
+CUDA KV the thread queues each copy on its own stream after an event
+recorded on the caller's stream (at `wait_for_save` for saves, so a save
+reads the blocks only once the forward has written them; at `start_load_kv`
+for loads, so a load lands after the work queued before it). vLLM keeps a finished
+request's blocks until `finished()` reports its saves done (delayed free);
+a preempted request's saves are waited for before the next forward
+(`handle_preemptions`). Asynchronous loads run on the same thread: a
+request waiting for them does not hold up the step.
+
+TP: rank 0 asks the sidecar for each plan and relays it to the other ranks
+(`RankRelay`), which run it on their shard; see `Parallel`.
 
 Failure policy: a load that fails or comes back short never fails the step.
 Its missing blocks are reported by `load_errors()` (and the request as
-finished receiving), so vLLM recomputes them. A failed save is a future miss,
-logged; its request is reported finished sending all the same, so vLLM frees
-the blocks.
+finished receiving), so vLLM recomputes them; vLLM takes the union of every
+rank's errors, so a block one rank failed is recomputed on all. A failed
+save is a future miss, logged; its request is reported finished sending all
+the same, so vLLM frees the blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine_shim.channel import SidecarError, SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
-from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
+from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
+from engine_shim.kvconnector.parallel import Parallel
+from engine_shim.kvconnector.relay import RankRelay, Tag
 from engine_shim.kvconnector.settings import ConnectorSettings
 from engine_shim.transfer import TransferHandle
 
 log = logging.getLogger(__name__)
 
-TRANSFER_ERRORS = (SidecarUnavailable, SidecarError)
-"""What a sidecar transfer raises when the cache, not the engine, is at fault."""
+TRANSFER_ERRORS = (SidecarUnavailable, SidecarError, TimeoutError)
+"""What a transfer raises when the cache (or the TP leader), not the engine, is at fault."""
+
+RELAY_WAIT = 10
+"""A follower waits this many client timeouts for its leader's plan."""
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
-    handle: TransferHandle
-    reported_from: int
-    """Blocks `reported_from..` are reported failed already."""
+    future: Future[tuple[TransferHandle | None, int]]
+    """(the handle while its copies may still run, blocks in the cache)."""
 
 
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings, geometry: KVGeometry) -> None:
+    def __init__(
+        self, settings: ConnectorSettings, geometry: KVGeometry, parallel: Parallel | None = None
+    ) -> None:
         self.settings, self.geometry = settings, geometry
+        self.parallel = parallel or Parallel()
         self.block_size = geometry.block_size
         self._client: KVClient | None = None
+        self._relay: RankRelay | None = None
+        self._stream: Any = None
+        """The thread's CUDA stream (KV on a GPU), else None."""
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvsidecar-transfer")
         self._layer_index: dict[str, int] = {}
-        self._loads: list[_Load] = []
+        self._sync_loads: list[tuple[LoadSpec, TransferHandle | None]] = []
+        self._async_loads: list[_Load] = []
+        self._finals: list[Future[str]] = []
         self._recving: set[str] = set()
-        self._sending: set[str] = set()
         self._load_errors: set[int] = set()
+        self._abandoned: set[Tag] = set()
+        """Follower: plans it gave up waiting for (cancelled if they come)."""
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register vLLM's `{layer name: [B, H, N, C] view}` (model order) with
@@ -56,74 +88,90 @@ class WorkerSide:
         layout); a sidecar that is down only logs: loads miss until it is up."""
         planes = self.geometry.planes(kv_caches)
         client = KVClient.connect(self.settings.endpoint, timeout=self.settings.timeout)
+        base = self.settings.engine_id
         try:
-            args = self.geometry.register_args(self.settings)
-            # One rank per engine (TP=1): a process of its own, even with data parallel.
-            engine_id = f"{self.settings.engine_id}-worker-{os.getpid()}"
-            client.register(planes, engine_id=engine_id, **args)
+            args = {**self.geometry.register_args(self.settings), **self.parallel.register_args()}
+            client.register(planes, engine_id=self.parallel.engine_id(base), **args)
         except SidecarUnavailable as err:  # loads re-register once it is up
             log.warning("kvsidecar: no sidecar yet (%s); every load misses until one is", err)
         except Exception:
             client.close()
             raise
+        self._pool.submit(lambda: None).result()  # the previous registration's work is done
         if self._client is not None:
             self._client.close()
         self._client = client
+        if self._relay is None and self.parallel.relayed:
+            self._relay = RankRelay(base, self.parallel.tp_rank, self.parallel.tp_size)
+        if planes[0].is_cuda:
+            self._stream = torch.cuda.Stream(planes[0].device)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
+    # ---- the step ------------------------------------------------------------------
+
     def start_loads(self, meta: ConnectorMeta) -> None:
-        """Start this step's loads (CPU tensors: done on return)."""
-        client = self._require_client()
+        """Queue this step's loads. Synchronous ones (`load_async` false) are
+        planned and queued before this returns, so `wait_for_layer` can wait
+        for them; a short hit is reported as load errors now."""
+        self._require_client()
+        ready = self._stream_point() if meta.loads else None
         for spec in meta.loads:
-            try:
-                handle = client.load_keys(
-                    spec.keys, spec.block_ids, skip_tokens=spec.skip_blocks * self.block_size
-                )
-            except TRANSFER_ERRORS as err:
-                log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err)
-                self._fail(spec, spec.skip_blocks)
+            queue_only = not self.settings.load_async
+            future = self._pool.submit(self._load, meta.step, spec, queue_only, ready)
+            if self.settings.load_async:
+                self._async_loads.append(_Load(spec, future))
                 continue
-            load = _Load(spec, handle, spec.num_blocks)
-            hit = handle.num_tokens // self.block_size
-            if hit < spec.num_blocks and not self.settings.load_async:
-                # A short hit is known now. vLLM reads the errors of a synchronous
-                # load in this step's pass, before wait_for_save when it defers
-                # that past a draft model's forward.
-                self._fail(load, hit)
-            self._loads.append(load)
+            handle, in_cache = future.result()
+            # vLLM reads the errors of a synchronous load in this step's pass,
+            # before wait_for_save when it defers that past a draft model's forward.
+            self._fail(spec, in_cache)
+            self._sync_loads.append((spec, handle))
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Make the current CUDA stream wait for the synchronous loads of this
-        layer (a no-op for CPU tensors and for asynchronous loads, which are
-        waited for in `finished`)."""
-        if self.settings.load_async or not self._loads:
+        layer (a no-op for CPU tensors, whose copies have landed, and for
+        asynchronous loads, reported by `finished` once landed)."""
+        if not self._sync_loads:
             return
         index = self._layer_index.get(layer_name)
         if index is None:
             raise ValueError(f"unknown KV layer {layer_name!r}")
-        for load in self._loads:
-            load.handle.wait_layer(index)
+        for _, handle in self._sync_loads:
+            if handle is not None:
+                handle.wait_layer(index)
+
+    def handle_preemptions(self, meta: ConnectorMeta) -> None:
+        """Before a forward that may overwrite a preempted request's blocks:
+        let every save queued so far land."""
+        if meta.preempted:
+            self._pool.submit(lambda: None).result()
 
     def run_saves(self, meta: ConnectorMeta) -> None:
-        """Copy finished requests' blocks to the sidecar; they are reported
-        by the next `finished`, when vLLM may free them."""
-        if meta.saves:
-            client = self._require_client()
-        for spec in meta.saves:
-            try:
-                client.save_keys(spec.keys, spec.block_ids).wait()
-            except TRANSFER_ERRORS as err:
-                log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
-            self._sending.add(spec.req_id)
-        if not self.settings.load_async:
-            self._finish_loads()
+        """After the step's forward: queue its saves and return. Requests in
+        `meta.finished` are reported by `finished()` once all their saves
+        queued so far are done."""
+        self._end_sync_loads()
+        ready = self._stream_point() if meta.saves else None  # the forward wrote the blocks
+        if self.parallel.saves:
+            for spec in meta.saves:
+                self._pool.submit(self._save, meta.step, spec, ready)
+        for req_id in meta.finished:
+            self._finals.append(self._pool.submit(lambda r=req_id: r))
 
     def finished(self) -> tuple[set[str], set[str]]:
-        """(requests whose save is done, requests whose asynchronous load is
+        """(requests whose saves are done, requests whose asynchronous load is
         done or failed) since the last call."""
-        if self.settings.load_async:
-            self._finish_loads()
-        sending, self._sending = self._sending, set()
+        sending = {f.result() for f in self._finals if f.done()}
+        self._finals = [f for f in self._finals if not f.done()]
+        pending = []
+        for load in self._async_loads:
+            if not load.future.done():
+                pending.append(load)
+                continue
+            _, in_cache = load.future.result()
+            self._fail(load.spec, in_cache)
+            self._recving.add(load.spec.req_id)
+        self._async_loads = pending
         recving, self._recving = self._recving, set()
         return sending, recving
 
@@ -133,34 +181,132 @@ class WorkerSide:
         return errors
 
     def close(self) -> None:
+        """Let the queued work end, then unregister."""
+        self._pool.shutdown(wait=True)
+        if self._relay is not None:
+            self._relay.close()
+            self._relay = None
         if self._client is not None:
             self._client.close()
             self._client = None
 
-    def _finish_loads(self) -> None:
-        loads, self._loads = self._loads, []
-        for load in loads:
-            try:
-                loaded = load.handle.wait() // self.block_size
-            except TRANSFER_ERRORS as err:
-                log.warning("kvsidecar: load of %s failed: %s", load.spec.req_id, err)
-                loaded = load.spec.skip_blocks
-            if loaded < load.spec.num_blocks:
-                self._fail(load, loaded)
-            elif self.settings.load_async:
-                self._recving.add(load.spec.req_id)
+    # ---- on the transfer thread ------------------------------------------------------
 
-    def _fail(self, load: LoadSpec | _Load, loaded_blocks: int) -> None:
-        """Blocks `loaded_blocks..` of the load did not land: vLLM recomputes
-        them. Each block is reported once."""
-        if isinstance(load, _Load):
-            spec, end = load.spec, load.reported_from
-            load.reported_from = min(end, loaded_blocks)
-        else:
-            spec, end = load, load.num_blocks
-        self._load_errors.update(int(b) for b in spec.block_ids[loaded_blocks:end])
-        if self.settings.load_async:
-            self._recving.add(spec.req_id)
+    def _load(self, step: int, spec: LoadSpec, queue_only: bool, ready: Any) -> tuple[Any, int]:
+        """(handle, blocks in the cache once it lands): copies queued (after
+        `ready`: work queued before on the forward's stream may still use the
+        blocks), and with `queue_only` false, landed and reported. Never raises."""
+        handle: TransferHandle | None = None
+        try:
+            with self._on_stream(ready):
+                handle, in_cache = self._plan_load(step, spec)
+                if handle is not None and not queue_only:
+                    handle.wait()
+            return handle, in_cache
+        except Exception as err:
+            unexpected = not isinstance(err, TRANSFER_ERRORS)  # a bug: its traceback too
+            log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err, exc_info=unexpected)
+            return None, spec.skip_blocks
+
+    def _plan_load(self, step: int, spec: LoadSpec) -> tuple[TransferHandle | None, int]:
+        client = self._require_client()
+        tag = (step, "load", spec.req_id)
+        skip = spec.skip_blocks * self.block_size
+        if self._relay is not None and not self.parallel.leader:
+            got = self._leader_plan(tag)
+            if got is None:  # the leader's load failed
+                return None, spec.skip_blocks
+            plan, num_tokens = got
+            return (None if plan is None else client.execute(plan)), num_tokens // self.block_size
+        try:
+            handle = client.load_keys(spec.keys, spec.block_ids, skip_tokens=skip)
+        except Exception:
+            if self._relay is not None:
+                self._relay.send(tag, None)
+            raise
+        if self._relay is not None:
+            self._relay.send(tag, (handle.plan, handle.num_tokens))
+        return handle, handle.num_tokens // self.block_size
+
+    def _save(self, step: int, spec: SaveSpec, ready: Any) -> None:
+        """Copy the blocks to the sidecar (a failure is a later miss). Never raises."""
+        tag = (step, "save", spec.req_id)
+        try:
+            client = self._require_client()
+            with self._on_stream(ready):
+                if self._relay is not None and not self.parallel.leader:
+                    plan = self._leader_plan(tag)
+                    if plan is not None:
+                        client.execute(plan).wait()
+                    return
+                try:
+                    handle = client.save_keys(spec.keys, spec.block_ids)
+                except Exception:
+                    if self._relay is not None:
+                        self._relay.send(tag, None)
+                    raise
+                if self._relay is not None:
+                    self._relay.send(tag, handle.plan)
+                handle.wait()
+        except Exception as err:
+            log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
+
+    def _stream_point(self) -> Any:
+        """CUDA KV: an event where the caller's current stream stands now; else None."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _leader_plan(self, tag: Tag) -> Any:
+        """Follower: what the leader sent under `tag`; TimeoutError after
+        RELAY_WAIT client timeouts. A plan that comes after its follower gave
+        up is cancelled (its slots go back), never run: the blocks it names
+        may be another request's by then."""
+        assert self._relay is not None
+        client = self._require_client()
+        for late_tag, payload in self._relay.late(self._abandoned).items():
+            self._abandoned.discard(late_tag)
+            plan = payload[0] if late_tag[1] == "load" and payload is not None else payload
+            if plan is not None:
+                log.warning("kvsidecar: cancelling the leader's late plan for %s", late_tag)
+                client.cancel(plan)
+        try:
+            return self._relay.take(tag, RELAY_WAIT * self.settings.timeout)
+        except TimeoutError:
+            self._abandoned.add(tag)
+            raise
+
+    @contextlib.contextmanager
+    def _on_stream(self, ready: Any) -> Iterator[None]:
+        """CUDA KV: run the copies queued inside on the thread's stream, after `ready`."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)
+            yield
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _end_sync_loads(self) -> None:
+        """Wait for this step's synchronous loads to be reported (their copies
+        landed before the forward read them); a failure is a load error."""
+        loads, self._sync_loads = self._sync_loads, []
+        for spec, handle in loads:
+            if handle is None:
+                continue
+            try:
+                self._pool.submit(handle.wait).result()
+            except Exception as err:
+                log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err)
+                self._fail(spec, spec.skip_blocks)
+
+    def _fail(self, spec: LoadSpec, in_cache: int) -> None:
+        """Blocks `in_cache..` of the load did not land: vLLM recomputes them."""
+        self._load_errors.update(int(b) for b in spec.block_ids[in_cache:])
 
     def _require_client(self) -> KVClient:
         if self._client is None:
