@@ -146,6 +146,17 @@ class Cancel(_SessionRequest, tag="cancel"):
     plan_id: int
 
 
+class Touch(_SessionRequest, tag="touch"):
+    """What an engine did without asking (lookups and loads through the hot
+    index, engine_shim/hotpath.py), sent in batches and never awaited: the
+    hit ratios count the lookups, the eviction policy the loads' hits.
+    Frames: [lookups: int64 pairs (blocks asked, CPU hit blocks)],
+    [keys: each load's prefix, back to back]."""
+
+    load_blocks: list[int]
+    """Blocks of each load, in the order of the keys frame."""
+
+
 class Heartbeat(_SessionRequest, tag="heartbeat"):
     pass
 
@@ -181,13 +192,14 @@ Request = (
     | Complete
     | Fail
     | Cancel
+    | Touch
     | Heartbeat
     | Unregister
     | Stats
     | Clear
 )
 
-ARRAY_FRAMES: dict[type, int] = {Lookup: 1, Exists: 1, Delete: 1, Load: 2, Save: 2}
+ARRAY_FRAMES: dict[type, int] = {Lookup: 1, Exists: 1, Delete: 1, Load: 2, Save: 2, Touch: 2}
 """Array frames each request op carries; the others carry none."""
 
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -45,6 +45,9 @@ class RegisterReply(Ok, kw_only=True):
     slot_stride: int
     num_slots: int
     lease_seconds: float
+    hot_index: str = ""
+    """The shm segment of this geometry's hot index (shm/hotindex.py): map it
+    read-only to look up and load CPU hits without asking ("": none)."""
 
 
 class LookupReply(Ok, kw_only=True):
@@ -125,6 +128,7 @@ Reply = Ok | ErrorReply
 
 REPLY_OF: dict[type, type[Ok]] = {
     p.Register: RegisterReply,
+    p.Touch: Ok,
     p.Lookup: LookupReply,
     p.Exists: ExistsReply,
     p.Delete: DeleteReply,

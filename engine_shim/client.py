@@ -35,9 +35,9 @@ import torch
 
 from contract import protocol as p
 from contract import replies as r
-from contract.blocks import KeyHasher, Namespace
+from contract.blocks import KeyHasher, Namespace, canonical_tokens
 from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
-from contract.ids import BlockKeys
+from contract.ids import KEY_BYTES, BlockKeys, key_bytes
 from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
@@ -45,9 +45,11 @@ from cuda_ext.layouts import kv_planes
 from engine_shim.call_metrics import timed_call
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from engine_shim.heartbeat import Heartbeat
+from engine_shim.hotpath import HotPath
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.registration import RegisterFields, Registration, check_geometry
 from engine_shim.transfer import Copy, EngineOp, PlanOps, TransferHandle, queue_copies
+from shm import hotindex
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
 
@@ -87,6 +89,8 @@ class KVClient:
         self._copier: CpuBlockCopier | GpuBlockCopier | StagedBlockCopier | None = None
         """Between the registered tensors and the mapped pool: closed with either."""
         self._layout: BlockLayout | None = None
+        self._hot: HotPath | None = None
+        """The mapped hot index of the sidecar whose pool is mapped (None: none)."""
         self._closed = False
         self._heartbeat: Heartbeat | None = None
         self.registration = 0
@@ -208,6 +212,11 @@ class KVClient:
             self._attach(reply)
         if self._copier is None:
             self._open_copier(reply)
+        if self._hot is not None and self._hot.name != reply.hot_index:
+            self._close_hot()
+        if self._hot is None and reply.hot_index and hotindex.AVAILABLE:
+            with contextlib.suppress(OSError, ShmPoolError, ValueError):  # then: no hot path
+                self._hot = HotPath(reply.hot_index)
         self.lease_seconds = reply.lease_seconds
         if self._heartbeat is None:
             self._heartbeat = Heartbeat(
@@ -218,6 +227,7 @@ class KVClient:
                 register_request=self._register_request,
                 heard=self._heard,
                 curve=self._curve,
+                touch=self._take_touch,
             )
 
     def _register_request(self) -> p.Register:
@@ -232,6 +242,7 @@ class KVClient:
     def _attach(self, reply: r.RegisterReply) -> None:
         """Map the (new) sidecar's segments."""
         self._close_copier()
+        self._close_hot()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -261,6 +272,33 @@ class KVClient:
         assert self._pool is not None
         self._copier = open_copier(registration.planes, self._pool)  # pins the pool once (GPU)
 
+    def _close_hot(self) -> None:
+        if self._hot is not None:
+            self._hot.close()
+            self._hot = None
+
+    def _hot_flags(self) -> int:
+        """The hot index's flags while this client may use it, else 0: it is
+        mapped for the sidecar whose pool is mapped, that sidecar is alive
+        and serving it, and the copier is open."""
+        hot = self._hot
+        if hot is None or self._copier is None or self._pool_is_stale():
+            return 0
+        return hot.flags(self.timeout)
+
+    def _take_touch(self) -> tuple[Any, list[bytes]] | None:
+        """What was done through the hot index since the last Touch, as one
+        (the heartbeat's thread sends it too, so none waits long)."""
+        hot = self._hot
+        return None if hot is None else hot.take_touch(self.session)
+
+    def _send_touch(self) -> None:
+        """Send what was done through the hot index (never awaited)."""
+        touch = self._take_touch()
+        if touch is not None:
+            with contextlib.suppress(SidecarUnavailable):  # lost with the sidecar: harmless
+                self._channel.send(*touch, reply=False)
+
     def _close_copier(self) -> None:
         if self._copier is not None:
             self._copier.close()
@@ -287,13 +325,35 @@ class KVClient:
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Leading tokens of `token_ids` the sidecar can load (a multiple of
-        tokens_per_block). 0 when the sidecar is down, slow or refuses."""
-        return sum(self._lookup(self._keys(token_ids)))
+        tokens_per_block). 0 when the sidecar is down, slow or refuses.
+        Answered in this process from the hot index when the CPU tier holds
+        them all (or the sidecar has no lower tier); else asked."""
+        return sum(self._lookup_tokens(token_ids))
 
     def lookup_tiers(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> TierTokens:
         """`lookup`, split by the tier each leading block is in now (the
         fastest that holds it). All zero when the sidecar is down, slow or refuses."""
-        return self._lookup(self._keys(token_ids))
+        return self._lookup_tokens(token_ids)
+
+    @timed_call("lookup")
+    def _lookup_tokens(self, token_ids: Any) -> TierTokens:
+        flags = self._hot_flags()
+        if not flags:
+            return self._ask_lookup(self._keys(token_ids))
+        assert self._hot is not None
+        tokens = _token_array(token_ids)
+        cpu, total = self._hot.count(self._hasher, tokens)
+        if cpu < total and flags & hotindex.LOWER_TIERS:  # the rest may be below: ask
+            return self._ask_lookup(self._keys(tokens))
+        return self._hot_lookup(total, cpu)
+
+    def _hot_lookup(self, asked: int, hit: int) -> TierTokens:
+        assert self._hot is not None
+        if asked:
+            self._hot.note_lookup(asked, hit)
+            if self._hot.due():
+                self._send_touch()
+        return TierTokens(hit * self._tokens_per_block, 0, 0)
 
     def lookup_keys(self, keys: BlockKeys) -> int:
         """`lookup` for precomputed keys (see `block_keys` / `digest_keys`)."""
@@ -305,6 +365,15 @@ class KVClient:
 
     @timed_call("lookup")
     def _lookup(self, keys: BlockKeys) -> TierTokens:
+        flags = self._hot_flags()
+        if flags:
+            assert self._hot is not None
+            cpu = self._hot.view.count(key_bytes(keys))
+            if cpu == len(keys) or not flags & hotindex.LOWER_TIERS:
+                return self._hot_lookup(len(keys), cpu)
+        return self._ask_lookup(keys)
+
+    def _ask_lookup(self, keys: BlockKeys) -> TierTokens:
         if len(keys) == 0:
             return TierTokens(0, 0, 0)
         try:
@@ -336,11 +405,38 @@ class KVClient:
         tpb = self._tokens_per_block
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
+        if self._hot_flags() & hotindex.LOADS and isinstance(self._copier, CpuBlockCopier):
+            handle = self._hot_load(keys, blocks, skip_tokens // tpb)
+            if handle is not None:
+                return handle
         request = self._req(p.Load, skip=skip_tokens // tpb)
         reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "load")
         num_tokens = skip_tokens + reply.hit_blocks * tpb
         return self._run(plan, num_tokens)
+
+    def _hot_load(self, keys: BlockKeys, blocks: np.ndarray, skip: int) -> TransferHandle | None:
+        """Load the CPU hits past `skip` straight from the pool, checked by
+        generation (engine_shim/hotpath.py); None if the sidecar must plan
+        it: TP (every rank copies its shard of one plan), or a CPU miss where
+        a lower tier may hold the block."""
+        hot, copier, layout = self._hot, self._copier, self._layout
+        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
+        if layout.tp_size != 1:
+            return None
+        kb = key_bytes(keys)[skip * KEY_BYTES :]
+        slots, gens = hot.view.find(kb)
+        found = len(slots)
+        if found < len(keys) - skip and hot.flags(self.timeout) & hotindex.LOWER_TIERS:
+            return None
+        if found:
+            copier.load(blocks[skip : skip + found], slots, layout, self.tp_rank).synchronize()
+            found = hot.view.check(slots, gens)  # from a vacated slot on: a miss
+        if found:
+            hot.note_load(kb[: found * KEY_BYTES])
+            if hot.due():
+                self._send_touch()
+        return self._handle(None, (skip + found) * self._tokens_per_block, None)
 
     def save(
         self,
@@ -383,6 +479,9 @@ class KVClient:
         return int(reply.deleted_blocks)
 
     def stats(self) -> dict[str, Any]:
+        """The sidecar's figures (what this client did through the hot index
+        is sent first, so they count it)."""
+        self._send_touch()
         reply, _ = self._channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
         return reply.stats  # type: ignore[no-any-return]
 
@@ -396,9 +495,11 @@ class KVClient:
             self._heartbeat.stop()
             self._heartbeat = None
         if self._registered is not None:  # kept: its keys can still be computed
+            self._send_touch()
             with contextlib.suppress(SidecarUnavailable, SidecarError):
                 self._channel.call(self._req(p.Unregister), timeout=min(self.timeout, 0.5))
         self._close_copier()
+        self._close_hot()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -502,6 +603,13 @@ class KVClient:
         copy ran for that plan, so cancel it (its locks and slots go back)."""
         with contextlib.suppress(SidecarUnavailable):  # gone, and its plans with it
             self._channel.send(self._req(p.Cancel, plan_id=plan_id), reply=False)
+
+
+def _token_array(token_ids: Any) -> np.ndarray:
+    """Token ids as a numpy array whose slices hash without a copy."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    return canonical_tokens(token_ids)
 
 
 def _plan_ops(reply: r.PlanReply, arrays: list[bytes], kind: str) -> PlanOps | None:

@@ -192,10 +192,12 @@ class Sidecar:
         behind: its shm segments, and the runtime directory if it made it
         (a directory it was given is its owner's). Safe to call again."""
         self.kill()
+        from shm import hotindex
         from shm.pool import remove_stale_segments
 
         if self.proc is not None:
             remove_stale_segments(self.shm_prefix)
+            remove_stale_segments(hotindex.stale_prefix(self.shm_prefix))
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         if self in UNCLEANED:

@@ -36,6 +36,7 @@ from sidecar.metrics.latency import RequestLatency
 from sidecar.namespace_limits import NamespaceName, parse_rules
 from sidecar.server.admin import Admin
 from sidecar.server.geometries import Geometries
+from sidecar.server.hotpath import parse_touch
 from sidecar.server.limits import check_register
 from sidecar.server.namespaces import Namespaces
 from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
@@ -108,6 +109,7 @@ class Handlers:
             p.Complete: self._complete,
             p.Fail: self._fail,
             p.Cancel: self._cancel,
+            p.Touch: self._touch,
             p.Heartbeat: self._heartbeat,
             p.Unregister: self._unregister,
             p.Stats: self._stats,
@@ -229,6 +231,7 @@ class Handlers:
             slot_stride=layout.slot_stride,
             num_slots=self.geometries.slots_of(layout),
             lease_seconds=self.config.lease_seconds,
+            hot_index=self.geometries.hot.name_of(layout),
         )
         return Answer(reply)
 
@@ -485,6 +488,22 @@ class Handlers:
         session = self._session(req)
         self.engines.owned_plan(session, req.plan_id)
         self.engines.give_up(session, req.plan_id)
+        return Answer(r.Ok(id=req.id))
+
+    def _touch(self, req: p.Touch, arrays: list[bytes]) -> Answer:
+        """An engine's batch of lookups and loads done through the hot index."""
+        group = self._session(req).group
+        lookups, loads = parse_touch(req, arrays)  # checked whole first
+        ns = group.ns_id
+        for asked, hit in lookups:
+            self.hits.record(asked, TierCounts(hit))
+            self.namespaces.lookups[ns] += asked
+            self.namespaces.hits[ns] += hit
+        cpu = self._realm(self._session(req)).cache.cpu
+        for keys in loads:  # recency and hit counts, as a load's GET gives them
+            cpu.match(keys, touch=True)
+            self.transfers["loaded_blocks"] += len(keys)
+        self.transfers["loads"] += len(loads)
         return Answer(r.Ok(id=req.id))
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> Answer:

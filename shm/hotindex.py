@@ -1,0 +1,162 @@
+"""The hot index: a geometry's ready CPU-tier blocks, published in shared memory.
+
+The sidecar (one writer, its loop thread) keeps, per block geometry, one
+POSIX shm segment that maps each ready block's key to its slot and the
+slot's generation; engines map it read-only and look up, and load CPU hits,
+without a round trip to the sidecar. The table, its seqlock and the
+generation rule are in `_hotindex.c`; in short:
+
+- a slot's generation is bumped whenever the slot stops holding its block
+  (`vacate`: freed or retired), before it can be written again;
+- a reader takes (slot, gen) from the table, copies the slot, then checks
+  the generation again (`check`): unchanged means the bytes copied are the
+  block it looked up; changed means a miss from that block on.
+
+Without the C extension (no compiler at install) there is no hot index:
+`AVAILABLE` is False, the sidecar publishes nothing and engines use the
+protocol for every lookup and load.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import NamedTuple
+
+import numpy as np
+
+from shm.names import segment_name
+from shm.segments import open_segment, remove_segment
+
+try:
+    from shm import _hotindex as _c
+except ImportError:  # built without a C compiler
+    _c = None
+
+AVAILABLE = _c is not None
+
+OPEN = 1
+"""Flag: the writer serves this table (cleared when the sidecar stops)."""
+LOADS = 2
+"""Flag: engines may load CPU hits from the pool without a plan."""
+LOWER_TIERS = 4
+"""Flag: the geometry has tiers below the CPU one (a CPU miss may still be
+a hit there: ask the sidecar)."""
+
+
+def index_name(shm_prefix: str, geometry: int) -> str:
+    """The segment of geometry number `geometry` (POSIX shm, whatever
+    `shm_dir` holds the pool: the table is small and needs no huge pages)."""
+    return segment_name(f"{shm_prefix}-hot", geometry)
+
+
+def stale_prefix(shm_prefix: str) -> str:
+    """The prefix `shm.names.remove_stale_segments` takes for these segments."""
+    return f"{shm_prefix}-hot"
+
+
+class HotIndex:
+    """The writer's side: create, publish, vacate, move, stamp; close unlinks."""
+
+    def __init__(
+        self, name: str, num_slots: int, flags: int, *, mode: int = 0o600, gid: int | None = None
+    ) -> None:
+        if _c is None:
+            raise RuntimeError("shm._hotindex is not built")
+        capacity = 1 << max(4, (2 * max(num_slots, 1) - 1).bit_length())
+        size = _c.segment_bytes(capacity, num_slots)
+        with open_segment(name, create=True) as fd:
+            try:
+                if gid is not None:
+                    os.fchown(fd, -1, gid)
+                os.fchmod(fd, mode)
+                os.ftruncate(fd, size)
+                self._map = mmap.mmap(fd, size)
+            except BaseException:
+                remove_segment(name)
+                raise
+        self.name = name
+        self.num_slots = num_slots
+        self.flags = flags
+        _c.init(self._map, capacity, num_slots, flags, int.from_bytes(os.urandom(8), "little"))
+        self.stamp()
+
+    def publish(self, keys: bytes, slots: np.ndarray) -> None:
+        """Blocks with these keys are ready in these slots."""
+        _c.publish(self._map, keys, np.ascontiguousarray(slots, dtype=np.int64))  # type: ignore[union-attr]
+
+    def vacate(self, slots: np.ndarray) -> None:
+        """These slots no longer hold their blocks (freed or retired)."""
+        _c.vacate(self._map, np.ascontiguousarray(slots, dtype=np.int64))  # type: ignore[union-attr]
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """The blocks of slots `src` were copied to slots `dst`."""
+        s = np.ascontiguousarray(src, dtype=np.int64)
+        _c.move(self._map, s, np.ascontiguousarray(dst, dtype=np.int64))  # type: ignore[union-attr]
+
+    def stamp(self) -> None:
+        """The writer is alive (readers trust a table stamped recently)."""
+        _c.stamp(self._map, self.flags)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Mark the table closed (readers stop trusting it), unmap, unlink."""
+        if self._map.closed:
+            return
+        self.flags = 0
+        self.stamp()
+        self._map.close()
+        remove_segment(self.name)
+
+
+class HotState(NamedTuple):
+    flags: int
+    age: float
+    """Seconds since the writer's last stamp."""
+    token: int
+    """Random per table: tells a new table under the same name from the old."""
+
+
+class HotIndexView:
+    """A reader's read-only mapping of a hot index."""
+
+    def __init__(self, name: str) -> None:
+        if _c is None:
+            raise RuntimeError("shm._hotindex is not built")
+        with open_segment(name, create=False) as fd:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        try:
+            self.token = self.state().token  # ValueError if it is not a table
+        except BaseException:
+            self._map.close()
+            raise
+        self.name = name
+        self._slots = np.empty(0, dtype=np.int64)
+        self._gens = np.empty(0, dtype=np.uint64)
+
+    def state(self) -> HotState:
+        flags, age, token = _c.state(self._map)  # type: ignore[union-attr]
+        return HotState(flags, age, token)
+
+    def count(self, keys: bytes) -> int:
+        """Leading keys (16 bytes each) whose blocks are ready now."""
+        n: int = _c.probe(self._map, keys)  # type: ignore[union-attr]
+        return n
+
+    def find(self, keys: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, gens) of the leading keys whose blocks are ready now."""
+        n = len(keys) // 16
+        if self._slots.size < n:
+            self._slots = np.empty(max(n, 2 * self._slots.size), dtype=np.int64)
+            self._gens = np.empty(self._slots.size, dtype=np.uint64)
+        found = _c.probe(self._map, keys, self._slots, self._gens)  # type: ignore[union-attr]
+        return self._slots[:found].copy(), self._gens[:found].copy()
+
+    def check(self, slots: np.ndarray, gens: np.ndarray) -> int:
+        """Leading blocks whose slots still hold what `find` saw: call after
+        copying them; the bytes copied of the rest may be anything."""
+        n: int = _c.check(self._map, slots, gens)  # type: ignore[union-attr]
+        return n
+
+    def close(self) -> None:
+        self._map.close()
