@@ -280,10 +280,13 @@ class KVClient:
     def _hot_flags(self) -> int:
         """The hot index's flags while this client may use it, else 0: it is
         mapped for the sidecar whose pool is mapped, that sidecar is alive
-        and serving it, and the copier is open."""
+        and serving it, and the copier is open. Late replies to calls given
+        up on are read first (their plans are given back)."""
         hot = self._hot
         if hot is None or self._copier is None or self._pool_is_stale():
             return 0
+        if self._channel.late:
+            self._channel.drain()
         return hot.flags(self.timeout)
 
     def _take_touch(self) -> tuple[Any, list[bytes]] | None:

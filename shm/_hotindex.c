@@ -293,6 +293,24 @@ static PyObject *py_stamp(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* Close the table for good: every generation bumped (a reader's copy in
+ * flight fails its check), then the flags cleared (no new lookup trusts it). */
+static PyObject *py_withdraw(PyObject *self, PyObject *args) {
+    Py_buffer buf;
+    if (!PyArg_ParseTuple(args, "w*", &buf)) return NULL;
+    Table t;
+    PyObject *out = NULL;
+    if (table_of(&buf, &t) == 0) {
+        begin(&t);
+        for (uint64_t s = 0; s < t.num_slots; s++) STORE_REL(&t.gens[s], t.gens[s] + 1);
+        STORE_REL(&t.header[H_FLAGS], 0);
+        end(&t);
+        out = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&buf);
+    return out;
+}
+
 /* ---- reader ------------------------------------------------------------------ */
 
 /* Find one key: 1 and its (slot, gen) if present with its generation
@@ -412,6 +430,7 @@ static PyMethodDef methods[] = {
     {"publish", py_publish, METH_VARARGS, "(segment, keys, slots): make blocks visible"},
     {"vacate", py_vacate, METH_VARARGS, "(segment, slots): bump generations, drop entries"},
     {"move", py_move, METH_VARARGS, "(segment, src, dst): entries follow moved blocks"},
+    {"withdraw", py_withdraw, METH_VARARGS, "(segment): every generation bumped, flags cleared"},
     {"stamp", py_stamp, METH_VARARGS, "(segment, flags): set flags, stamp the writer alive"},
     {"probe", py_probe, METH_VARARGS,
      "(segment, keys[, slots_out, gens_out]) -> leading keys present and current"},

@@ -19,14 +19,16 @@ protocol for every lookup and load.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import re
 from typing import NamedTuple
 
 import numpy as np
 
-from shm.names import segment_name
-from shm.segments import open_segment, remove_segment
+from shm.names import SHM_DIR, remove_stale_segments, segment_name
+from shm.segments import ShmPoolError, open_segment, remove_segment
 
 try:
     from shm import _hotindex as _c
@@ -50,9 +52,20 @@ def index_name(shm_prefix: str, geometry: int) -> str:
     return segment_name(f"{shm_prefix}-hot", geometry)
 
 
-def stale_prefix(shm_prefix: str) -> str:
-    """The prefix `shm.names.remove_stale_segments` takes for these segments."""
-    return f"{shm_prefix}-hot"
+def remove_stale(shm_prefix: str) -> list[str]:
+    """Withdraw and unlink the hot indexes a dead sidecar of `shm_prefix`
+    left: each is marked closed first, so an engine still mapping it stops
+    trusting it at once, not when its stamp gets old. Only for a sidecar
+    that holds the instance lock (see `remove_stale_segments`)."""
+    prefix = f"{shm_prefix}-hot"
+    pattern = re.compile(re.escape(prefix) + r"\.\d+")
+    for entry in sorted(os.listdir(SHM_DIR)) if _c is not None else ():
+        if pattern.fullmatch(entry):
+            with contextlib.suppress(OSError, ShmPoolError, ValueError):
+                with open_segment("/" + entry, create=False) as fd:
+                    with mmap.mmap(fd, os.fstat(fd).st_size) as mapping:
+                        _c.withdraw(mapping)
+    return remove_stale_segments(prefix)
 
 
 class HotIndex:
@@ -99,11 +112,12 @@ class HotIndex:
         _c.stamp(self._map, self.flags)  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Mark the table closed (readers stop trusting it), unmap, unlink."""
+        """Withdraw the table (every generation bumped, so a load in flight
+        fails its check; flags cleared, so no reader trusts it), unmap, unlink."""
         if self._map.closed:
             return
         self.flags = 0
-        self.stamp()
+        _c.withdraw(self._map)  # type: ignore[union-attr]
         self._map.close()
         remove_segment(self.name)
 

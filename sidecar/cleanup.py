@@ -55,7 +55,7 @@ def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
         try:
             sizes = _segment_sizes(paths.shm_prefix, shm_dir)
             segments = tuple(remove_stale_segments(paths.shm_prefix, shm_dir))
-            segments += tuple(remove_stale_segments(hotindex.stale_prefix(paths.shm_prefix)))
+            segments += tuple(hotindex.remove_stale(paths.shm_prefix))
             files = [paths.socket_path] if _remove_socket(paths.socket_path) else []
             if _remove_file(paths.admin_token_path):
                 files.append(paths.admin_token_path)

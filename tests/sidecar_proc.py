@@ -197,7 +197,7 @@ class Sidecar:
 
         if self.proc is not None:
             remove_stale_segments(self.shm_prefix)
-            remove_stale_segments(hotindex.stale_prefix(self.shm_prefix))
+            hotindex.remove_stale(self.shm_prefix)
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         if self in UNCLEANED:

@@ -203,7 +203,7 @@ class Server:
             token = AdminToken(self.paths.admin_token_path)
             undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
-            stale += remove_stale_segments(hotindex.stale_prefix(self.paths.shm_prefix))
+            stale += hotindex.remove_stale(self.paths.shm_prefix)
             if stale:
                 log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
             pool = ShmPool.create(
