@@ -1,0 +1,159 @@
+"""Lookups and CPU-hit loads through the hot index, against real sidecars
+(docs/sidecar.md, "The hot path"): no request is sent for them, what they
+did reaches the sidecar's figures in Touch batches, evictions and deletes
+are misses at once, a lower tier is still asked, a restarted sidecar's
+predecessor's index is withdrawn, and a malformed Touch changes nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import sidecar_proc as sp
+from contract import protocol as p
+from engine_shim import SidecarError, SidecarUnavailable
+from engine_shim.channel import Channel
+from shm import hotindex
+from sidecar_proc import Sidecar, connect, make_kv, stats_of, tmp_dir, tokens, wait_for
+
+pytestmark = pytest.mark.skipif(not hotindex.AVAILABLE, reason="shm._hotindex is not built")
+
+ASKED = ("lookup", "load")
+
+
+def asked(s: Sidecar) -> dict[str, int]:
+    """Lookups and loads the sidecar was asked for."""
+    requests = stats_of(s)["requests"]
+    return {op: requests.get(op, 0) for op in ASKED}
+
+
+def same_blocks(a: list, blocks_a: np.ndarray, b: list, blocks_b: np.ndarray) -> bool:
+    return all(torch.equal(x[blocks_a], y[blocks_b]) for x, y in zip(a, b, strict=True))
+
+
+def test_lookups_and_cpu_loads_ask_nothing_and_are_counted_later(sidecar, open_client):
+    src, dst = make_kv(1), make_kv(None)
+    saver = open_client(sidecar.endpoint, src)
+    engine = open_client(sidecar.endpoint, dst)
+    assert saver.save(tokens(6), np.arange(6)).wait() == 6 * sp.TOKENS_PER_BLOCK
+    before = asked(sidecar)
+    assert engine.lookup(tokens(8)) == 6 * sp.TOKENS_PER_BLOCK
+    assert engine.lookup(tokens(8, start=7)) == 0  # the first block misses
+    assert engine.lookup_tiers(tokens(3)) == (3 * sp.TOKENS_PER_BLOCK, 0, 0)
+    handle = engine.load(tokens(8), np.arange(20, 28))
+    assert handle.done and handle.wait() == 6 * sp.TOKENS_PER_BLOCK
+    assert same_blocks(dst, np.arange(20, 26), src, np.arange(6))
+    skipped = engine.load(tokens(6), np.arange(30, 36), skip_tokens=2 * sp.TOKENS_PER_BLOCK)
+    assert skipped.wait() == 6 * sp.TOKENS_PER_BLOCK
+    assert same_blocks(dst, np.arange(32, 36), src, np.arange(2, 6))
+    assert asked(sidecar) == before
+    figures = engine.stats()  # sends the batch first
+    assert figures["transfers"]["loads"] == 2
+    assert figures["transfers"]["loaded_blocks"] == 6 + 4
+    assert figures["hits"]["requests"] == 3
+    assert figures["hits"]["requested_blocks"] == 8 + 8 + 3
+    assert figures["hits"]["hit_blocks"]["cpu"] == 6 + 3
+
+
+def test_the_heartbeat_sends_the_batch_of_an_idle_engine():
+    s = Sidecar(lease=1.0).start()
+    try:
+        with connect(s.endpoint, make_kv(2)) as c:
+            assert c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+            assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+            wait_for(lambda: stats_of(s)["hits"]["requests"] == 1)
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_deleted_and_evicted_blocks_miss_at_once(open_client):
+    s = Sidecar("--set", "evict_ratio=0", capacity="1MiB").start()  # 256 blocks of 4 KiB
+    try:
+        src = make_kv(3)
+        c = open_client(s.endpoint, src)
+        assert c.save(tokens(4), np.arange(4)).wait() == 4 * sp.TOKENS_PER_BLOCK
+        assert c.delete(tokens(3)) == 2  # blocks 2 and 3
+        assert c.lookup(tokens(4)) == 2 * sp.TOKENS_PER_BLOCK
+        assert c.load(tokens(4), np.arange(10, 14)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        # Fill the tier twice over: the first prompt's blocks are evicted.
+        first = tokens(64, start=1000)
+        assert c.save(first, np.arange(64)).wait() == 64 * sp.TOKENS_PER_BLOCK
+        for round_ in range(8):
+            c.save(tokens(64, start=100_000 + 1000 * round_), np.arange(64)).wait()
+        cached = c.lookup(first)
+        assert cached < 64 * sp.TOKENS_PER_BLOCK
+        assert c.load(first, np.arange(64)).wait() == cached
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_a_restarted_sidecar_withdraws_its_predecessors_index(open_client):
+    s = Sidecar(lease=60.0).start()  # heartbeats far apart: the client learns late
+    try:
+        c = open_client(s.endpoint, make_kv(4))
+        assert c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        assert c._hot_flags()
+        s.kill()
+        s.start()  # the same instance: withdraws the dead one's hot index
+        assert c._hot_flags() == 0  # though its stamp is recent
+        assert c.lookup(tokens(2)) == 0  # asked the new sidecar
+
+        def saved_again() -> bool:
+            try:  # the client reconnects and re-registers by itself
+                return c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+            except SidecarUnavailable:
+                return False
+
+        wait_for(saved_again)
+        assert c._hot_flags()  # the new sidecar's index, mapped when re-registering
+        before = asked(s)
+        assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+        assert asked(s) == before
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_a_cpu_miss_is_asked_where_a_lower_tier_may_hold_it(open_client):
+    ssd = tmp_dir("ssd")
+    s = Sidecar("--set", f"ssd_dirs={ssd}", "--set", "ssd_capacity_per_dir=8MiB").start()
+    try:
+        c = open_client(s.endpoint, make_kv(5))
+        assert c.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        before = asked(s)
+        assert c.lookup(tokens(3)) == 3 * sp.TOKENS_PER_BLOCK  # all in the CPU tier
+        assert asked(s) == before
+        assert c.lookup(tokens(5)) == 3 * sp.TOKENS_PER_BLOCK  # short: asked
+        assert asked(s)["lookup"] == before["lookup"] + 1
+        assert c.load(tokens(5), np.arange(10, 15)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        assert asked(s)["load"] == before["load"] + 1
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+        shutil.rmtree(ssd, ignore_errors=True)
+
+
+def test_a_malformed_touch_is_refused_and_changes_nothing(sidecar, open_client):
+    c = open_client(sidecar.endpoint, make_kv(6))
+    before = stats_of(sidecar)["hits"]
+    channel = Channel(sidecar.endpoint, 10.0)
+    try:
+        bad = [
+            ([5, 6], [], b""),  # more hits than blocks asked
+            ([1, 1, 2], [], b""),  # not pairs
+            ([2, 1], [2], bytes(16)),  # load_blocks do not sum to the keys
+            ([2, 1], [0], b""),  # an empty load
+        ]
+        for pairs, sizes, keys in bad:
+            request = p.Touch(v=1, id=0, session=c.session, load_blocks=sizes)
+            frames = [np.asarray(pairs, dtype=np.int64).tobytes(), keys]
+            with pytest.raises(SidecarError):
+                channel.call(request, frames)
+    finally:
+        channel.close()
+    assert stats_of(sidecar)["hits"] == before
