@@ -37,7 +37,7 @@ from contract import protocol as p
 from contract import replies as r
 from contract.blocks import KeyHasher, Namespace, canonical_tokens
 from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
-from contract.ids import KEY_BYTES, BlockKeys, key_bytes
+from contract.ids import BlockKeys, key_bytes
 from contract.protocol import ErrorCode
 from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
 from cuda_ext.gpu import GpuBlockCopier
@@ -419,26 +419,15 @@ class KVClient:
         return self._run(plan, num_tokens)
 
     def _hot_load(self, keys: BlockKeys, blocks: np.ndarray, skip: int) -> TransferHandle | None:
-        """Load the CPU hits past `skip` straight from the pool, checked by
-        generation (engine_shim/hotpath.py); None if the sidecar must plan
-        it: TP (every rank copies its shard of one plan), or a CPU miss where
-        a lower tier may hold the block."""
+        """`HotPath.load` (None: the sidecar must plan it)."""
         hot, copier, layout = self._hot, self._copier, self._layout
         assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
-        if layout.tp_size != 1:
+        lower = bool(hot.flags(self.timeout) & hotindex.LOWER_TIERS)
+        found = hot.load(copier, layout, key_bytes(keys), blocks, skip, lower)
+        if found is None:
             return None
-        kb = key_bytes(keys)[skip * KEY_BYTES :]
-        slots, gens = hot.view.find(kb)
-        found = len(slots)
-        if found < len(keys) - skip and hot.flags(self.timeout) & hotindex.LOWER_TIERS:
-            return None
-        if found:
-            copier.load(blocks[skip : skip + found], slots, layout, self.tp_rank).synchronize()
-            found = hot.view.check(slots, gens)  # from a vacated slot on: a miss
-        if found:
-            hot.note_load(kb[: found * KEY_BYTES])
-            if hot.due():
-                self._send_touch()
+        if hot.due():
+            self._send_touch()
         return self._handle(None, (skip + found) * self._tokens_per_block, None)
 
     def save(

@@ -30,8 +30,10 @@ import numpy as np
 from contract import protocol as p
 from contract.blocks import KeyHasher
 from contract.ids import KEY_BYTES, key_bytes
+from cuda_ext.copier import CpuBlockCopier
 from shm import hotindex
 from shm.hotindex import HotIndexView
+from shm.layout import BlockLayout
 
 FIRST_CHUNK = 2
 """Blocks hashed before the first probe; each later chunk is 8x the last."""
@@ -78,6 +80,34 @@ class HotPath:
                 break
             parent, chunk = kb[-KEY_BYTES:], chunk * 8
         return done, total
+
+    def load(
+        self,
+        copier: CpuBlockCopier,
+        layout: BlockLayout,
+        keys: bytes,
+        blocks: np.ndarray,
+        skip: int,
+        lower_tiers: bool,
+    ) -> int | None:
+        """Copy the CPU hits of `keys` past the first `skip` into engine
+        blocks `blocks[skip:]` straight from the pool, checked by generation;
+        the blocks loaded (past `skip`). None if the sidecar must plan it: TP
+        (every rank copies its shard of one plan), or a CPU miss where a
+        lower tier may hold the block."""
+        if layout.tp_size != 1:
+            return None
+        kb = keys[skip * KEY_BYTES :]
+        slots, gens = self.view.find(kb)
+        found = len(slots)
+        if found < len(kb) // KEY_BYTES and lower_tiers:
+            return None
+        if found:
+            copier.load(blocks[skip : skip + found], slots, layout, 0).synchronize()
+            found = self.view.check(slots, gens)  # from a vacated slot on: a miss
+        if found:
+            self.note_load(kb[: found * KEY_BYTES])
+        return found
 
     def note_lookup(self, asked: int, hit: int) -> None:
         with self._lock:

@@ -23,6 +23,7 @@ import contextlib
 import mmap
 import os
 import re
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -31,11 +32,11 @@ from shm.names import SHM_DIR, remove_stale_segments, segment_name
 from shm.segments import ShmPoolError, open_segment, remove_segment
 
 try:
-    from shm import _hotindex as _c
+    from shm import _hotindex
 except ImportError:  # built without a C compiler
-    _c = None
+    _hotindex = None  # type: ignore[assignment]
 
-AVAILABLE = _c is not None
+AVAILABLE = _hotindex is not None
 
 OPEN = 1
 """Flag: the writer serves this table (cleared when the sidecar stops)."""
@@ -44,6 +45,12 @@ LOADS = 2
 LOWER_TIERS = 4
 """Flag: the geometry has tiers below the CPU one (a CPU miss may still be
 a hit there: ask the sidecar)."""
+
+
+def _lib() -> ModuleType:
+    if _hotindex is None:
+        raise RuntimeError("shm._hotindex is not built")
+    return _hotindex
 
 
 def index_name(shm_prefix: str, geometry: int) -> str:
@@ -59,12 +66,14 @@ def remove_stale(shm_prefix: str) -> list[str]:
     that holds the instance lock (see `remove_stale_segments`)."""
     prefix = f"{shm_prefix}-hot"
     pattern = re.compile(re.escape(prefix) + r"\.\d+")
-    for entry in sorted(os.listdir(SHM_DIR)) if _c is not None else ():
+    for entry in sorted(os.listdir(SHM_DIR)) if AVAILABLE else ():
         if pattern.fullmatch(entry):
-            with contextlib.suppress(OSError, ShmPoolError, ValueError):
-                with open_segment("/" + entry, create=False) as fd:
-                    with mmap.mmap(fd, os.fstat(fd).st_size) as mapping:
-                        _c.withdraw(mapping)
+            with (
+                contextlib.suppress(OSError, ShmPoolError, ValueError),
+                open_segment("/" + entry, create=False) as fd,
+                mmap.mmap(fd, os.fstat(fd).st_size) as mapping,
+            ):
+                _lib().withdraw(mapping)
     return remove_stale_segments(prefix)
 
 
@@ -74,8 +83,7 @@ class HotIndex:
     def __init__(
         self, name: str, num_slots: int, flags: int, *, mode: int = 0o600, gid: int | None = None
     ) -> None:
-        if _c is None:
-            raise RuntimeError("shm._hotindex is not built")
+        _c = self._c = _lib()
         capacity = 1 << max(4, (2 * max(num_slots, 1) - 1).bit_length())
         size = _c.segment_bytes(capacity, num_slots)
         with open_segment(name, create=True) as fd:
@@ -96,20 +104,20 @@ class HotIndex:
 
     def publish(self, keys: bytes, slots: np.ndarray) -> None:
         """Blocks with these keys are ready in these slots."""
-        _c.publish(self._map, keys, np.ascontiguousarray(slots, dtype=np.int64))  # type: ignore[union-attr]
+        self._c.publish(self._map, keys, np.ascontiguousarray(slots, dtype=np.int64))
 
     def vacate(self, slots: np.ndarray) -> None:
         """These slots no longer hold their blocks (freed or retired)."""
-        _c.vacate(self._map, np.ascontiguousarray(slots, dtype=np.int64))  # type: ignore[union-attr]
+        self._c.vacate(self._map, np.ascontiguousarray(slots, dtype=np.int64))
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """The blocks of slots `src` were copied to slots `dst`."""
         s = np.ascontiguousarray(src, dtype=np.int64)
-        _c.move(self._map, s, np.ascontiguousarray(dst, dtype=np.int64))  # type: ignore[union-attr]
+        self._c.move(self._map, s, np.ascontiguousarray(dst, dtype=np.int64))
 
     def stamp(self) -> None:
         """The writer is alive (readers trust a table stamped recently)."""
-        _c.stamp(self._map, self.flags)  # type: ignore[union-attr]
+        self._c.stamp(self._map, self.flags)
 
     def close(self) -> None:
         """Withdraw the table (every generation bumped, so a load in flight
@@ -117,7 +125,7 @@ class HotIndex:
         if self._map.closed:
             return
         self.flags = 0
-        _c.withdraw(self._map)  # type: ignore[union-attr]
+        self._c.withdraw(self._map)
         self._map.close()
         remove_segment(self.name)
 
@@ -134,8 +142,7 @@ class HotIndexView:
     """A reader's read-only mapping of a hot index."""
 
     def __init__(self, name: str) -> None:
-        if _c is None:
-            raise RuntimeError("shm._hotindex is not built")
+        self._c = _lib()
         with open_segment(name, create=False) as fd:
             size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -149,12 +156,12 @@ class HotIndexView:
         self._gens = np.empty(0, dtype=np.uint64)
 
     def state(self) -> HotState:
-        flags, age, token = _c.state(self._map)  # type: ignore[union-attr]
+        flags, age, token = self._c.state(self._map)
         return HotState(flags, age, token)
 
     def count(self, keys: bytes) -> int:
         """Leading keys (16 bytes each) whose blocks are ready now."""
-        n: int = _c.probe(self._map, keys)  # type: ignore[union-attr]
+        n: int = self._c.probe(self._map, keys)
         return n
 
     def find(self, keys: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -163,13 +170,13 @@ class HotIndexView:
         if self._slots.size < n:
             self._slots = np.empty(max(n, 2 * self._slots.size), dtype=np.int64)
             self._gens = np.empty(self._slots.size, dtype=np.uint64)
-        found = _c.probe(self._map, keys, self._slots, self._gens)  # type: ignore[union-attr]
+        found = self._c.probe(self._map, keys, self._slots, self._gens)
         return self._slots[:found].copy(), self._gens[:found].copy()
 
     def check(self, slots: np.ndarray, gens: np.ndarray) -> int:
         """Leading blocks whose slots still hold what `find` saw: call after
         copying them; the bytes copied of the rest may be anything."""
-        n: int = _c.check(self._map, slots, gens)  # type: ignore[union-attr]
+        n: int = self._c.check(self._map, slots, gens)
         return n
 
     def close(self) -> None:

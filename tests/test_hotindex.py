@@ -26,11 +26,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from sidecar_proc import DEADLINE, SPAWN, wait_for
 
 from shm import hotindex
 from shm.hotindex import HotIndex, HotIndexView
 from shm.pool import ShmPool, ShmPoolError
-from sidecar_proc import DEADLINE, SPAWN, wait_for
 
 pytestmark = pytest.mark.skipif(not hotindex.AVAILABLE, reason="shm._hotindex is not built")
 

@@ -10,14 +10,14 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
-
 import sidecar_proc as sp
+import torch
+from sidecar_proc import Sidecar, connect, make_kv, stats_of, tmp_dir, tokens, wait_for
+
 from contract import protocol as p
 from engine_shim import SidecarError, SidecarUnavailable
 from engine_shim.channel import Channel
 from shm import hotindex
-from sidecar_proc import Sidecar, connect, make_kv, stats_of, tmp_dir, tokens, wait_for
 
 pytestmark = pytest.mark.skipif(not hotindex.AVAILABLE, reason="shm._hotindex is not built")
 

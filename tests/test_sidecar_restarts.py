@@ -64,9 +64,7 @@ def test_a_save_answered_after_its_timeout_is_given_back(sidecar, open_client):
         sidecar.proc.send_signal(signal.SIGCONT)
     # A call (here a lookup from the hot index) reads the late save reply
     # once it is there, and cancels its plan.
-    wait_for(
-        lambda: client.lookup(tokens(3)) == 0 and stats_of(sidecar)["plans_in_flight"] == 0
-    )
+    wait_for(lambda: client.lookup(tokens(3)) == 0 and stats_of(sidecar)["plans_in_flight"] == 0)
     assert stats_of(sidecar)["tiers"]["cpu"]["used_blocks"] == 0
     # The prefix is not stuck "in flight": saving it again stores it.
     assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK

@@ -354,7 +354,7 @@ class RadixIndex:
 
     def _became_ready(self, node: RadixNode) -> None:
         if self.on_ready is not None:
-            self.on_ready(node.keys, node.slots)
+            self.on_ready(node.key_bytes, node.slots)
         if self._record_events:
             parent = node.parent
             parent_key = None if parent is None or parent.parent is None else parent.last_key

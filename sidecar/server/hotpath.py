@@ -16,6 +16,8 @@ within the engine's timeout, as its lookups would have.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from contract import protocol as p
@@ -95,5 +97,5 @@ def parse_touch(req: p.Touch, arrays: list[bytes]) -> tuple[list[tuple[int, int]
     if any(n <= 0 for n in sizes) or sum(sizes) != len(all_keys):
         raise ProtocolError(ErrorCode.BAD_VALUE, "load_blocks must be positive and sum to the keys")
     bounds = np.cumsum([0, *sizes]).tolist()
-    loads = [BlockKeys(all_keys[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    loads = [BlockKeys(all_keys[a:b]) for a, b in itertools.pairwise(bounds)]
     return list(zip(asked.tolist(), hit.tolist(), strict=True)), loads
