@@ -66,13 +66,22 @@ class TierTokens(NamedTuple):
 
 class KVClient:
     def __init__(
-        self, endpoint: str, timeout: float, *, curve: CurveClientKeys | None = None
+        self,
+        endpoint: str,
+        timeout: float,
+        *,
+        curve: CurveClientKeys | None = None,
+        hot_path: bool = True,
     ) -> None:
         """`curve`: keys for a sidecar that requires CURVE (tcp:// off
         loopback); None: those KVSIDECAR_CURVE_SERVER_KEY and
-        KVSIDECAR_CURVE_CLIENT_KEY name, if set."""
+        KVSIDECAR_CURVE_CLIENT_KEY name, if set. `hot_path`: see the attribute."""
         self.endpoint = endpoint
         self.timeout = timeout
+        self.hot_path = hot_path
+        """Whether lookups and CPU loads may go through the sidecar's hot index
+        in this process, without a round trip (engine_shim/hotpath.py); False:
+        every one asks the sidecar. May be changed at any time."""
         self._curve = curve_client_keys() if curve is None else curve
         self._channel = Channel(endpoint, timeout, curve=self._curve)
         self._channel.on_stray_plan = self._give_back
@@ -104,13 +113,14 @@ class KVClient:
         *,
         timeout: float = 1.0,
         curve: CurveClientKeys | None = None,
+        hot_path: bool = True,
     ) -> KVClient:
         """A client of the sidecar at `endpoint` (default: where `kvsidecar serve`
         listens with this environment's configuration). Connecting never
         blocks: a sidecar that is not up yet is found when it comes. `curve`:
         see `KVClient`; `contract.endpoint.load_curve_client_keys` reads them
         from key files."""
-        return cls(endpoint or default_endpoint(), timeout, curve=curve)
+        return cls(endpoint or default_endpoint(), timeout, curve=curve, hot_path=hot_path)
 
     @property
     def tp_rank(self) -> int:
@@ -283,7 +293,7 @@ class KVClient:
         and serving it, and the copier is open. Late replies to calls given
         up on are read first (their plans are given back)."""
         hot = self._hot
-        if hot is None or self._copier is None or self._pool_is_stale():
+        if hot is None or not self.hot_path or self._copier is None or self._pool_is_stale():
             return 0
         if self._channel.late:
             self._channel.drain()

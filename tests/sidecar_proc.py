@@ -262,12 +262,15 @@ def tokens(n_blocks: int, start: int = 0, tail: int = 0) -> np.ndarray:
     return np.arange(start, start + n_blocks * TOKENS_PER_BLOCK + tail, dtype=np.int64) % 30_000
 
 
-def connect(endpoint: str, kv: list, *, timeout: float = 10.0, **register: object):
+def connect(
+    endpoint: str, kv: list, *, timeout: float = 10.0, hot_path: bool = True, **register: object
+):
     """A registered client; its calls wait up to `timeout` for the sidecar
-    (long by default: a loaded machine may take seconds to answer)."""
+    (long by default: a loaded machine may take seconds to answer).
+    `hot_path=False`: every lookup and load asks the sidecar."""
     from engine_shim import KVClient
 
-    client = KVClient.connect(endpoint, timeout=timeout)
+    client = KVClient.connect(endpoint, timeout=timeout, hot_path=hot_path)
     client.register(kv, **{**MODEL, **register})  # type: ignore[arg-type]
     return client
 

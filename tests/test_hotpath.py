@@ -157,3 +157,36 @@ def test_a_malformed_touch_is_refused_and_changes_nothing(sidecar, open_client):
     finally:
         channel.close()
     assert stats_of(sidecar)["hits"] == before
+
+
+def test_a_killed_sidecars_index_serves_its_intact_hits_until_its_stamp_is_old(open_client):
+    s = Sidecar().start()
+    try:
+        src, dst = make_kv(7), make_kv(None)
+        c = open_client(s.endpoint, src)
+        engine = open_client(s.endpoint, dst)
+        assert c.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        sp.shorten_timeout(engine, 0.5)
+        s.kill()
+        # Within the timeout a hit loads the intact bytes (no slot can be
+        # handed out again without the sidecar), then the table is not trusted.
+        loaded = engine.load(tokens(3), np.arange(20, 23))
+        if loaded.num_tokens:
+            n = loaded.num_tokens // sp.TOKENS_PER_BLOCK
+            assert same_blocks(dst, np.arange(20, 20 + n), src, np.arange(n))
+        wait_for(lambda: engine._hot_flags() == 0)
+        assert engine.lookup(tokens(3)) == 0
+    finally:
+        s.cleanup()
+
+
+def test_hot_path_false_asks_for_everything(sidecar, open_client):
+    c = open_client(sidecar.endpoint, make_kv(8), hot_path=False)
+    assert c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    before = asked(sidecar)
+    assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+    assert c.load(tokens(2), np.arange(10, 12)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    assert asked(sidecar) == {op: before[op] + 1 for op in ASKED}
+    c.hot_path = True
+    assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+    assert asked(sidecar)["lookup"] == before["lookup"] + 1
