@@ -607,10 +607,22 @@ class KVClient:
             self._channel.send(self._req(p.Cancel, plan_id=plan_id), reply=False)
 
 
+_AS_IS = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.uint64, np.uint32))
+"""Token id dtypes whose slices the C key chain hashes in place (and range-checks
+as it goes: ids past a lookup's first miss are not looked at)."""
+
+
 def _token_array(token_ids: Any) -> np.ndarray:
     """Token ids as a numpy array whose slices hash without a copy."""
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
+    if (
+        type(token_ids) is np.ndarray
+        and token_ids.ndim == 1
+        and token_ids.dtype in _AS_IS
+        and token_ids.flags.c_contiguous
+    ):
+        return token_ids
     return canonical_tokens(token_ids)
 
 
