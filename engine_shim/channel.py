@@ -148,6 +148,17 @@ class Channel:
             f"the sidecar at {self.endpoint} did not answer within {wait:g} s"
         )
 
+    def poll_reply(self, rid: int) -> tuple[Any, list[bytes]] | None:
+        """The reply to `rid` if it is here (reading what has come, without
+        waiting), else None; raises as `wait_reply` for an error reply."""
+        while rid not in self._early:
+            try:
+                frames = self._sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return None
+            self._accept(frames)
+        return self.wait_reply(rid)
+
     def drain(self) -> None:
         """Read, without waiting, the replies already here to requests given
         up on (a late plan is handed to `on_stray_plan`, which cancels it)."""

@@ -26,6 +26,7 @@ answers again.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -45,7 +46,7 @@ from cuda_ext.layouts import kv_planes
 from engine_shim.call_metrics import timed_call
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from engine_shim.heartbeat import Heartbeat
-from engine_shim.hotpath import HotPath
+from engine_shim.hotpath import GRANT_LOW, GRANT_WANT, HotPath
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.registration import RegisterFields, Registration, check_geometry
 from engine_shim.transfer import Copy, EngineOp, PlanOps, TransferHandle, queue_copies
@@ -100,6 +101,10 @@ class KVClient:
         self._layout: BlockLayout | None = None
         self._hot: HotPath | None = None
         """The mapped hot index of the sidecar whose pool is mapped (None: none)."""
+        self._heard_at = time.monotonic()
+        """When a call or beat was last answered: the lease runs from there."""
+        self._grants_lost = False
+        """Set by the heartbeat's thread when the sidecar forgot the session."""
         self._closed = False
         self._heartbeat: Heartbeat | None = None
         self.registration = 0
@@ -210,8 +215,10 @@ class KVClient:
         self._set_up(reply)
 
     def _register(self) -> None:
-        """Register (again) what `register` last took."""
+        """Register (again) what `register` last took (grants of the session
+        are gone if the sidecar had forgotten it)."""
         reply, _ = self._channel.call(self._register_request())
+        self._grants_lost = True
         self._set_up(reply)
 
     def _set_up(self, reply: r.RegisterReply) -> None:
@@ -228,6 +235,7 @@ class KVClient:
             with contextlib.suppress(OSError, ShmPoolError, ValueError):  # then: no hot path
                 self._hot = HotPath(reply.hot_index)
         self.lease_seconds = reply.lease_seconds
+        self._heard_at = time.monotonic()
         if self._heartbeat is None:
             self._heartbeat = Heartbeat(
                 self.endpoint,
@@ -238,6 +246,7 @@ class KVClient:
                 heard=self._heard,
                 curve=self._curve,
                 touch=self._take_touch,
+                rejoined=self._rejoined,
             )
 
     def _register_request(self) -> p.Register:
@@ -265,6 +274,11 @@ class KVClient:
     def _heard(self, boot_id: str) -> None:
         """The heartbeat's thread heard from the sidecar of `boot_id`."""
         self._live_boot = boot_id
+        self._heard_at = time.monotonic()
+
+    def _rejoined(self) -> None:
+        """The heartbeat registered the session again: its grants are gone."""
+        self._grants_lost = True
 
     def _pool_is_stale(self) -> bool:
         """The heartbeat met a sidecar other than the one whose pool is mapped
@@ -455,11 +469,70 @@ class KVClient:
     def save_keys(self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray) -> TransferHandle:
         """`save` for precomputed keys: one key per full block."""
         keys, blocks = keys_and_blocks(keys, block_ids)
+        if self._hot_flags() & hotindex.SAVES and isinstance(self._copier, CpuBlockCopier):
+            handle = self._hot_save(keys, blocks)
+            if handle is not None:
+                return handle
         reply, arrays = self._call(self._req(p.Save), [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "save")
         # Blocks another engine is saving right now count: they land with its save.
         stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
         return self._run(plan, stored * self._tokens_per_block)
+
+    def _hot_save(self, keys: BlockKeys, blocks: np.ndarray) -> TransferHandle | None:
+        """Copy the blocks the CPU tier lacks into slots granted ahead, then
+        commit them in one message, not awaited (`wait()` waits for its
+        answer, so that every engine's lookup sees the blocks after it).
+        None when the protocol must do it: TP, too few slots granted (more
+        are asked for), or a lease that may be running out."""
+        hot, copier, layout = self._hot, self._copier, self._layout
+        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
+        if layout.tp_size != 1 or not self._grants_usable(hot):
+            return None
+        kb = key_bytes(keys)
+        first = hot.view.count(kb)
+        rest = len(keys) - first
+        num_tokens = len(keys) * self._tokens_per_block
+        if rest == 0:
+            return self._handle(None, num_tokens, None)
+        if len(hot.granted) < rest:
+            return None
+        slots = np.array(hot.granted[-rest:], dtype=np.int64)
+        del hot.granted[-rest:]
+        try:
+            copier.save(blocks[first:], slots, layout, 0).synchronize()
+        except Exception:
+            hot.granted.extend(slots.tolist())  # still ours: nothing was committed
+            raise
+        request = self._req(p.Commit, first=first)
+        ack = self._channel.send(request, [kb, p.ids_frame(slots)])
+        self._grants_usable(hot)  # ask for more, if few are left
+        return self._handle(None, num_tokens, ack)
+
+    def _grants_usable(self, hot: HotPath) -> bool:
+        """Read a Grant's answer if it came, ask for more slots when few are
+        left; whether the slots held may be written: the session's lease was
+        renewed within half a lease, and the sidecar has not forgotten the
+        session since they were granted (else they are dropped here: the
+        sidecar freed them, or holds them for a while as an orphan's)."""
+        if self._grants_lost:
+            self._grants_lost = False
+            hot.granted.clear()
+            hot.grant_request = None
+        if time.monotonic() - self._heard_at > self.lease_seconds / 2:
+            return False
+        if hot.grant_request is not None:
+            try:
+                answer = self._channel.poll_reply(hot.grant_request)
+            except (SidecarError, SidecarUnavailable):
+                answer, hot.grant_request = None, None
+            if answer is not None:
+                hot.grant_request = None
+                hot.granted += np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
+        if hot.grant_request is None and len(hot.granted) < GRANT_LOW:
+            with contextlib.suppress(SidecarUnavailable):
+                hot.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
+        return True
 
     def execute(self, plan: PlanOps) -> TransferHandle:
         """Run this rank's part of a plan another rank of the engine asked for.

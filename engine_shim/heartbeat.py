@@ -30,9 +30,12 @@ class Heartbeat:
         heard: Callable[[str], None],
         curve: CurveClientKeys | None = None,
         touch: Callable[[], tuple[Any, list[bytes]] | None] = lambda: None,
+        rejoined: Callable[[], None] = lambda: None,
     ) -> None:
         """`touch()`: a batch of what the client did through the hot index
-        (engine_shim/hotpath.py), sent with each beat, unawaited."""
+        (engine_shim/hotpath.py), sent with each beat, unawaited.
+        `rejoined()`: a beat found the session forgotten and registered it
+        again (what the sidecar held for the old one, grants included, is gone)."""
         self._endpoint = endpoint
         self._timeout = timeout
         self._curve = curve
@@ -41,6 +44,7 @@ class Heartbeat:
         self._register_request = register_request
         self._heard = heard
         self._touch = touch
+        self._rejoined = rejoined
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvsidecar-heartbeat", daemon=True)
         self._thread.start()
@@ -68,6 +72,7 @@ class Heartbeat:
             if err.code is not ErrorCode.NOT_REGISTERED:
                 raise
             reply, _ = channel.call(self._register_request())
+            self._rejoined()
         self._heard(reply.boot_id)
 
     def stop(self) -> None:

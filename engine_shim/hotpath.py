@@ -39,6 +39,10 @@ FIRST_CHUNK = 2
 """Blocks hashed before the first probe; each later chunk is 8x the last."""
 TOUCH_BATCH = 256
 """Lookups or loads kept before a Touch goes, at the latest."""
+GRANT_LOW = 32
+"""Fewer granted slots than this: ask for more (unawaited)."""
+GRANT_WANT = 64
+"""Slots one Grant asks for."""
 TOUCH_SECONDS = 0.05
 """A Touch goes with the next call once its oldest entry is this old."""
 
@@ -56,6 +60,10 @@ class HotPath:
         self._since = 0.0
         self._lock = threading.Lock()
         """The batch is taken by the heartbeat's thread too."""
+        self.granted: list[int] = []
+        """CPU slots the sidecar granted this rank for its saves, unused."""
+        self.grant_request: int | None = None
+        """The id of a Grant request whose reply has not been read yet."""
 
     def flags(self, max_age: float) -> int:
         """The table's flags while it can be trusted (open, and stamped within

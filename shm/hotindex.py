@@ -45,6 +45,8 @@ LOADS = 2
 LOWER_TIERS = 4
 """Flag: the geometry has tiers below the CPU one (a CPU miss may still be
 a hit there: ask the sidecar)."""
+SAVES = 8
+"""Flag: engines may save into slots granted ahead (Grant, Commit)."""
 
 
 def _lib() -> ModuleType:

@@ -190,3 +190,105 @@ def test_hot_path_false_asks_for_everything(sidecar, open_client):
     c.hot_path = True
     assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
     assert asked(sidecar)["lookup"] == before["lookup"] + 1
+
+
+# ---- saves into granted slots -------------------------------------------------------
+
+
+def granted(client) -> int:
+    """Slots granted to `client` now (reading a Grant's answer if it came)."""
+    client._grants_usable(client._hot)
+    return len(client._hot.granted)
+
+
+def cpu_tier(s: Sidecar) -> tuple[int, int]:
+    tier = stats_of(s)["tiers"]["cpu"]
+    return tier["used_blocks"], tier["cached_blocks"]
+
+
+def test_saves_commit_into_granted_slots_and_the_grant_goes_back(sidecar, open_client):
+    src, dst = make_kv(9), make_kv(None)
+    c = open_client(sidecar.endpoint, src)
+    assert c.save(tokens(1, start=5000), np.arange(1)).wait() == sp.TOKENS_PER_BLOCK
+    wait_for(lambda: granted(c) > 0)  # the first save asked for slots
+    before = stats_of(sidecar)["requests"]
+    for i in range(4):
+        handle = c.save(tokens(3, start=100 * i), np.arange(3 * i, 3 * i + 3))
+        assert handle.plan is None and handle.wait() == 3 * sp.TOKENS_PER_BLOCK
+    requests = stats_of(sidecar)["requests"]
+    assert requests["save"] == before["save"] and requests["commit"] == before.get("commit", 0) + 4
+    engine = open_client(sidecar.endpoint, dst)
+    for i in range(4):
+        assert engine.load(tokens(3, start=100 * i), np.arange(20, 23)).wait() == 48
+        assert same_blocks(dst, np.arange(20, 23), src, np.arange(3 * i, 3 * i + 3))
+    used, cached = cpu_tier(sidecar)
+    assert used > cached  # the rest of the grant
+    c.close()
+    assert cpu_tier(sidecar) == (cached, cached)
+
+
+def test_two_engines_saving_one_prefix_store_it_once(sidecar, open_client):
+    a_kv, b_kv = make_kv(10), make_kv(10)  # the same KV: the same model's output
+    a, b = open_client(sidecar.endpoint, a_kv), open_client(sidecar.endpoint, b_kv)
+    for c in (a, b):
+        c.save(tokens(1, start=9000), np.arange(1)).wait()
+        wait_for(lambda c=c: granted(c) > 0)
+    saved = stats_of(sidecar)["transfers"]["saved_blocks"]
+    first, second = a.save(tokens(6), np.arange(6)), b.save(tokens(6), np.arange(6))
+    assert first.wait() == second.wait() == 6 * sp.TOKENS_PER_BLOCK
+    assert stats_of(sidecar)["transfers"]["saved_blocks"] == saved + 6
+    dst = make_kv(None)
+    assert open_client(sidecar.endpoint, dst).load(tokens(6), np.arange(30, 36)).wait() == 96
+    assert same_blocks(dst, np.arange(30, 36), a_kv, np.arange(6))
+    a.close()
+    b.close()
+    used, cached = cpu_tier(sidecar)
+    assert used == cached
+
+
+def hold_grants_worker(endpoint: str, conn) -> None:
+    """An engine that takes a grant, says so, and waits to be killed."""
+    c = connect(endpoint, make_kv(11))
+    c.save(tokens(1, start=7000), np.arange(1)).wait()
+    wait_for(lambda: granted(c) > 0)
+    conn.send(granted(c))
+    conn.recv()  # killed before this comes
+
+
+def test_an_engine_killed_holding_a_grant_leaks_nothing(sidecar):
+    parent, child = sp.SPAWN.Pipe()
+    proc = sp.SPAWN.Process(target=hold_grants_worker, args=(sidecar.endpoint, child))
+    proc.start()
+    try:
+        assert parent.poll(sp.DEADLINE) and parent.recv() > 0
+        used, cached = cpu_tier(sidecar)
+        assert used > cached
+        proc.kill()
+        proc.join(sp.DEADLINE)
+        wait_for(lambda: cpu_tier(sidecar) == (cached, cached))  # its pid is gone: freed
+        assert stats_of(sidecar)["engines"] == []
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(sp.DEADLINE)
+
+
+def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, open_client):
+    c = open_client(sidecar.endpoint, make_kv(12))
+    c.save(tokens(1, start=8000), np.arange(1)).wait()
+    wait_for(lambda: granted(c) > 1)
+    mine = c._hot.granted[:2]
+    other = next(s for s in range(1 << 20) if s not in c._hot.granted)
+    before = cpu_tier(sidecar)
+    channel = Channel(sidecar.endpoint, 10.0)
+    try:
+        keys = c.block_keys(tokens(2))
+        for slots in ([mine[0], mine[0]], [mine[0], other], [mine[0]]):
+            request = p.Commit(v=1, id=0, session=c.session, first=0)
+            frames = [p.keys_frame(keys), np.asarray(slots, dtype=np.int64).tobytes()]
+            with pytest.raises(SidecarError):
+                channel.call(request, frames)
+    finally:
+        channel.close()
+    assert cpu_tier(sidecar) == before
+    assert c.lookup(tokens(2)) == 0
