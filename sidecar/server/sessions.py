@@ -431,6 +431,7 @@ class Engines:
                 "ranks": sorted(g.sessions),
                 "pids": sorted({s.pid for s in g.sessions.values()}),
                 "plans_in_flight": len(g.plans),
+                "granted_slots": sum(len(s.granted) for s in g.sessions.values()),
             }
             for g in self.groups.values()
         ]
