@@ -100,14 +100,15 @@ class GrantMachine(RuleBasedStateMachine):
         with contextlib.suppress(SidecarError, SidecarUnavailable):
             self.engines[e].delete(tokens(n, start=1000 * p))
 
-    @rule(e=st.integers(0, 1), start=st.integers(100, 10_000))
+    @rule(e=st.integers(0, 1), start=st.integers(10_000, 28_000))
     def evict(self, e: int, start: int) -> None:
-        """Other prompts, enough to push older blocks out of the tier."""
+        """Other prompts (token ids apart from the prompts' below 6,000),
+        enough to push older blocks out of the tier."""
         kv = self.kv[e]
         for layer in kv:
             layer[:64] = -2.0  # never a prompt block's value: loads of them are not checked
         with contextlib.suppress(SidecarUnavailable):
-            self.engines[e].save(tokens(64, start=1000 * start), np.arange(64)).wait()
+            self.engines[e].save(tokens(64, start=start), np.arange(64)).wait()
 
     @rule()
     def restart(self) -> None:
