@@ -91,6 +91,12 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension(
+            "shm._hotindex",
+            sources=["shm/_hotindex.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
         CudaLibrary("cuda_ext.libkvcopy", sources=["cuda_ext/csrc/kvcopy.cu"], optional=True),
     ],
 )

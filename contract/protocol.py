@@ -149,6 +149,32 @@ class Cancel(_SessionRequest, tag="cancel"):
     plan_id: int
 
 
+class Touch(_SessionRequest, tag="touch"):
+    """What an engine did without asking (lookups and loads through the hot
+    index, engine_shim/hotpath.py), sent in batches and never awaited: the
+    hit ratios count the lookups, the eviction policy the loads' hits.
+    Frames: [lookups: int64 pairs (blocks asked, CPU hit blocks)],
+    [keys: each load's prefix, back to back]."""
+
+    load_blocks: list[int]
+    """Blocks of each load, in the order of the keys frame."""
+
+
+class Grant(_SessionRequest, tag="grant"):
+    """Free CPU slots for this engine's next saves (engine_shim/hotpath.py):
+    its own until it commits blocks into them, or leaves."""
+
+    want: int
+
+
+class Commit(_SessionRequest, tag="commit"):
+    """Blocks an engine copied into slots granted to it. Frames: [keys: the
+    whole chain], [slots: one per key from `first` on]; the keys before
+    `first` were ready when the engine looked."""
+
+    first: int
+
+
 class Heartbeat(_SessionRequest, tag="heartbeat"):
     pass
 
@@ -184,13 +210,24 @@ Request = (
     | Complete
     | Fail
     | Cancel
+    | Touch
+    | Grant
+    | Commit
     | Heartbeat
     | Unregister
     | Stats
     | Clear
 )
 
-ARRAY_FRAMES: dict[type, int] = {Lookup: 1, Exists: 1, Delete: 1, Load: 2, Save: 2}
+ARRAY_FRAMES: dict[type, int] = {
+    Lookup: 1,
+    Exists: 1,
+    Delete: 1,
+    Load: 2,
+    Save: 2,
+    Touch: 2,
+    Commit: 2,
+}
 """Array frames each request op carries; the others carry none."""
 
 _request_decoder = msgspec.msgpack.Decoder(Request)

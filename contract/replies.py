@@ -45,6 +45,9 @@ class RegisterReply(Ok, kw_only=True):
     slot_stride: int
     num_slots: int
     lease_seconds: float
+    hot_index: str = ""
+    """The shm segment of this geometry's hot index (shm/hotindex.py): map it
+    read-only to look up and load CPU hits without asking ("": none)."""
 
 
 class LookupReply(Ok, kw_only=True):
@@ -97,6 +100,21 @@ class SaveReply(PlanReply, kw_only=True):
     """Being saved by another plan right now: not copied again."""
 
 
+class GrantReply(Ok, kw_only=True):
+    """Frame: the slots granted (int64), `count` of them (maybe fewer than
+    wanted: none free, or the engine holds its most already)."""
+
+    count: int
+
+
+class CommitReply(Ok, kw_only=True):
+    stored: int
+    """Blocks made ready from the engine's slots."""
+    dropped: int
+    """Blocks whose slots went back free: another engine stored or is
+    storing them, or the prefix before them is gone."""
+
+
 class CompleteReply(Ok, kw_only=True):
     finished: bool
     """The whole plan is done (its sidecar-side ops too)."""
@@ -125,6 +143,9 @@ Reply = Ok | ErrorReply
 
 REPLY_OF: dict[type, type[Ok]] = {
     p.Register: RegisterReply,
+    p.Touch: Ok,
+    p.Grant: GrantReply,
+    p.Commit: CommitReply,
     p.Lookup: LookupReply,
     p.Exists: ExistsReply,
     p.Delete: DeleteReply,

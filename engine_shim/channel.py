@@ -38,6 +38,10 @@ class SidecarError(RuntimeError):
         self.message = message
 
 
+LATE_SECONDS = 60.0
+"""How long a reply to a request given up on is looked for by `drain`."""
+
+
 class Channel:
     def __init__(
         self, endpoint: str, timeout: float, *, curve: CurveClientKeys | None = None
@@ -66,6 +70,9 @@ class Channel:
         """Request id -> the reply type its request expects."""
         self._early: dict[int, list[bytes]] = {}
         self.on_stray_plan: Callable[[int], None] | None = None
+        self.late: dict[int, float] = {}
+        """Requests given up on -> until when their reply is looked for by
+        `drain` (a client that answers from its hot index may not call)."""
 
     def send(self, request: Any, arrays: Sequence[bytes] = (), *, reply: bool = True) -> int:
         """Send without waiting; returns the request id to `wait_reply` on.
@@ -103,6 +110,7 @@ class Channel:
             while rid not in self._early:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self.late[rid] = time.monotonic() + LATE_SECONDS
                     raise self._no_answer(wait)
                 # A blocking receive with a timeout: ~2 us less than
                 # Socket.poll, which builds a Poller on every call. Setting
@@ -115,6 +123,7 @@ class Channel:
                 try:
                     frames = sock.recv_multipart()
                 except zmq.Again:
+                    self.late[rid] = time.monotonic() + LATE_SECONDS
                     raise self._no_answer(wait) from None
                 self._accept(frames)
             frames = self._early.pop(rid)
@@ -139,12 +148,37 @@ class Channel:
             f"the sidecar at {self.endpoint} did not answer within {wait:g} s"
         )
 
+    def poll_reply(self, rid: int) -> tuple[Any, list[bytes]] | None:
+        """The reply to `rid` if it is here (reading what has come, without
+        waiting), else None; raises as `wait_reply` for an error reply."""
+        while rid not in self._early:
+            try:
+                frames = self._sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return None
+            self._accept(frames)
+        return self.wait_reply(rid)
+
+    def drain(self) -> None:
+        """Read, without waiting, the replies already here to requests given
+        up on (a late plan is handed to `on_stray_plan`, which cancels it)."""
+        now = time.monotonic()
+        for rid in [rid for rid, until in self.late.items() if until < now]:
+            del self.late[rid]
+        while self.late:
+            try:
+                frames = self._sock.recv_multipart(_NOBLOCK)
+            except zmq.Again:
+                return
+            self._accept(frames)
+
     def _accept(self, frames: list[bytes]) -> None:
         """Keep a reply someone waits for; drop anything else."""
         try:
             head: r.ReplyHead = r.decode_as(frames[0], r.ReplyHead)
         except (ValueError, IndexError):
             return  # not from a sidecar we understand
+        self.late.pop(head.id, None)
         if head.id in self._awaited:
             self._early[head.id] = frames
         elif head.ok and self.on_stray_plan is not None:

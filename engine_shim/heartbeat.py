@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from contract import protocol as p
 from contract.endpoint import CurveClientKeys
@@ -28,7 +29,13 @@ class Heartbeat:
         register_request: Callable[[], p.Register],
         heard: Callable[[str], None],
         curve: CurveClientKeys | None = None,
+        touch: Callable[[], tuple[Any, list[bytes]] | None] = lambda: None,
+        rejoined: Callable[[], None] = lambda: None,
     ) -> None:
+        """`touch()`: a batch of what the client did through the hot index
+        (engine_shim/hotpath.py), sent with each beat, unawaited.
+        `rejoined()`: a beat found the session forgotten and registered it
+        again (what the sidecar held for the old one, grants included, is gone)."""
         self._endpoint = endpoint
         self._timeout = timeout
         self._curve = curve
@@ -36,6 +43,8 @@ class Heartbeat:
         self._lease = lease
         self._register_request = register_request
         self._heard = heard
+        self._touch = touch
+        self._rejoined = rejoined
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvsidecar-heartbeat", daemon=True)
         self._thread.start()
@@ -54,12 +63,16 @@ class Heartbeat:
         learns it again here, so that a TP rank making no calls of its own
         completes its engine's group; the new sidecar's shm is mapped by the
         client's own thread, when a call or a plan first needs it (`heard`)."""
+        touch = self._touch()
+        if touch is not None:
+            channel.send(*touch, reply=False)
         try:
             reply, _ = channel.call(self._request)
         except SidecarError as err:
             if err.code is not ErrorCode.NOT_REGISTERED:
                 raise
             reply, _ = channel.call(self._register_request())
+            self._rejoined()
         self._heard(reply.boot_id)
 
     def stop(self) -> None:

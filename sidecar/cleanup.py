@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from contract.endpoint import INSTANCE_PATTERN, InstancePaths
+from shm import hotindex
 from shm.names import SHM_DIR, is_file_path, remove_stale_segments, segment_name
 from sidecar.runtime import InstanceLock, ensure_runtime_dir, remove_created
 
@@ -54,6 +55,7 @@ def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
         try:
             sizes = _segment_sizes(paths.shm_prefix, shm_dir)
             segments = tuple(remove_stale_segments(paths.shm_prefix, shm_dir))
+            segments += tuple(hotindex.remove_stale(paths.shm_prefix))
             files = [paths.socket_path] if _remove_socket(paths.socket_path) else []
             if _remove_file(paths.admin_token_path):
                 files.append(paths.admin_token_path)

@@ -192,10 +192,12 @@ class Sidecar:
         behind: its shm segments, and the runtime directory if it made it
         (a directory it was given is its owner's). Safe to call again."""
         self.kill()
+        from shm import hotindex
         from shm.pool import remove_stale_segments
 
         if self.proc is not None:
             remove_stale_segments(self.shm_prefix)
+            hotindex.remove_stale(self.shm_prefix)
         if self._own_dir is not None:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         if self in UNCLEANED:
@@ -260,12 +262,15 @@ def tokens(n_blocks: int, start: int = 0, tail: int = 0) -> np.ndarray:
     return np.arange(start, start + n_blocks * TOKENS_PER_BLOCK + tail, dtype=np.int64) % 30_000
 
 
-def connect(endpoint: str, kv: list, *, timeout: float = 10.0, **register: object):
+def connect(
+    endpoint: str, kv: list, *, timeout: float = 10.0, hot_path: bool = True, **register: object
+):
     """A registered client; its calls wait up to `timeout` for the sidecar
-    (long by default: a loaded machine may take seconds to answer)."""
+    (long by default: a loaded machine may take seconds to answer).
+    `hot_path=False`: every lookup and load asks the sidecar."""
     from engine_shim import KVClient
 
-    client = KVClient.connect(endpoint, timeout=timeout)
+    client = KVClient.connect(endpoint, timeout=timeout, hot_path=hot_path)
     client.register(kv, **{**MODEL, **register})  # type: ignore[arg-type]
     return client
 

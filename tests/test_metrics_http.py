@@ -88,7 +88,7 @@ def test_counters_and_histograms_count_the_traffic():
     port = free_port()
     s = Sidecar("--metrics-port", str(port)).start()
     try:
-        with connect(s.endpoint, make_kv(1)) as c:
+        with connect(s.endpoint, make_kv(1), hot_path=False) as c:  # counts requests
             assert c.save(tokens(2), np.arange(2)).wait() == 2 * TOKENS_PER_BLOCK
             assert c.lookup(tokens(4)) == 2 * TOKENS_PER_BLOCK  # 2 hits, 2 misses
             assert c.lookup(tokens(1)) == TOKENS_PER_BLOCK  # 1 hit

@@ -15,7 +15,7 @@ from tests.sidecar_proc import ROOT
 
 PACKAGES = ("contract", "shm", "sidecar", "cuda_ext", "engine_shim", "cachesim", "router")
 PACKAGES += ("bench", "kvsidecar")
-STUBS = ("contract/_blake2chain.pyi", "sidecar/control/_nodeheap.pyi")
+STUBS = ("contract/_blake2chain.pyi", "sidecar/control/_nodeheap.pyi", "shm/_hotindex.pyi")
 
 
 def _project() -> dict:

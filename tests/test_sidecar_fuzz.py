@@ -36,7 +36,7 @@ FIELDS = ["session", "plan_id", "op_ids", "op_id", "skip", "engine_id", "kv", "r
 @pytest.fixture(scope="module")
 def live():
     s = Sidecar(lease=30.0).start()
-    owner = connect(s.endpoint, make_kv(4))
+    owner = connect(s.endpoint, make_kv(4), hot_path=False)  # no grant: used == cached
     owner.save(tokens(5), np.arange(5)).wait()
     fuzzer = connect(s.endpoint, make_kv(None), engine_id="fuzzer")
     ctx = zmq.Context.instance()

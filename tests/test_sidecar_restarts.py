@@ -32,6 +32,9 @@ def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(si
     sp.shorten_timeout(client, 0.3)
     sidecar.proc.send_signal(signal.SIGSTOP)
     try:
+        # Its hot index serves CPU hits in this process until its stamp is
+        # older than the client's timeout (test_hotpath.py); then the client asks.
+        wait_for(lambda: client._hot_flags() == 0)
         start = time.monotonic()
         assert client.lookup(tokens(2)) == 0
         with pytest.raises(SidecarUnavailable, match=r"did not answer within 0\.3 s"):
@@ -51,7 +54,7 @@ def test_a_stalled_sidecar_costs_one_timeout_and_its_late_replies_are_dropped(si
 
 
 def test_a_save_answered_after_its_timeout_is_given_back(sidecar, open_client):
-    client = open_client(sidecar.endpoint, make_kv(12))
+    client = open_client(sidecar.endpoint, make_kv(12), hot_path=False)  # plans, no grant
     sp.shorten_timeout(client, 0.3)
     sidecar.proc.send_signal(signal.SIGSTOP)
     try:
@@ -59,8 +62,8 @@ def test_a_save_answered_after_its_timeout_is_given_back(sidecar, open_client):
             client.save(tokens(3), np.arange(3))
     finally:
         sidecar.proc.send_signal(signal.SIGCONT)
-    assert client.lookup(tokens(3)) == 0  # reads the late save reply and cancels its plan
-    wait_for(lambda: stats_of(sidecar)["plans_in_flight"] == 0)
+    # A call reads the late save reply once it is there, and cancels its plan.
+    wait_for(lambda: client.lookup(tokens(3)) == 0 and stats_of(sidecar)["plans_in_flight"] == 0)
     assert stats_of(sidecar)["tiers"]["cpu"]["used_blocks"] == 0
     # The prefix is not stuck "in flight": saving it again stores it.
     assert client.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
@@ -75,6 +78,9 @@ def test_engines_carry_on_when_the_sidecar_dies_and_find_it_again(sidecar, open_
     old_segments = sidecar.shm_segments()
     sidecar.proc.kill()
     sidecar.proc.wait()
+    # Its hot index still serves the (intact) CPU hits until its stamp is
+    # older than the client's timeout (test_hotpath.py); then the client asks.
+    wait_for(lambda: client._hot_flags() == 0)
     start = time.monotonic()
     assert client.lookup(tokens(2)) == 0
     with pytest.raises(SidecarUnavailable):
@@ -166,6 +172,7 @@ def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_er
     to a sidecar that never made it."""
     with connect(sidecar.endpoint, make_kv(13), timeout=0.5) as client:
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        client._close_hot()  # a GPU load asks for a plan; a CPU one would not
         handle = client.load(tokens(2), np.arange(2, 4))
         assert handle.plan is not None
         handle._ack, handle._copies = None, [_Landed()]  # as a GPU load before its wait

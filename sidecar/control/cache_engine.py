@@ -109,6 +109,12 @@ class CacheEngine:
         """Evict up to `num_blocks` blocks now, in the policy's order."""
         self._evict(num_blocks)
 
+    def room_under_quota(self, n: int, ns: int) -> int:
+        """How many of `n` new blocks namespace `ns` may add now (all of them
+        without a quota), its own blocks evicted first to make room."""
+        limit = self._quotas.get(ns)
+        return n if limit is None else self._room_under_quota(n, ns, limit)
+
     def _room_under_quota(self, n: int, ns: int, limit: int) -> int:
         over = self.index.blocks_of(ns) + n - limit
         if over > 0:

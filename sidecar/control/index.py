@@ -116,6 +116,9 @@ class RadixIndex:
         self.num_nodes = 0
         self._record_events = record_events
         self._events: list[KVEvent] = []
+        self.on_ready: Callable[[bytes, SlotIds], None] | None = None
+        """Called with a node's keys and slots as its blocks become ready
+        (the sidecar publishes them to engines: sidecar/server/hotpath.py)."""
 
     # ---- lookup -----------------------------------------------------------
 
@@ -350,6 +353,8 @@ class RadixIndex:
         self._became_ready(node)
 
     def _became_ready(self, node: RadixNode) -> None:
+        if self.on_ready is not None:
+            self.on_ready(node.key_bytes, node.slots)
         if self._record_events:
             parent = node.parent
             parent_key = None if parent is None or parent.parent is None else parent.last_key

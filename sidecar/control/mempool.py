@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from contract.ids import SLOT_DTYPE, SlotIds
@@ -54,6 +56,10 @@ class Mempool:
         self._held = np.zeros(num_slots, dtype=np.bool_)
         self._freed_held = np.zeros(num_slots, dtype=np.bool_)  # freed while held
         self._num_held = 0
+        self.on_vacate: Callable[[np.ndarray], None] | None = None
+        """Called with slots as they stop holding their blocks (`free`,
+        `retire`), before they can be handed out again: the sidecar bumps
+        their generations in the engines' hot index (sidecar/server/hotpath.py)."""
 
     @property
     def num_free(self) -> int:
@@ -97,6 +103,8 @@ class Mempool:
             self._scratch[slots] = positions
             if not np.array_equal(self._scratch[slots], positions):
                 raise MempoolError("the same slot appears twice in one free")
+        if self.on_vacate is not None:
+            self.on_vacate(slots)
         if self._num_held:
             held = self._held[slots]
             if held.any():  # not free until released
@@ -212,6 +220,8 @@ class Mempool:
             or np.unique(slots).size != slots.size
         ):
             raise MempoolError("only used, owned slots that are not held can be retired")
+        if self.on_vacate is not None:
+            self.on_vacate(slots)
         owned[slots] = False
         self.num_slots -= int(slots.size)
 

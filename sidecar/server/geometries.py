@@ -18,8 +18,11 @@ import numpy as np
 
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
-from sidecar.config import Config
+from shm.segments import SEGMENT_MODE
+from sidecar.config import Config, group_id
 from sidecar.control.arena import ExtentArena
+from sidecar.runtime import SHARED_FILE_MODE, instance_paths
+from sidecar.server.hotpath import HotIndexes
 from sidecar.tiers.build import open_tiered_cache
 from sidecar.tiers.ssd.space import SsdSpace
 from sidecar.tiers.tiered import TieredCache
@@ -51,6 +54,14 @@ class Geometries:
                 self.ssd = SsdSpace(config)
             except (OSError, ValueError) as err:
                 log.error("SSD tier disabled: %s", err)
+        gid = group_id(config.group)
+        self.hot = HotIndexes(
+            instance_paths(config).shm_prefix,
+            SEGMENT_MODE if gid is None else SHARED_FILE_MODE,
+            gid,
+            config.write_policy,
+        )
+        """What engines map to look up and load without a round trip."""
 
     def __iter__(self) -> Iterator[TieredCache]:
         return iter(self.realms.values())
@@ -66,6 +77,7 @@ class Geometries:
                 self.config, self.pool, layout, self._on_plan_ended, self.arena, ssd
             )
             self.realms[layout] = realm
+            self.hot.add(realm, layout, self.slots_of(layout))
             for fd in realm.fds:  # results wake the loop through their eventfds
                 self._watch(fd)
         return realm
@@ -92,7 +104,9 @@ class Geometries:
             realm.cache.expire()
 
     def close(self) -> None:
-        """Close every geometry's tiers (their I/O threads first; idempotent)."""
+        """Close every geometry's tiers (their I/O threads first; idempotent)
+        and withdraw the hot indexes."""
+        self.hot.close()
         for realm in self.realms.values():
             realm.close()
         if self.ssd is not None:
@@ -102,3 +116,4 @@ class Geometries:
         """Copy CPU slots (an extent changing geometry: `ExtentArena`)."""
         for s, d in zip(src.tolist(), dst.tolist(), strict=True):
             np.copyto(self.pool.slot_view(d, stride), self.pool.slot_view(s, stride))
+        self.hot.move(stride, src, dst)

@@ -36,6 +36,7 @@ from sidecar.metrics.latency import RequestLatency
 from sidecar.namespace_limits import NamespaceName, parse_rules
 from sidecar.server.admin import Admin
 from sidecar.server.geometries import Geometries
+from sidecar.server.hotpath import commit, grant, parse_touch
 from sidecar.server.limits import check_register
 from sidecar.server.namespaces import Namespaces
 from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
@@ -86,7 +87,9 @@ class Handlers:
         self.geometries = Geometries(config, pool, self._plan_ended, watch)
         self.namespaces = Namespaces(parse_rules(config.namespace_limits))
         self.admin = Admin(admin_token, self.namespaces, self.geometries.realms)
-        self.engines = Engines(self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots)
+        self.engines = Engines(
+            self._cancel_plan, self._hold_cpu_slots, self._release_cpu_slots, self._free_cpu_slots
+        )
         self.hits = HitStats(config.hit_window)
         self.waiting = WaitingLoads()
         self.requests: Counter[str] = Counter()
@@ -108,6 +111,9 @@ class Handlers:
             p.Complete: self._complete,
             p.Fail: self._fail,
             p.Cancel: self._cancel,
+            p.Touch: self._touch,
+            p.Grant: self._grant,
+            p.Commit: self._commit,
             p.Heartbeat: self._heartbeat,
             p.Unregister: self._unregister,
             p.Stats: self._stats,
@@ -203,6 +209,9 @@ class Handlers:
     def _release_cpu_slots(self, group: EngineGroup, slots: np.ndarray) -> None:
         group.realm.cache.cpu.mempool.release(slots)
 
+    def _free_cpu_slots(self, group: EngineGroup, slots: np.ndarray) -> None:
+        group.realm.cache.cpu.mempool.free(slots)
+
     def _not_stopping(self) -> None:
         if self.stopping:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "the sidecar is shutting down")
@@ -229,6 +238,7 @@ class Handlers:
             slot_stride=layout.slot_stride,
             num_slots=self.geometries.slots_of(layout),
             lease_seconds=self.config.lease_seconds,
+            hot_index=self.geometries.hot.name_of(layout),
         )
         return Answer(reply)
 
@@ -490,6 +500,41 @@ class Handlers:
         self.engines.owned_plan(session, req.plan_id)
         self.engines.give_up(session, req.plan_id)
         return Answer(r.Ok(id=req.id))
+
+    def _touch(self, req: p.Touch, arrays: list[bytes]) -> Answer:
+        """An engine's batch of lookups and loads done through the hot index."""
+        group = self._session(req).group
+        lookups, loads = parse_touch(req, arrays)  # checked whole first
+        ns = group.ns_id
+        for asked, hit in lookups:
+            self.hits.record(asked, TierCounts(hit))
+            self.namespaces.lookups[ns] += asked
+            self.namespaces.hits[ns] += hit
+        cpu = self._realm(self._session(req)).cache.cpu
+        for keys in loads:  # recency and hit counts, as a load's GET gives them
+            cpu.match(keys, touch=True)
+            self.transfers["loaded_blocks"] += len(keys)
+        self.transfers["loads"] += len(loads)
+        return Answer(r.Ok(id=req.id))
+
+    def _grant(self, req: p.Grant, _: list[bytes]) -> Answer:
+        self._not_stopping()
+        session = self._session(req)
+        realm = self._realm(session)
+        if realm.cache.lower or session.group.tp_size != 1:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "grants need TP 1 and a CPU-only cache")
+        slots = grant(session, realm.cache.cpu, req.want)
+        return Answer(r.GrantReply(id=req.id, count=int(slots.size)), [p.ids_frame(slots)])
+
+    def _commit(self, req: p.Commit, arrays: list[bytes]) -> Answer:
+        session = self._session(req)
+        keys = p.parse_keys(arrays[0])
+        cpu = self._realm(session).cache.cpu
+        slots = p.parse_ids(arrays[1], "slots", len(keys) - req.first, cpu.mempool.space)
+        stored, dropped = commit(session, cpu, keys, slots, req.first, session.group.ns_id)
+        self.transfers["saves"] += 1
+        self.transfers["saved_blocks"] += stored
+        return Answer(r.CommitReply(id=req.id, stored=stored, dropped=dropped))
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> Answer:
         self._session(req)

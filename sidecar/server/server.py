@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import psutil
 
+from shm import hotindex
 from shm.pool import ShmPool, remove_stale_segments
 from shm.segments import SEGMENT_MODE
 from sidecar.config import Config, format_size, group_id
@@ -202,6 +203,7 @@ class Server:
             token = AdminToken(self.paths.admin_token_path)
             undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
+            stale += hotindex.remove_stale(self.paths.shm_prefix)
             if stale:
                 log.warning("removed %d shm segment(s) left by a dead sidecar", len(stale))
             pool = ShmPool.create(
@@ -305,6 +307,7 @@ class Server:
         handlers = parts.handlers
         timeout_ms = min(timeout_ms, self._max_wait_ms)
         parts.transport.wait(timeout_ms, self._collect)
+        handlers.geometries.hot.stamp()  # engines trust the hot indexes while this is fresh
         handlers.retry_parked()
         if parts.publisher is not None:
             indexes = [realm.cache.cpu.index for realm in handlers.geometries]

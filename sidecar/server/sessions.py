@@ -78,6 +78,9 @@ class Session:
     rank: int
     pid: int
     last_seen: float
+    granted: set[int] = field(default_factory=set)
+    """CPU slots granted to this rank for its saves (engine_shim/hotpath.py):
+    used, in no index, until it commits blocks into them or leaves."""
 
 
 @dataclass
@@ -180,13 +183,18 @@ class Engines:
         cancel: Callable[[EngineGroup, int], None],
         hold_slots: Callable[[EngineGroup, np.ndarray], None],
         release_slots: Callable[[EngineGroup, np.ndarray], None],
+        free_slots: Callable[[EngineGroup, np.ndarray], None] | None = None,
     ) -> None:
         """`cancel(group, plan_id)` rolls a plan of that engine back;
         `hold_slots(group, slots)` keeps CPU slots of the engine's geometry
-        from reuse until `release_slots(group, slots)`."""
+        from reuse until `release_slots(group, slots)`; `free_slots` frees
+        them (a departed rank's grant)."""
         self._cancel = cancel
         self._hold_slots = hold_slots
         self._release_slots = release_slots
+        self._free_slots = free_slots or (lambda group, slots: None)
+        self._next_grant_orphan = -1
+        """Orphaned grants are kept under negative ids, apart from plans."""
         self.groups: dict[str, EngineGroup] = {}
         self.sessions: dict[str, Session] = {}
         self.plans: dict[int, PlanState] = {}
@@ -305,11 +313,29 @@ class Engines:
                 self._orphan(plan_id, writers)
             else:
                 self.end(plan_id, cancel=True)
+        self._drop_grant(session, may_write)
         self.sessions.pop(session.session_id, None)
         if group.sessions.get(session.rank) is session:
             del group.sessions[session.rank]
         if not group.sessions:
             self.groups.pop(group.engine_id, None)
+
+    def _drop_grant(self, session: Session, may_write: bool) -> None:
+        """A departed rank's granted slots go back: at once if it cannot be
+        copying into them, else held as an orphan's until it stops."""
+        if not session.granted:
+            return
+        slots = np.fromiter(session.granted, dtype=np.int64)
+        session.granted.clear()
+        if may_write and not (session.pid and not _alive(session.pid)):
+            self._hold_slots(session.group, slots)
+            self._free_slots(session.group, slots)  # takes effect at the release
+            writers = {session.session_id: session.pid}
+            orphan = Orphan(writers, time.monotonic(), session.group, slots)
+            self.orphans[self._next_grant_orphan] = orphan
+            self._next_grant_orphan -= 1
+        else:
+            self._free_slots(session.group, slots)
 
     def expire(self, lease_seconds: float, now: float | None = None) -> None:
         """Drop sessions not heard from within the lease, or whose process is
@@ -405,6 +431,7 @@ class Engines:
                 "ranks": sorted(g.sessions),
                 "pids": sorted({s.pid for s in g.sessions.values()}),
                 "plans_in_flight": len(g.plans),
+                "granted_slots": sum(len(s.granted) for s in g.sessions.values()),
             }
             for g in self.groups.values()
         ]

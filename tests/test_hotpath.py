@@ -1,0 +1,294 @@
+"""Lookups and CPU-hit loads through the hot index, against real sidecars
+(docs/sidecar.md, "The hot path"): no request is sent for them, what they
+did reaches the sidecar's figures in Touch batches, evictions and deletes
+are misses at once, a lower tier is still asked, a restarted sidecar's
+predecessor's index is withdrawn, and a malformed Touch changes nothing."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import sidecar_proc as sp
+import torch
+from sidecar_proc import Sidecar, connect, make_kv, stats_of, tmp_dir, tokens, wait_for
+
+from contract import protocol as p
+from engine_shim import SidecarError, SidecarUnavailable
+from engine_shim.channel import Channel
+from shm import hotindex
+
+pytestmark = pytest.mark.skipif(not hotindex.AVAILABLE, reason="shm._hotindex is not built")
+
+ASKED = ("lookup", "load")
+
+
+def asked(s: Sidecar) -> dict[str, int]:
+    """Lookups and loads the sidecar was asked for."""
+    requests = stats_of(s)["requests"]
+    return {op: requests.get(op, 0) for op in ASKED}
+
+
+def same_blocks(a: list, blocks_a: np.ndarray, b: list, blocks_b: np.ndarray) -> bool:
+    return all(torch.equal(x[blocks_a], y[blocks_b]) for x, y in zip(a, b, strict=True))
+
+
+def test_lookups_and_cpu_loads_ask_nothing_and_are_counted_later(sidecar, open_client):
+    src, dst = make_kv(1), make_kv(None)
+    saver = open_client(sidecar.endpoint, src)
+    engine = open_client(sidecar.endpoint, dst)
+    assert saver.save(tokens(6), np.arange(6)).wait() == 6 * sp.TOKENS_PER_BLOCK
+    before = asked(sidecar)
+    assert engine.lookup(tokens(8)) == 6 * sp.TOKENS_PER_BLOCK
+    assert engine.lookup(tokens(8, start=7)) == 0  # the first block misses
+    assert engine.lookup_tiers(tokens(3)) == (3 * sp.TOKENS_PER_BLOCK, 0, 0)
+    handle = engine.load(tokens(8), np.arange(20, 28))
+    assert handle.done and handle.wait() == 6 * sp.TOKENS_PER_BLOCK
+    assert same_blocks(dst, np.arange(20, 26), src, np.arange(6))
+    skipped = engine.load(tokens(6), np.arange(30, 36), skip_tokens=2 * sp.TOKENS_PER_BLOCK)
+    assert skipped.wait() == 6 * sp.TOKENS_PER_BLOCK
+    assert same_blocks(dst, np.arange(32, 36), src, np.arange(2, 6))
+    assert asked(sidecar) == before
+    figures = engine.stats()  # sends the batch first
+    assert figures["transfers"]["loads"] == 2
+    assert figures["transfers"]["loaded_blocks"] == 6 + 4
+    assert figures["hits"]["requests"] == 3
+    assert figures["hits"]["requested_blocks"] == 8 + 8 + 3
+    assert figures["hits"]["hit_blocks"]["cpu"] == 6 + 3
+
+
+def test_the_heartbeat_sends_the_batch_of_an_idle_engine():
+    s = Sidecar(lease=1.0).start()
+    try:
+        with connect(s.endpoint, make_kv(2)) as c:
+            assert c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+            assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+            wait_for(lambda: stats_of(s)["hits"]["requests"] == 1)
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_deleted_and_evicted_blocks_miss_at_once(open_client):
+    s = Sidecar("--set", "evict_ratio=0", capacity="1MiB").start()  # 256 blocks of 4 KiB
+    try:
+        src = make_kv(3)
+        c = open_client(s.endpoint, src)
+        assert c.save(tokens(4), np.arange(4)).wait() == 4 * sp.TOKENS_PER_BLOCK
+        assert c.delete(tokens(3)) == 2  # blocks 2 and 3
+        assert c.lookup(tokens(4)) == 2 * sp.TOKENS_PER_BLOCK
+        assert c.load(tokens(4), np.arange(10, 14)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        # Fill the tier twice over: the first prompt's blocks are evicted.
+        first = tokens(64, start=1000)
+        assert c.save(first, np.arange(64)).wait() == 64 * sp.TOKENS_PER_BLOCK
+        for round_ in range(8):
+            c.save(tokens(64, start=100_000 + 1000 * round_), np.arange(64)).wait()
+        cached = c.lookup(first)
+        assert cached < 64 * sp.TOKENS_PER_BLOCK
+        assert c.load(first, np.arange(64)).wait() == cached
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_a_restarted_sidecar_withdraws_its_predecessors_index(open_client):
+    s = Sidecar(lease=60.0).start()  # heartbeats far apart: the client learns late
+    try:
+        c = open_client(s.endpoint, make_kv(4))
+        assert c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        assert c._hot_flags()
+        s.kill()
+        s.start()  # the same instance: withdraws the dead one's hot index
+        assert c._hot_flags() == 0  # though its stamp is recent
+        assert c.lookup(tokens(2)) == 0  # asked the new sidecar
+
+        def saved_again() -> bool:
+            try:  # the client reconnects and re-registers by itself
+                return c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+            except SidecarUnavailable:
+                return False
+
+        wait_for(saved_again)
+        assert c._hot_flags()  # the new sidecar's index, mapped when re-registering
+        before = asked(s)
+        assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+        assert asked(s) == before
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_a_cpu_miss_is_asked_where_a_lower_tier_may_hold_it(open_client):
+    ssd = tmp_dir("ssd")
+    s = Sidecar("--set", f"ssd_dirs={ssd}", "--set", "ssd_capacity_per_dir=8MiB").start()
+    try:
+        c = open_client(s.endpoint, make_kv(5))
+        assert c.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        before = asked(s)
+        assert c.lookup(tokens(3)) == 3 * sp.TOKENS_PER_BLOCK  # all in the CPU tier
+        assert asked(s) == before
+        assert c.lookup(tokens(5)) == 3 * sp.TOKENS_PER_BLOCK  # short: asked
+        assert asked(s)["lookup"] == before["lookup"] + 1
+        assert c.load(tokens(5), np.arange(10, 15)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        assert asked(s)["load"] == before["load"] + 1
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+        shutil.rmtree(ssd, ignore_errors=True)
+
+
+def test_a_malformed_touch_is_refused_and_changes_nothing(sidecar, open_client):
+    c = open_client(sidecar.endpoint, make_kv(6))
+    before = stats_of(sidecar)["hits"]
+    channel = Channel(sidecar.endpoint, 10.0)
+    try:
+        bad = [
+            ([5, 6], [], b""),  # more hits than blocks asked
+            ([1, 1, 2], [], b""),  # not pairs
+            ([2, 1], [2], bytes(16)),  # load_blocks do not sum to the keys
+            ([2, 1], [0], b""),  # an empty load
+        ]
+        for pairs, sizes, keys in bad:
+            request = p.Touch(v=1, id=0, session=c.session, load_blocks=sizes)
+            frames = [np.asarray(pairs, dtype=np.int64).tobytes(), keys]
+            with pytest.raises(SidecarError):
+                channel.call(request, frames)
+    finally:
+        channel.close()
+    assert stats_of(sidecar)["hits"] == before
+
+
+def test_a_killed_sidecars_index_serves_its_intact_hits_until_its_stamp_is_old(open_client):
+    s = Sidecar().start()
+    try:
+        src, dst = make_kv(7), make_kv(None)
+        c = open_client(s.endpoint, src)
+        engine = open_client(s.endpoint, dst)
+        assert c.save(tokens(3), np.arange(3)).wait() == 3 * sp.TOKENS_PER_BLOCK
+        sp.shorten_timeout(engine, 0.5)
+        s.kill()
+        # Within the timeout a hit loads the intact bytes (no slot can be
+        # handed out again without the sidecar), then the table is not trusted.
+        loaded = engine.load(tokens(3), np.arange(20, 23))
+        if loaded.num_tokens:
+            n = loaded.num_tokens // sp.TOKENS_PER_BLOCK
+            assert same_blocks(dst, np.arange(20, 20 + n), src, np.arange(n))
+        wait_for(lambda: engine._hot_flags() == 0)
+        assert engine.lookup(tokens(3)) == 0
+    finally:
+        s.cleanup()
+
+
+def test_hot_path_false_asks_for_everything(sidecar, open_client):
+    c = open_client(sidecar.endpoint, make_kv(8), hot_path=False)
+    assert c.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    before = asked(sidecar)
+    assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+    assert c.load(tokens(2), np.arange(10, 12)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    assert asked(sidecar) == {op: before[op] + 1 for op in ASKED}
+    c.hot_path = True
+    assert c.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+    assert asked(sidecar)["lookup"] == before["lookup"] + 1
+
+
+# ---- saves into granted slots -------------------------------------------------------
+
+
+def granted(client) -> int:
+    """Slots granted to `client` now (reading a Grant's answer if it came)."""
+    client._grants_usable(client._hot)
+    return len(client._hot.granted)
+
+
+def cpu_tier(s: Sidecar) -> tuple[int, int]:
+    tier = stats_of(s)["tiers"]["cpu"]
+    return tier["used_blocks"], tier["cached_blocks"]
+
+
+def test_saves_commit_into_granted_slots_and_the_grant_goes_back(sidecar, open_client):
+    src, dst = make_kv(9), make_kv(None)
+    c = open_client(sidecar.endpoint, src)
+    assert c.save(tokens(1, start=5000), np.arange(1)).wait() == sp.TOKENS_PER_BLOCK
+    wait_for(lambda: granted(c) > 0)  # the first save asked for slots
+    before = stats_of(sidecar)["requests"]
+    for i in range(4):
+        handle = c.save(tokens(3, start=100 * i), np.arange(3 * i, 3 * i + 3))
+        assert handle.plan is None and handle.wait() == 3 * sp.TOKENS_PER_BLOCK
+    requests = stats_of(sidecar)["requests"]
+    assert requests["save"] == before["save"] and requests["commit"] == before.get("commit", 0) + 4
+    engine = open_client(sidecar.endpoint, dst)
+    for i in range(4):
+        assert engine.load(tokens(3, start=100 * i), np.arange(20, 23)).wait() == 48
+        assert same_blocks(dst, np.arange(20, 23), src, np.arange(3 * i, 3 * i + 3))
+    used, cached = cpu_tier(sidecar)
+    assert used > cached  # the rest of the grant
+    c.close()
+    assert cpu_tier(sidecar) == (cached, cached)
+
+
+def test_two_engines_saving_one_prefix_store_it_once(sidecar, open_client):
+    a_kv, b_kv = make_kv(10), make_kv(10)  # the same KV: the same model's output
+    a, b = open_client(sidecar.endpoint, a_kv), open_client(sidecar.endpoint, b_kv)
+    for c in (a, b):
+        c.save(tokens(1, start=9000), np.arange(1)).wait()
+        wait_for(lambda c=c: granted(c) > 0)
+    saved = stats_of(sidecar)["transfers"]["saved_blocks"]
+    first, second = a.save(tokens(6), np.arange(6)), b.save(tokens(6), np.arange(6))
+    assert first.wait() == second.wait() == 6 * sp.TOKENS_PER_BLOCK
+    assert stats_of(sidecar)["transfers"]["saved_blocks"] == saved + 6
+    dst = make_kv(None)
+    assert open_client(sidecar.endpoint, dst).load(tokens(6), np.arange(30, 36)).wait() == 96
+    assert same_blocks(dst, np.arange(30, 36), a_kv, np.arange(6))
+    a.close()
+    b.close()
+    used, cached = cpu_tier(sidecar)
+    assert used == cached
+
+
+def hold_grants_worker(endpoint: str, conn) -> None:
+    """An engine that takes a grant, says so, and waits to be killed."""
+    c = connect(endpoint, make_kv(11))
+    c.save(tokens(1, start=7000), np.arange(1)).wait()
+    wait_for(lambda: granted(c) > 0)
+    conn.send(granted(c))
+    conn.recv()  # killed before this comes
+
+
+def test_an_engine_killed_holding_a_grant_leaks_nothing(sidecar):
+    parent, child = sp.SPAWN.Pipe()
+    proc = sp.SPAWN.Process(target=hold_grants_worker, args=(sidecar.endpoint, child))
+    proc.start()
+    try:
+        assert parent.poll(sp.DEADLINE) and parent.recv() > 0
+        used, cached = cpu_tier(sidecar)
+        assert used > cached
+        proc.kill()
+        proc.join(sp.DEADLINE)
+        wait_for(lambda: cpu_tier(sidecar) == (cached, cached))  # its pid is gone: freed
+        assert stats_of(sidecar)["engines"] == []
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(sp.DEADLINE)
+
+
+def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, open_client):
+    c = open_client(sidecar.endpoint, make_kv(12))
+    c.save(tokens(1, start=8000), np.arange(1)).wait()
+    wait_for(lambda: granted(c) > 1)
+    mine = c._hot.granted[:2]
+    other = next(s for s in range(1 << 20) if s not in c._hot.granted)
+    before = cpu_tier(sidecar)
+    channel = Channel(sidecar.endpoint, 10.0)
+    try:
+        keys = c.block_keys(tokens(2))
+        for slots in ([mine[0], mine[0]], [mine[0], other], [mine[0]]):
+            request = p.Commit(v=1, id=0, session=c.session, first=0)
+            frames = [p.keys_frame(keys), np.asarray(slots, dtype=np.int64).tobytes()]
+            with pytest.raises(SidecarError):
+                channel.call(request, frames)
+    finally:
+        channel.close()
+    assert cpu_tier(sidecar) == before
+    assert c.lookup(tokens(2)) == 0
