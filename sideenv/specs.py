@@ -112,4 +112,6 @@ LMCACHE = SideEnv(
     "LMCache's multiprocess server (ZeroMQ + POSIX shm) for `bench control`'s per-call rows",
 )  # fmt: skip
 
-ALL: dict[str, SideEnv] = {env.name: env for env in (LIBCACHESIM, VLLM, SGLANG, DYNAMO, AIBRIX, LMCACHE)}
+ALL: dict[str, SideEnv] = {
+    env.name: env for env in (LIBCACHESIM, VLLM, SGLANG, DYNAMO, AIBRIX, LMCACHE)
+}
