@@ -15,11 +15,11 @@ import pytest
 import torch
 from kv_helpers import FILL, VLLM_ORDERS, padding_mask, random_bytes, raw, vllm_views, why_no_gpu
 from sidecar_proc import Sidecar
-from vllm_helpers import BLOCK, prompt, request, settings
+from test_vllm_connector import finished_eventually, save, step
+from vllm_helpers import BLOCK, prompt, request, scheduler_side, settings, tables_of
 
 from cuda_ext.layouts import kv_planes
 from engine_shim.kvconnector.geometry import KVGeometry
-from engine_shim.kvconnector.scheduler import SchedulerSide
 from engine_shim.kvconnector.worker import WorkerSide
 
 LAYERS, NUM_BLOCKS, DIM = 2, 12, 8
@@ -72,14 +72,10 @@ def run_case(sidecar, layout: str, heads: int, padded: bool, dtype, device: str)
         writer = WorkerSide(settings(sidecar.endpoint, model_name=f"m-{layout}-{dtype}"), geo)
         made.append(writer)
         writer.register(saved)
-        sched = SchedulerSide(writer.settings, geo, use_block_hashes=False)
+        sched = scheduler_side(writer.settings, geometry=geo)
         made.append(sched)
         tokens = prompt(3 * BLOCK + 1, start=heads + 10 * padded)
-        first = request("a", tokens)
-        first.num_computed_tokens = len(tokens) - 1
-        assert sched.finished(first, [3, 7, 1, 5]) is True
-        writer.run_saves(sched.build_meta())
-        assert writer.finished() == ({"a"}, set())
+        save(sched, writer, request("a", tokens), [3, 7, 1, 5])
 
         another_engine = dataclasses.replace(writer.settings, engine_id="reader")
         reader = WorkerSide(another_engine, geo)
@@ -87,9 +83,10 @@ def run_case(sidecar, layout: str, heads: int, padded: bool, dtype, device: str)
         reader.register(loaded)
         second = request("b", tokens)
         assert sched.num_new_matched_tokens(second, 0) == (3 * BLOCK, True)
+        tables_of(sched)["b"] = [9, 0, 4, 2]
         sched.after_alloc(second, [9, 0, 4, 2], 3 * BLOCK)
-        reader.start_loads(sched.build_meta())
-        assert reader.finished() == (set(), {"b"}) and reader.load_errors() == set()
+        step(sched, reader, {"b": 1})
+        assert finished_eventually(reader) == (set(), {"b"}) and reader.load_errors() == set()
     finally:
         for side in made:
             side.close()
