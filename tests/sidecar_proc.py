@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -143,7 +144,7 @@ class Sidecar:
         """Start it and read its stderr (all its output) up to the "serving on"
         line: `banner`; the lines before it are kept in `early`."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvsidecar", "serve", *self.args],
+            [sys.executable, "-X", "faulthandler", "-m", "kvsidecar", "serve", *self.args],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -151,19 +152,16 @@ class Sidecar:
         )
         deadline = time.monotonic() + timeout
         assert self.proc.stderr is not None
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stderr], [], [], 0.1)
-            if ready:
-                line = self.proc.stderr.readline()
-                if "serving on" in line:
-                    self.banner = line
-                    return self
-                self.early.append(line)
-            if self.proc.poll() is not None:
-                break
-        err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+        while (line := read_line(self.proc.stderr, deadline)) is not None:
+            if "serving on" in line:
+                self.banner = line
+                return self
+            self.early.append(line)
+        code = self.proc.poll()
+        err = self.proc.stderr.read() if code is not None else ""
         self.kill()
-        raise RuntimeError(f"sidecar did not start: {''.join(self.early)}{err}")
+        how = f"exited with {code}" if code is not None else f"no banner in {timeout:.0f} s"
+        raise RuntimeError(f"sidecar did not start ({how}): {''.join(self.early)}{err}")
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit code."""
@@ -202,6 +200,26 @@ class Sidecar:
             shutil.rmtree(self._own_dir, ignore_errors=True)
         if self in UNCLEANED:
             UNCLEANED.remove(self)
+
+
+def read_line(pipe: IO[str], deadline: float) -> str | None:
+    """The next line `pipe` (a child's text pipe, not read through its
+    buffer yet) gives before `deadline`; None at its end or the deadline.
+
+    Read a byte at a time from the descriptor: a buffered readline after
+    select() may pull the following lines into the buffer, where select()
+    no longer sees them. The pipe's own read() still works afterwards."""
+    fd, line = pipe.fileno(), bytearray()
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([fd], [], [], min(left, 0.5))[0]:
+            continue
+        byte = os.read(fd, 1)
+        if not byte:
+            return line.decode(errors="replace") or None
+        line += byte
+        if byte == b"\n":
+            return line.decode(errors="replace")
+    return None
 
 
 SPAWN = multiprocessing.get_context("spawn")

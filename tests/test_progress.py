@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 from bench.index import isolated
 from cachesim.replay import DEFAULT_TRACE
 from cachesim.report import Progress
-from tests.sidecar_proc import ROOT
+from tests.sidecar_proc import ROOT, read_line
 
 
 def test_progress_lines_at_start_every_interval_and_close() -> None:
@@ -101,9 +100,9 @@ def test_demo_prints_each_turn_and_cleans_up_on_sigterm() -> None:
         seen: list[str] = []
         deadline = time.monotonic() + 300
         while not any(line.startswith("demo: turn A1: ") for line in seen):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(seen)
-            if select.select([proc.stderr], [], [], 0.5)[0]:
-                seen.append(proc.stderr.readline())
+            line = read_line(proc.stderr, deadline)
+            assert line is not None, "".join(seen)
+            seen.append(line)
         workdir = next(ln for ln in seen if ln.startswith("demo: starting")).split()[-1]
         assert os.path.dirname(workdir) == tmp and os.path.isdir(workdir)
         proc.send_signal(signal.SIGTERM)  # mid-chat: five turns to go, a second each

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import select
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import zmq
 
-from tests.sidecar_proc import DEADLINE, ROOT, Sidecar, connect, make_kv, tokens
+from tests.sidecar_proc import DEADLINE, ROOT, Sidecar, connect, make_kv, read_line, tokens
 
 
 @pytest.fixture
@@ -46,9 +45,10 @@ class RouterProc:
             text=True,
         )
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 30)
-        line = self.proc.stdout.readline() if ready else ""
-        assert "router serving on" in line, line + (self.proc.stderr.read() if ready else "")  # type: ignore[union-attr]
+        line = read_line(self.proc.stdout, time.monotonic() + DEADLINE) or ""
+        if "router serving on" not in line:
+            self.proc.kill()
+            raise AssertionError(line + self.proc.communicate()[1])
         self.endpoint = line.split()[3]
         self.ctx = zmq.Context()
         self.sock = self._socket()

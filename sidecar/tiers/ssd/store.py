@@ -31,7 +31,9 @@ Shared budget (`sparse`): when several block geometries share the tier
 (`sidecar.tiers.ssd.space`), each has files of its own, sized to the whole
 budget but sparse: the disk behind a run of slots is reserved (`claim`,
 fallocate) when the run's extent becomes the geometry's and given back
-(`release`: records cleared, then a hole punched) when it stops being.
+(`release`: records cleared, then a hole punched) when it stops being. The
+journal is reserved whole when the files open: it is written through a
+mapping, where a missing page on a full disk would be a SIGBUS.
 The striping is extent-major for free: with `c` slots per directory in an
 extent, the extent's slots k*c*n .. (k+1)*c*n-1 sit at the same byte range
 of every directory's file.
@@ -130,10 +132,13 @@ class _Dir:
                 os.ftruncate(self.fd, 0)
                 os.ftruncate(self.journal, 0)
                 old = None
-            if sparse:  # exactly `want` slots; the disk is reserved per extent
+            if sparse:  # exactly `want` slots; the data's disk is reserved per extent
                 self.nslots = want
                 os.ftruncate(self.fd, want * slot_bytes)
-                os.ftruncate(self.journal, want * RECORD_BYTES)
+                # The journal is written through a mapping: a page with no disk
+                # behind it on a full filesystem would be SIGBUS, not ENOSPC.
+                # It is all reserved now (1/64 of the data at 4 KiB slots).
+                os.posix_fallocate(self.journal, 0, want * RECORD_BYTES)
             else:
                 self.nslots = self._size(old, want, slot_bytes, tag)
                 os.posix_fallocate(self.fd, 0, self.nslots * slot_bytes)
