@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
@@ -136,21 +136,35 @@ class CpuBlockCopier:
         self.planes, self.pool, self.impl = planes, pool, impl
         self.copied_planes = planes.coalesced()
         """What the copies read and write: `planes` coalesced (the same bytes)."""
+        self._checked: shm_copy.Planes | None = None
+        """The coalesced planes checked once for the C copy (None: the
+        extension is not built, or `impl` asks for torch's loop)."""
+        if (impl or shm_copy.IMPL) == "c":
+            chunks = self.copied_planes
+            layout = BlockLayout(len(chunks.planes), chunks.chunk_bytes)
+            self._checked = shm_copy.Planes(chunks.planes, layout)
 
     def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
-        check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
-        planes, pool = self.copied_planes.planes, self.pool
-        layout = coalesced_layout(self.copied_planes, layout)
-        shm_copy.save_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
-        return DoneHandle(self.planes.num_layers)
+        return self._copy(block_ids, slots, layout, rank, save=True)
 
     def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
         """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
-        check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
-        planes, pool = self.copied_planes.planes, self.pool
-        layout = coalesced_layout(self.copied_planes, layout)
-        shm_copy.load_blocks(planes, block_ids, pool, slots, layout, rank, impl=self.impl)
+        return self._copy(block_ids, slots, layout, rank, save=False)
+
+    def _copy(
+        self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, *, save: bool
+    ) -> DoneHandle:
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
+        if self._checked is not None:  # the planes were checked once: only the ids now
+            shm_copy.copy_located(
+                self._checked, request.blocks, self.pool, request.segments, request.offsets, save
+            )
+        else:
+            planes, pool = self.copied_planes.planes, self.pool
+            layout = coalesced_layout(self.copied_planes, layout)
+            copy = shm_copy.save_blocks if save else shm_copy.load_blocks
+            copy(planes, request.blocks, pool, slots, layout, rank, impl=self.impl)
         return DoneHandle(self.planes.num_layers)
 
     def close(self) -> None:
@@ -209,9 +223,11 @@ class StagedBlockCopier:
         self.close()
 
 
-def open_copier(
-    planes: KVPlanes, pool: ShmPool, **gpu_options: Any
-) -> CpuBlockCopier | GpuBlockCopier | StagedBlockCopier:
+BlockCopier: TypeAlias = "CpuBlockCopier | GpuBlockCopier | StagedBlockCopier"
+"""Any of them: they take the same arguments and return handles alike."""
+
+
+def open_copier(planes: KVPlanes, pool: ShmPool, **gpu_options: Any) -> BlockCopier:
     """A CpuBlockCopier for CPU planes; for CUDA planes a GpuBlockCopier, or
     where libkvcopy.so cannot run here (cuda_ext.GpuUnavailable, logged once)
     a StagedBlockCopier."""

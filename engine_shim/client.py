@@ -40,8 +40,7 @@ from contract.blocks import KeyHasher, Namespace, canonical_tokens
 from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
 from contract.ids import BlockKey, BlockKeys, key_bytes
 from contract.protocol import ErrorCode
-from cuda_ext.copier import CpuBlockCopier, StagedBlockCopier, open_copier
-from cuda_ext.gpu import GpuBlockCopier
+from cuda_ext.copier import BlockCopier, open_copier
 from cuda_ext.layouts import kv_planes
 from engine_shim.call_metrics import timed_call
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
@@ -80,9 +79,11 @@ class KVClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self.hot_path = hot_path
-        """Whether lookups and CPU loads may go through the sidecar's hot index
-        in this process, without a round trip (engine_shim/hotpath.py); False:
-        every one asks the sidecar. May be changed at any time."""
+        """Whether lookups, CPU-hit loads and saves into granted slots may go
+        through the sidecar's hot index in this process, without a round trip
+        (engine_shim/hotpath.py); False: every one asks the sidecar (a CUDA
+        load then returns with its copies queued, for per-layer waits). May
+        be changed at any time."""
         self._curve = curve_client_keys() if curve is None else curve
         self._channel = Channel(endpoint, timeout, curve=self._curve)
         self._channel.on_stray_plan = self._give_back
@@ -96,7 +97,7 @@ class KVClient:
         """The boot of the sidecar whose shm this client has mapped."""
         self._live_boot: str | None = None
         """The boot the heartbeat last heard from (set by its thread)."""
-        self._copier: CpuBlockCopier | GpuBlockCopier | StagedBlockCopier | None = None
+        self._copier: BlockCopier | None = None
         """Between the registered tensors and the mapped pool: closed with either."""
         self._layout: BlockLayout | None = None
         self._hot: HotPath | None = None
@@ -433,7 +434,7 @@ class KVClient:
         tpb = self._tokens_per_block
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
-        if self._hot_flags() & hotindex.LOADS and isinstance(self._copier, CpuBlockCopier):
+        if self._hot_flags() & hotindex.LOADS:
             handle = self._hot_load(keys, blocks, skip_tokens // tpb)
             if handle is not None:
                 return handle
@@ -446,7 +447,7 @@ class KVClient:
     def _hot_load(self, keys: BlockKeys, blocks: np.ndarray, skip: int) -> TransferHandle | None:
         """`HotPath.load` (None: the sidecar must plan it)."""
         hot, copier, layout = self._hot, self._copier, self._layout
-        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
+        assert hot is not None and copier is not None and layout is not None
         lower = bool(hot.flags(self.timeout) & hotindex.LOWER_TIERS)
         found = hot.load(copier, layout, key_bytes(keys), blocks, skip, lower)
         if found is None:
@@ -480,11 +481,7 @@ class KVClient:
         tpb = self._tokens_per_block
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
-        if (
-            not skip_tokens
-            and self._hot_flags() & hotindex.SAVES
-            and isinstance(self._copier, CpuBlockCopier)
-        ):
+        if not skip_tokens and self._hot_flags() & hotindex.SAVES:
             handle = self._hot_save(keys, blocks)
             if handle is not None:
                 return handle
@@ -502,7 +499,7 @@ class KVClient:
         None when the protocol must do it: TP, too few slots granted (more
         are asked for), or a lease that may be running out."""
         hot, copier, layout = self._hot, self._copier, self._layout
-        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
+        assert hot is not None and copier is not None and layout is not None
         if layout.tp_size != 1 or not self._grants_usable(hot):
             return None
         kb = key_bytes(keys)

@@ -30,7 +30,7 @@ import numpy as np
 from contract import protocol as p
 from contract.blocks import KeyHasher
 from contract.ids import KEY_BYTES, key_bytes
-from cuda_ext.copier import CpuBlockCopier
+from cuda_ext.copier import BlockCopier
 from shm import hotindex
 from shm.hotindex import HotIndexView
 from shm.layout import BlockLayout
@@ -91,7 +91,7 @@ class HotPath:
 
     def load(
         self,
-        copier: CpuBlockCopier,
+        copier: BlockCopier,
         layout: BlockLayout,
         keys: bytes,
         blocks: np.ndarray,

@@ -292,3 +292,62 @@ def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, o
         channel.close()
     assert cpu_tier(sidecar) == before
     assert c.lookup(tokens(2)) == 0
+
+
+
+def committed_saves(s: Sidecar, open_client, src: list) -> None:
+    """Three 4-block prompts saved through grants (asserted: no Save sent)."""
+    c = open_client(s.endpoint, src)
+    c.save(tokens(1, start=6000), np.arange(1)).wait()
+    wait_for(lambda: granted(c) > 0)
+    before = stats_of(s)["requests"]
+    for i in range(3):
+        handle = c.save(tokens(4, start=100 * i), np.arange(4 * i, 4 * i + 4))
+        assert handle.plan is None and handle.wait() == 4 * sp.TOKENS_PER_BLOCK
+    assert stats_of(s)["requests"]["save"] == before["save"]
+
+
+def reloaded(s: Sidecar, open_client, src: list) -> None:
+    dst = make_kv(None)
+    engine = open_client(s.endpoint, dst)
+    for i in range(3):
+        assert engine.lookup_tiers(tokens(4, start=100 * i))[1] == 4 * sp.TOKENS_PER_BLOCK
+        assert engine.load(tokens(4, start=100 * i), np.arange(20, 24)).wait() == 64
+        assert same_blocks(dst, np.arange(20, 24), src, np.arange(4 * i, 4 * i + 4))
+
+
+def test_committed_saves_are_written_through_to_ssd(open_client):
+    ssd, run = tmp_dir("ssd"), tmp_dir("run")
+    args = ("--set", f"ssd_dirs={ssd}", "--set", "ssd_capacity_per_dir=8MiB")
+    s = Sidecar(*args, runtime_dir=run).start()
+    try:
+        src = make_kv(13)
+        committed_saves(s, open_client, src)
+        wait_for(lambda: stats_of(s)["tiers"]["ssd"]["cached_blocks"] == 1 + 3 * 4)
+        assert s.stop() == 0
+        s.start()  # an empty CPU tier: the blocks come back from SSD
+        reloaded(s, open_client, src)
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+        shutil.rmtree(ssd, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def test_committed_saves_are_written_back_when_evicted(open_client):
+    ssd = tmp_dir("ssd")
+    args = ("--set", f"ssd_dirs={ssd}", "--set", "ssd_capacity_per_dir=8MiB")
+    s = Sidecar(*args, "--set", "write_policy=write_back", capacity="1MiB").start()
+    try:
+        src = make_kv(14)
+        committed_saves(s, open_client, src)
+        assert stats_of(s)["tiers"]["ssd"]["cached_blocks"] == 0
+        filler = open_client(s.endpoint, make_kv(15))
+        for i in range(12):  # 384 blocks through a 256-block tier: the first ones go down
+            filler.save(tokens(32, start=10_000 + 100 * i), np.arange(32)).wait()
+        wait_for(lambda: stats_of(s)["plans_in_flight"] == 0)
+        reloaded(s, open_client, src)
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+        shutil.rmtree(ssd, ignore_errors=True)

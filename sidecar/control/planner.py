@@ -355,6 +355,22 @@ class GlobalCacheEngine(PlanTable):
             if name == "remote" and self.quota is not None:
                 self.quota.hold(run.plan.plan_id, op, int(slots.size))
 
+    def write_down_ready(self, keys: BlockKeys, ns: int = 0) -> None:
+        """Blocks of `keys` made ready in the CPU tier outside a plan (an
+        engine's commit of granted slots): under write_through, write what
+        the lower tiers lack in a background plan, as a PUT would have.
+        Under the other policies their writes come later as for any block
+        (on hits, or on eviction)."""
+        if self.write_policy is not WritePolicy.WRITE_THROUGH or not self.lower:
+            return
+        run, graph = self._start(PlanKind.WRITE_BACK)
+        m = self.cpu.match(keys)
+        run.lock(self.cpu, m.node)
+        self._write_down(run, graph, keys[: m.num_blocks], m.slots, None, 0, ns)
+        plan = self._launch(run, graph)
+        if graph.ops:
+            self._background.append(plan)
+
     # ---- write-back ------------------------------------------------------------
 
     def _write_back(self, evicted: EvictedRun) -> np.ndarray:

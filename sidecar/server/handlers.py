@@ -521,17 +521,17 @@ class Handlers:
         self._not_stopping()
         session = self._session(req)
         realm = self._realm(session)
-        if realm.cache.lower or session.group.tp_size != 1:
-            raise ProtocolError(ErrorCode.BAD_VALUE, "grants need TP 1 and a CPU-only cache")
+        if session.group.tp_size != 1:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "grants need TP 1")
         slots = grant(session, realm.cache.cpu, req.want)
         return Answer(r.GrantReply(id=req.id, count=int(slots.size)), [p.ids_frame(slots)])
 
     def _commit(self, req: p.Commit, arrays: list[bytes]) -> Answer:
         session = self._session(req)
         keys = p.parse_keys(arrays[0])
-        cpu = self._realm(session).cache.cpu
-        slots = p.parse_ids(arrays[1], "slots", len(keys) - req.first, cpu.mempool.space)
-        stored, dropped = commit(session, cpu, keys, slots, req.first, session.group.ns_id)
+        cache = self._realm(session).cache
+        slots = p.parse_ids(arrays[1], "slots", len(keys) - req.first, cache.cpu.mempool.space)
+        stored, dropped = commit(session, cache, keys, slots, req.first, session.group.ns_id)
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += stored
         return Answer(r.CommitReply(id=req.id, stored=stored, dropped=dropped))

@@ -27,6 +27,7 @@ from shm import hotindex
 from shm.hotindex import HotIndex
 from shm.layout import BlockLayout
 from sidecar.control.cache_engine import CacheEngine
+from sidecar.control.planner import GlobalCacheEngine
 from sidecar.server.sessions import Session
 from sidecar.tiers.tiered import TieredCache
 
@@ -54,8 +55,7 @@ class HotIndexes:
         # sidecar (docs/control-plane.md, "Plans"): those loads go there.
         if not (cache.lower and self._write_policy == "write_through_selective"):
             flags |= hotindex.LOADS
-        if not cache.lower:  # a save that skipped the planner would skip the writes down
-            flags |= hotindex.SAVES
+        flags |= hotindex.SAVES  # a commit plans the writes down (write_down_ready)
         name = hotindex.index_name(self._prefix, len(self._by_layout))
         index = HotIndex(name, num_slots, flags, mode=self._mode, gid=self._gid)
         self._by_layout[layout] = index
@@ -129,20 +129,27 @@ def grant(session: Session, cpu: CacheEngine, want: int) -> np.ndarray:
 
 
 def commit(
-    session: Session, cpu: CacheEngine, keys: BlockKeys, slots: np.ndarray, first: int, ns: int
+    session: Session,
+    cache: GlobalCacheEngine,
+    keys: BlockKeys,
+    slots: np.ndarray,
+    first: int,
+    ns: int,
 ) -> tuple[int, int]:
     """Make the blocks the rank copied into its granted `slots` (those of
     keys[first:]) ready; (stored, dropped). A block the tier has (another
     engine stored it since the rank looked) or cannot take (the prefix
     before it is gone, or is being saved by a plan right now) is dropped:
-    its slot is free again. ProtocolError, nothing changed, if a slot is
-    not granted to this rank or repeats."""
+    its slot is free again. Stored blocks are written down to the lower
+    tiers as a save's would be (in the background). ProtocolError, nothing
+    changed, if a slot is not granted to this rank or repeats."""
     if not 0 <= first <= len(keys) or slots.size != len(keys) - first:
         raise ProtocolError(ErrorCode.BAD_VALUE, "one granted slot per key from `first` on")
     listed = slots.tolist()
     if len(set(listed)) != len(listed) or not session.granted.issuperset(listed):
         raise ProtocolError(ErrorCode.BAD_VALUE, "slots must be granted to this rank, once each")
     session.granted.difference_update(listed)
+    cpu = cache.cpu
     match = cpu.match(keys)
     ready = match.num_blocks
     stored = 0
@@ -158,6 +165,7 @@ def commit(
         end = ready + stored
         new = SlotIds(slots[ready - first : end - first])
         cpu.insert(BlockKeys(keys[:end]), new, ready=True, ns=ns)
+        cache.write_down_ready(BlockKeys(keys[:end]), ns)
     kept = np.zeros(slots.size, dtype=np.bool_)
     kept[ready - first : ready - first + stored] = True
     dropped = slots[~kept]
