@@ -294,7 +294,6 @@ def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, o
     assert c.lookup(tokens(2)) == 0
 
 
-
 def committed_saves(s: Sidecar, open_client, src: list) -> None:
     """Three 4-block prompts saved through grants (asserted: no Save sent)."""
     c = open_client(s.endpoint, src)
