@@ -117,6 +117,8 @@ class ShmPool:
         self._segments = list(segments)
         self._names = tuple(s.name for s in segments)
         self._sizes = tuple(s.size for s in segments)
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        """Per slot stride: each segment's end and first slot, and the total."""
         self.owner = owner
         self.prefault_seconds = prefault_seconds
         self.prefault_method = prefault_method
@@ -263,18 +265,17 @@ class ShmPool:
         Raises ValueError, before anything else happens, if `slots` is not a 1-D
         integer array or a slot is out of range."""
         self._check_open()
-        counts = self._slot_counts(stride)
+        ends, firsts, total = self._table(stride)
         slots = np.asarray(slots)
         if slots.size == 0:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         if slots.ndim != 1 or slots.dtype.kind not in "iu":
             raise ValueError(f"slots must be a 1-D integer array, got {slots.dtype} {slots.shape}")
-        total = int(counts.sum())
         if int(slots.min()) < 0 or int(slots.max()) >= total:
             raise ValueError(f"slot out of range 0..{total - 1} at stride {stride}")
-        ends = np.cumsum(counts)
+        if ends.size == 1:  # one segment: no search
+            return np.zeros(slots.size, np.int64), slots.astype(np.int64) * stride
         segments = np.searchsorted(ends, slots, side="right")
-        firsts = ends - counts
         offsets = (slots.astype(np.int64) - firsts[segments]) * stride
         return segments.astype(np.int64), offsets
 
@@ -347,6 +348,14 @@ class ShmPool:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"ShmPool({len(self._names)} segments, {self.nbytes:,} bytes, {state})"
+
+    def _table(self, stride: int) -> tuple[np.ndarray, np.ndarray, int]:
+        table = self._tables.get(stride)
+        if table is None:
+            counts = self._slot_counts(stride)
+            ends = np.cumsum(counts)
+            table = self._tables[stride] = (ends, ends - counts, int(counts.sum()))
+        return table
 
     def _slot_counts(self, stride: int) -> np.ndarray:
         _check_positive("stride", stride)
