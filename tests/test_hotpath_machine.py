@@ -1,19 +1,26 @@
 """A hypothesis state machine over a real sidecar: two engines save through
 grants (or plans, when their grant runs short), load optimistically through
 the hot index, delete and evict (a small CPU tier) and restart the sidecar,
-in any order.
+in any order, while a third engine in a process of its own (the racer)
+saves through its grants and loads optimistically without pause, so that
+the machine's evictions, slot reuse and restarts race its copies.
 
 Checked after every step: every load returns, for each block it counts,
 the bytes saved for that block's tokens (a block's bytes are a function of
 its tokens here, so whichever engine stored it, they are known); slots are
 conserved (the CPU tier's used slots = its cached blocks + the slots granted
 to the engines, nothing in flight); and at the end nothing is left in
-/dev/shm (the leak guard of conftest.py)."""
+/dev/shm (the leak guard of conftest.py). The racer checks every load it
+makes the same way and is paused (between two calls) while the invariants
+are checked; at the end it reports how many loads were wrong: none.
+Races of a copy with a slot's reuse inside one call are test_hotindex.py's."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
+import time
 
 import numpy as np
 import pytest
@@ -55,9 +62,53 @@ def loaded_right(kv: list[torch.Tensor], p: int, n: int) -> bool:
     )
 
 
+RACER_PROMPTS = 4
+"""The racer's prompt q is tokens(8, start=6000 + 500 * q), block values of
+prompt 60 + q: token ids none of the machine's prompts use."""
+
+
+def racer(endpoint: str, pause, paused, stop, conn) -> None:
+    """An engine saving and loading its own prompts in a loop until `stop`;
+    between two calls it stays idle while `pause` is set (saying so with
+    `paused`). Sends (loads checked, wrong loads, saves through a grant)."""
+    kv = sp.make_kv(None)
+    # A short timeout: a call caught by a restart gives up soon, so that the
+    # machine's next check (which waits for the racer to idle) is not held up.
+    client = connect(endpoint, kv, timeout=1.0)
+    rng = random.Random(0)
+    loads = wrong = commits = 0
+    while not stop.is_set():
+        if pause.is_set():
+            paused.set()
+            while pause.is_set() and not stop.is_set():
+                time.sleep(0.001)
+            paused.clear()
+            continue
+        q, n = rng.randrange(RACER_PROMPTS), rng.randint(1, 8)
+        prompt = tokens(n, start=6000 + 500 * q)
+        with contextlib.suppress(SidecarError, SidecarUnavailable):  # a restart under way
+            if rng.random() < 0.5:
+                fill(kv, 60 + q, n)
+                handle = client.save(prompt, np.arange(n))
+                commits += handle.plan is None and not handle.done
+                handle.wait()
+            else:
+                for layer in kv:
+                    layer[LOAD_AT : LOAD_AT + n] = -1.0
+                got = client.load(prompt, np.arange(LOAD_AT, LOAD_AT + n))
+                blocks = got.wait() // sp.TOKENS_PER_BLOCK
+                loads += 1
+                wrong += not loaded_right(kv, 60 + q, blocks)
+        stop.wait(0.002)  # a share of the two cores left to the machine and the sidecar
+    client.close()
+    conn.send((loads, wrong, commits))
+
+
 class GrantMachine(RuleBasedStateMachine):
     commits = 0
     """Saves that went through a grant, over all examples."""
+    racer_loads = racer_commits = 0
+    """The racer's loads checked and saves through a grant, over all examples."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,12 +116,40 @@ class GrantMachine(RuleBasedStateMachine):
         self.sidecar = Sidecar("--set", "evict_ratio=0", capacity="1MiB").start()  # 256 blocks
         self.kv = [sp.make_kv(None), sp.make_kv(None)]
         self.engines = [connect(self.sidecar.endpoint, kv) for kv in self.kv]
+        self.pause, self.paused, self.stop = sp.SPAWN.Event(), sp.SPAWN.Event(), sp.SPAWN.Event()
+        self.results, child = sp.SPAWN.Pipe()
+        args = (self.sidecar.endpoint, self.pause, self.paused, self.stop, child)
+        self.racer = sp.SPAWN.Process(target=racer, args=args)
+        self.racer.start()
 
     def teardown(self) -> None:
-        for engine in self.engines:
-            engine.close()
-        self.sidecar.stop()
-        self.sidecar.cleanup()
+        self.stop.set()
+        try:
+            assert self.results.poll(sp.DEADLINE), "the racer did not report"
+            loads, wrong, commits = self.results.recv()
+            assert wrong == 0, f"{wrong} of the racer's {loads} loads returned wrong bytes"
+            GrantMachine.racer_loads += loads
+            GrantMachine.racer_commits += commits
+        finally:
+            self.racer.join(sp.DEADLINE)
+            if self.racer.is_alive():
+                self.racer.kill()
+                self.racer.join(sp.DEADLINE)
+            for engine in self.engines:
+                engine.close()
+            self.sidecar.stop()
+            self.sidecar.cleanup()
+
+    @contextlib.contextmanager
+    def racer_paused(self):
+        """The racer idle between two calls, for as long as this lasts."""
+        self.pause.set()
+        try:
+            wait_for(lambda: self.paused.is_set() or not self.racer.is_alive())
+            assert self.racer.is_alive(), "the racer died"
+            yield
+        finally:
+            self.pause.clear()
 
     @rule(e=st.integers(0, 1), p=st.integers(0, PROMPTS - 1), n=st.integers(1, 8))
     def save(self, e: int, p: int, n: int) -> None:
@@ -123,10 +202,11 @@ class GrantMachine(RuleBasedStateMachine):
         if not engine._hot_flags():  # a restart it has not met yet
             return
         assert engine._hot is not None
-        for p in range(PROMPTS):
-            keys = engine.block_keys(tokens(8, start=1000 * p))
-            asked = engine._ask_lookup(keys).cpu // sp.TOKENS_PER_BLOCK
-            assert engine._hot.view.count(key_bytes(keys)) == asked, p
+        with self.racer_paused():
+            for p in range(PROMPTS):
+                keys = engine.block_keys(tokens(8, start=1000 * p))
+                asked = engine._ask_lookup(keys).cpu // sp.TOKENS_PER_BLOCK
+                assert engine._hot.view.count(key_bytes(keys)) == asked, p
 
     @invariant()
     def slots_conserved(self) -> None:
@@ -134,12 +214,13 @@ class GrantMachine(RuleBasedStateMachine):
             stats = stats_of(self.sidecar)
             return stats["plans_in_flight"] == 0 and stats["orphaned_plans"] == 0
 
-        wait_for(settled)
-        stats = stats_of(self.sidecar)
-        cpu = stats["tiers"]["cpu"]
-        granted = sum(e["granted_slots"] for e in stats["engines"])
-        # (No geometry yet, after a restart: no slot figures, nothing granted.)
-        assert cpu.get("used_blocks", 0) == cpu.get("cached_blocks", 0) + granted
+        with self.racer_paused():
+            wait_for(settled)
+            stats = stats_of(self.sidecar)
+            cpu = stats["tiers"]["cpu"]
+            granted = sum(e["granted_slots"] for e in stats["engines"])
+            # (No geometry yet, after a restart: no slot figures, nothing granted.)
+            assert cpu.get("used_blocks", 0) == cpu.get("cached_blocks", 0) + granted
 
 
 def test_grants_loads_evictions_and_restarts() -> None:
@@ -148,3 +229,4 @@ def test_grants_loads_evictions_and_restarts() -> None:
         settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None),
     )
     assert GrantMachine.commits > 0, "no save went through a grant: grants were not raced"
+    assert GrantMachine.racer_loads > 0 and GrantMachine.racer_commits > 0, "the racer idled"
