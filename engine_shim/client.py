@@ -49,7 +49,14 @@ from engine_shim.heartbeat import Heartbeat
 from engine_shim.hotpath import GRANT_LOW, GRANT_WANT, HotPath
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.registration import RegisterFields, Registration, check_geometry
-from engine_shim.transfer import Copy, EngineOp, PlanOps, TransferHandle, queue_copies
+from engine_shim.transfer import (
+    Copy,
+    EngineOp,
+    LayeredTransfer,
+    PlanOps,
+    TransferHandle,
+    queue_copies,
+)
 from shm import hotindex
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
@@ -549,6 +556,64 @@ class KVClient:
             with contextlib.suppress(SidecarUnavailable):
                 hot.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
         return True
+
+    def layered_load_keys(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
+    ) -> LayeredTransfer:
+        """`load_keys`, planned now, its copies queued layer by layer
+        (`LayeredTransfer.copy_layers`) and reported by `finish().wait()`."""
+        keys, blocks = keys_and_blocks(keys, block_ids)
+        tpb = self._tokens_per_block
+        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
+            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
+        request = self._req(p.Load, skip=skip_tokens // tpb)
+        reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
+        plan = _plan_ops(reply, arrays, "load")
+        return self._layered(plan, skip_tokens + reply.hit_blocks * tpb)
+
+    def layered_save_keys(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray
+    ) -> LayeredTransfer:
+        """`save_keys`, planned now (before the forward computes the blocks),
+        its copies queued layer by layer as the layers are computed."""
+        keys, blocks = keys_and_blocks(keys, block_ids)
+        reply, arrays = self._call(
+            self._req(p.Save, skip=0), [p.keys_frame(keys), p.ids_frame(blocks)]
+        )
+        plan = _plan_ops(reply, arrays, "save")
+        stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
+        return self._layered(plan, stored * self._tokens_per_block)
+
+    def execute_layered(self, plan: PlanOps) -> LayeredTransfer:
+        """`execute`, layer by layer: this rank's part of another rank's plan."""
+        return self._layered(plan, 0)
+
+    def _layered(self, plan: PlanOps | None, num_tokens: int) -> LayeredTransfer:
+        if plan is not None and (plan.boot_id != self._boot_id or self._pool_is_stale()):
+            self._register()  # as `_run`: map a restarted sidecar's shm
+            self._check_boot(plan)
+        copier, layout = self._copier, self._layout
+        if copier is None or layout is None:
+            raise SidecarUnavailable("not registered with the sidecar yet")
+        planes = copier.copied_planes
+        return LayeredTransfer(
+            plan,
+            num_tokens,
+            planes.num_layers,
+            planes.layer_splits,
+            queue=lambda plan, layers: queue_copies(plan, copier, layout, self.tp_rank, layers),
+            finish=self._finish_layered,
+            fail=self._fail,
+        )
+
+    def _finish_layered(
+        self, plan: PlanOps | None, num_tokens: int, copies: Sequence[Copy]
+    ) -> TransferHandle:
+        if plan is None:
+            return self._handle(None, num_tokens, None)
+        if plan.kind == "load" and not all(copy.query() for copy in copies):
+            return self._handle(plan, num_tokens, None, copies)
+        return self._handle(plan, num_tokens, self._report(plan, copies))
 
     def execute(self, plan: PlanOps) -> TransferHandle:
         """Run this rank's part of a plan another rank of the engine asked for.

@@ -31,7 +31,7 @@ import torch
 
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.parallel import Parallel
-from engine_shim.kvconnector.settings import ConnectorSettings
+from engine_shim.kvconnector.settings import LAYER_WISE_DEFAULT, ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +201,14 @@ def _connector_class() -> type:
             else:
                 self._worker = WorkerSide(settings, geometry, parallel)
 
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+            """The per-layer hooks must run (not be skipped by a full CUDA
+            graph's replay) where they copy: layer-wise, or synchronous loads."""
+            extra = extra_config or {}
+            layer_wise = extra.get("layer_wise", LAYER_WISE_DEFAULT)
+            return layer_wise is True or extra.get("load_async", True) is False
+
         @property
         def requires_kv_delivery(self) -> bool:
             return False  # a cache: a dropped save is a later miss
@@ -258,8 +266,10 @@ def _connector_class() -> type:
         def save_kv_layer(
             self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
         ) -> None:
-            """Nothing per layer: the step's full blocks are saved together,
-            on the transfer thread, once `wait_for_save` queues them."""
+            """`layer_wise`: queue this layer's copy of the step's saves; else
+            nothing (the step's blocks are copied once `wait_for_save` queues them)."""
+            assert self._worker is not None
+            self._worker.save_layer(self._get_connector_metadata(), layer_name)
 
         def wait_for_save(self) -> None:
             assert self._worker is not None

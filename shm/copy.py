@@ -67,13 +67,18 @@ def save_blocks(
     *,
     impl: str | None = None,
     threads: int | None = None,
+    layer_range: tuple[int, int] | None = None,
 ) -> None:
     """Copy engine block block_ids[i] of every layer l into slot slots[i] at
     layout.offset(rank, l). Slots must be distinct.
 
     `impl` picks "c" or "torch" (default IMPL); `threads` caps the C copy's
-    threads (default: MAX_THREADS for batches of THREAD_MIN_BYTES or more)."""
-    _transfer(kv_layers, block_ids, pool, slots, layout, rank, impl, threads, save=True)
+    threads (default: MAX_THREADS for batches of THREAD_MIN_BYTES or more);
+    `layer_range` (begin, end) copies layers begin..end-1 only (a layer-wise
+    transfer: the same bytes, a part at a time)."""
+    _transfer(
+        kv_layers, block_ids, pool, slots, layout, rank, impl, threads, layer_range, save=True
+    )
 
 
 def load_blocks(
@@ -86,11 +91,14 @@ def load_blocks(
     *,
     impl: str | None = None,
     threads: int | None = None,
+    layer_range: tuple[int, int] | None = None,
 ) -> None:
     """Copy slot slots[i] at layout.offset(rank, l) into engine block
-    block_ids[i] of every layer l. Block ids must be distinct. `impl` and
-    `threads` as for save_blocks."""
-    _transfer(kv_layers, block_ids, pool, slots, layout, rank, impl, threads, save=False)
+    block_ids[i] of every layer l. Block ids must be distinct. `impl`,
+    `threads` and `layer_range` as for save_blocks."""
+    _transfer(
+        kv_layers, block_ids, pool, slots, layout, rank, impl, threads, layer_range, save=False
+    )
 
 
 def _transfer(
@@ -102,6 +110,7 @@ def _transfer(
     rank: int,
     impl: str | None,
     threads: int | None,
+    layer_range: tuple[int, int] | None,
     *,
     save: bool,
 ) -> None:
@@ -113,6 +122,7 @@ def _transfer(
     ):
         raise ValueError(f"threads must be an int in 1..16, got {threads!r}")
     layers = _check_layers(kv_layers, layout)
+    first, end = _check_range(layer_range, len(layers))
     blocks = _index_array("block_ids", block_ids)
     slots = _index_array("slots", slots)
     if blocks.size != slots.size:
@@ -134,11 +144,27 @@ def _transfer(
     segments, offsets = pool.slot_locations(slots, layout.slot_stride)  # range-checks slots
     if blocks.size == 0:
         return
-    offsets += rank * layout.shard_bytes
+    offsets += rank * layout.shard_bytes + first * layout.layer_block_bytes
+    layers = layers[first:end]
     if impl == "c":
         _copy_c(layers, blocks, pins, segments, offsets, layout, save, threads or MAX_THREADS)
     else:
         _copy_torch(layers, blocks, pins, segments, offsets, layout, save)
+
+
+def _check_range(layer_range: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:
+    if layer_range is None:
+        return 0, num_layers
+    if (
+        not isinstance(layer_range, tuple)
+        or len(layer_range) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in layer_range)
+        or not 0 <= layer_range[0] < layer_range[1] <= num_layers
+    ):
+        raise ValueError(
+            f"layer_range must be (begin, end) in 0..{num_layers}, got {layer_range!r}"
+        )
+    return layer_range
 
 
 def has_repeats(ids: np.ndarray) -> bool:

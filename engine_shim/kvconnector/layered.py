@@ -1,0 +1,49 @@
+"""Layer-wise transfers (`layer_wise` on): what one step's layered loads
+and saves share between the forward's thread and the transfer thread.
+
+A save is planned at the step's first `save_kv_layer` and its copies
+queued layer by layer as the forward computes them (a copy never reads a
+layer the forward has not finished: it stops at the last split at or before
+the layer computed); what is left is copied after the forward, at
+`wait_for_save`. A synchronous load is planned at `start_load_kv` and its
+layers copied in order, ahead of the forward (a copy stops at the first
+split at or past the layer asked for): `wait_for_layer_load` waits for its
+layer only.
+
+Splits: where cuda_ext can cut a block's copy (`KVPlanes.layer_splits`):
+every layer in a layer-major layout, only the whole block in a cross-layer
+one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine_shim.kvconnector.metadata import LoadSpec, SaveSpec
+from engine_shim.transfer import LayeredTransfer
+
+
+@dataclass
+class LayerJob:
+    """One request's layered load or save in a step. Written on the
+    transfer thread; the forward's thread reads `transfer` only once the
+    thread's task for its layer is done (a Future's result orders them)."""
+
+    spec: LoadSpec | SaveSpec
+    transfer: LayeredTransfer | None = None
+    """None: nothing to copy, or it failed."""
+    in_cache: int = 0
+    """A load's blocks in the engine's cache once it lands (a failure: its skipped ones)."""
+
+
+def save_stop(splits: Sequence[int], computed: int) -> int:
+    """How far a save may copy once layers [0, computed) are computed: the
+    last split at or before `computed` (0: none yet)."""
+    return max((s for s in splits if s <= computed), default=0)
+
+
+def load_stop(splits: Sequence[int], needed: int) -> int:
+    """How far a load must copy for layers [0, needed) to land: the first
+    split at or past `needed`."""
+    return min(s for s in splits if s >= needed)
