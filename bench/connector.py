@@ -138,6 +138,7 @@ def _steps(pair: Pair, steps: int, feed: Callable[[Any, int], None]) -> dict[str
             for side, engine in pair.items():
                 feed(engine, i)
                 t = engine.step()
+                engine.settle()  # engines take turns: none copies during another's step
                 if i >= WARMUP:
                     times[side].append(t)
     finally:

@@ -219,6 +219,12 @@ class BenchEngine:
             sampled[req_id] = [7] if done else []
         return sampled, hooks_s
 
+    def settle(self) -> None:
+        """Let this engine's queued transfers end (untimed), so that they do
+        not run beside the next engine's timed step."""
+        if self.worker is not None:
+            self.worker._worker.drain()
+
     def idle(self) -> bool:
         return not self.scheduler.requests
 

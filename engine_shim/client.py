@@ -577,12 +577,53 @@ class KVClient:
         """`save_keys`, planned now (before the forward computes the blocks),
         its copies queued layer by layer as the layers are computed."""
         keys, blocks = keys_and_blocks(keys, block_ids)
+        if self._hot_flags() & hotindex.SAVES and isinstance(self._copier, CpuBlockCopier):
+            transfer = self._hot_layered_save(keys, blocks)
+            if transfer is not None:
+                return transfer
         reply, arrays = self._call(
             self._req(p.Save, skip=0), [p.keys_frame(keys), p.ids_frame(blocks)]
         )
         plan = _plan_ops(reply, arrays, "save")
         stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
         return self._layered(plan, stored * self._tokens_per_block)
+
+    def _hot_layered_save(self, keys: BlockKeys, blocks: np.ndarray) -> LayeredTransfer | None:
+        """`_hot_save`, layer by layer: slots granted ahead taken now, the
+        Commit sent by `finish()` (a failure gives the slots back). None
+        where `_hot_save` would be."""
+        hot, copier, layout = self._hot, self._copier, self._layout
+        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
+        if layout.tp_size != 1 or not self._grants_usable(hot):
+            return None
+        kb = key_bytes(keys)
+        first = hot.view.count(kb)
+        rest = len(keys) - first
+        if rest and len(hot.granted) < rest:
+            return None
+        slots = np.array(hot.granted[len(hot.granted) - rest :], dtype=np.int64)
+        del hot.granted[len(hot.granted) - rest :]
+        planes = copier.copied_planes
+        num_tokens = len(keys) * self._tokens_per_block
+
+        def commit(copies: Sequence[Copy]) -> TransferHandle:
+            if not rest:
+                return self._handle(None, num_tokens, None)
+            ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
+            self._grants_usable(hot)  # ask for more, if few are left
+            return self._handle(None, num_tokens, ack)
+
+        return LayeredTransfer(
+            None,
+            num_tokens,
+            planes.num_layers,
+            planes.layer_splits,
+            queue=(lambda part: [copier.save(blocks[first:], slots, layout, 0, layers=part)])
+            if rest
+            else None,
+            finish=commit,
+            fail=lambda err: hot.granted.extend(slots.tolist()),  # still ours: not committed
+        )
 
     def execute_layered(self, plan: PlanOps) -> LayeredTransfer:
         """`execute`, layer by layer: this rank's part of another rank's plan."""
@@ -596,24 +637,31 @@ class KVClient:
         if copier is None or layout is None:
             raise SidecarUnavailable("not registered with the sidecar yet")
         planes = copier.copied_planes
+        if plan is None:
+            return LayeredTransfer(
+                None,
+                num_tokens,
+                planes.num_layers,
+                planes.layer_splits,
+                queue=None,
+                finish=lambda copies: self._handle(None, num_tokens, None),
+                fail=lambda err: None,
+            )
+
+        def finish(copies: Sequence[Copy]) -> TransferHandle:
+            if plan.kind == "load" and not all(copy.query() for copy in copies):
+                return self._handle(plan, num_tokens, None, copies)
+            return self._handle(plan, num_tokens, self._report(plan, copies))
+
         return LayeredTransfer(
             plan,
             num_tokens,
             planes.num_layers,
             planes.layer_splits,
-            queue=lambda plan, layers: queue_copies(plan, copier, layout, self.tp_rank, layers),
-            finish=self._finish_layered,
-            fail=self._fail,
+            queue=lambda layers: queue_copies(plan, copier, layout, self.tp_rank, layers),
+            finish=finish,
+            fail=lambda err: self._fail(plan, err),
         )
-
-    def _finish_layered(
-        self, plan: PlanOps | None, num_tokens: int, copies: Sequence[Copy]
-    ) -> TransferHandle:
-        if plan is None:
-            return self._handle(None, num_tokens, None)
-        if plan.kind == "load" and not all(copy.query() for copy in copies):
-            return self._handle(plan, num_tokens, None, copies)
-        return self._handle(plan, num_tokens, self._report(plan, copies))
 
     def execute(self, plan: PlanOps) -> TransferHandle:
         """Run this rank's part of a plan another rank of the engine asked for.

@@ -185,7 +185,10 @@ class LayeredTransfer:
 
     A range that cannot be queued fails the whole plan (the sidecar told,
     the copies queued so far let end); `finish()` then raises that error,
-    so nothing of a failed plan is ever reported as done."""
+    so nothing of a failed plan is ever reported as done.
+
+    `queue(layers)` queues the copies of a range (None: nothing to copy),
+    `finish(copies)` reports them, `fail(err)` gives the plan up."""
 
     def __init__(
         self,
@@ -194,11 +197,12 @@ class LayeredTransfer:
         num_layers: int,
         splits: Sequence[int],
         *,
-        queue: Callable[[PlanOps, tuple[int, int]], list[Copy]],
-        finish: Callable[[PlanOps | None, int, Sequence[Copy]], TransferHandle],
-        fail: Callable[[PlanOps, Exception], None],
+        queue: Callable[[tuple[int, int]], list[Copy]] | None,
+        finish: Callable[[Sequence[Copy]], TransferHandle],
+        fail: Callable[[Exception], None],
     ) -> None:
         self.plan = plan
+        """The sidecar's plan, for the other TP ranks (None: none to share)."""
         self.num_tokens = num_tokens
         """Load: tokens in the engine's cache once it lands. Save: tokens cached."""
         self.num_layers = num_layers
@@ -210,6 +214,7 @@ class LayeredTransfer:
         self._ranges: list[tuple[int, list[Copy]]] = []
         """(end layer, its range's copies), in order."""
         self._error: Exception | None = None
+        self._finished = False
 
     def copy_layers(self, end: int) -> None:
         """Queue the copies of layers [queued, end): `end` one of `splits`,
@@ -219,12 +224,12 @@ class LayeredTransfer:
             raise ValueError(f"copy up to layer {end}: one of {self.splits} past {self.queued}")
         if self._error is not None:
             raise self._error
-        if self.plan is not None:
+        if self._queue is not None:
             try:
-                self._ranges.append((end, self._queue(self.plan, (self.queued, end))))
+                self._ranges.append((end, self._queue((self.queued, end))))
             except Exception as err:
                 self._error = err
-                self._fail(self.plan, err)
+                self._fail(err)
                 for _, copies in self._ranges:
                     for copy in copies:
                         with contextlib.suppress(Exception):
@@ -248,8 +253,10 @@ class LayeredTransfer:
         the error of a failed range, or ValueError if layers are not queued."""
         if self._error is not None:
             raise self._error
-        if self.queued != self.num_layers:
-            raise ValueError(f"layers {self.queued}.. of {self.num_layers} are not queued")
+        if self.queued != self.num_layers or self._finished:
+            raise ValueError(
+                f"finish() once, with every layer queued ({self.queued} of {self.num_layers})"
+            )
+        self._finished = True  # the ranges stay: `wait_layer` may still be asked
         copies = [copy for _, queued in self._ranges for copy in queued]
-        self._ranges = []
-        return self._finish(self.plan, self.num_tokens, copies)
+        return self._finish(copies)

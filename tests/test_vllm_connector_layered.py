@@ -65,11 +65,6 @@ def make_pair(sidecar):
         side.close()
 
 
-def drained(worker: WorkerSide) -> None:
-    """Every transfer queued so far has run on the worker's thread."""
-    worker._pool.submit(lambda: None).result()
-
-
 def forward(worker: WorkerSide, meta: ConnectorMeta, kv, compute=None, after_layer=None) -> None:
     """A forward as vLLM runs it: per layer in order, wait for its load,
     compute it (`compute(name, tensor)`), save it."""
@@ -100,7 +95,7 @@ def test_a_save_copies_each_layer_once_the_forward_computed_it(make_pair):
         tensor[[0, 1, 2]] = source[name][[0, 1, 2]]
 
     def scribble(name, tensor):
-        drained(worker)  # this layer's copy has run: what the forward does next is not saved
+        worker.drain()  # this layer's copy has run: what the forward does next is not saved
         tensor[[0, 1, 2]] = -1.0
 
     forward(worker, meta, kv, compute, after_layer=scribble)
@@ -137,7 +132,7 @@ def test_layer_wise_off_copies_at_wait_for_save(make_pair):
 
     forward(worker, meta, kv, after_layer=scribble)
     worker.run_saves(meta)
-    drained(worker)
+    worker.drain()
     late = request("b", [*tokens, 5])
     assert sched.num_new_matched_tokens(late, 0) == (2 * BLOCK, True)
     sched.after_alloc(late, [8, 9, 10], 2 * BLOCK)
@@ -184,34 +179,46 @@ def test_a_short_layered_load_is_reported_in_its_step(make_pair):
     assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
 
 
-def test_a_sidecar_killed_mid_load_is_recomputed_and_mid_save_a_miss(sidecar, make_pair):
-    """Layer 0 landed, then the sidecar dies: the load's blocks are reported
-    for recompute (never taken as loaded), and a save cut off the same way
-    still lets vLLM free its blocks."""
+def test_a_stalled_sidecar_fails_a_layered_load_for_recompute(sidecar, make_pair):
+    """The sidecar stops answering before the load is planned: every layer's
+    wait returns (within the client's timeout) and the blocks are reported
+    for recompute, never taken as loaded."""
     sched, worker, kv = make_pair(seed=2, load_async=False, layer_wise=True)
     tokens = prompt(2 * BLOCK + 1)
     req = cached(sched, worker, tokens, [0, 1])
     assert sched.num_new_matched_tokens(req, 0) == (2 * BLOCK, False)
     sched.after_alloc(req, [4, 5, 6], 2 * BLOCK)
+    meta = sched.build_meta(StepOutput({"b": 1}))
+    sidecar.proc.send_signal(signal.SIGSTOP)
+    try:
+        worker.start_loads(meta)
+        forward(worker, meta, kv)
+        worker.run_saves(meta)
+        assert worker.load_errors() == {4, 5}
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_save_cut_off_by_a_killed_sidecar_is_a_miss_and_frees_its_blocks(sidecar, make_pair):
+    """Planned and its layer 0 copied, then the sidecar dies: the save is
+    a later miss, and vLLM is still told it may free the blocks."""
+    sched, worker, kv = make_pair(seed=2, layer_wise=True)
     tables_of(sched)["c"] = [12, 13]
     saving = request("c", prompt(2 * BLOCK, start=500))
     sched.after_alloc(saving, [12, 13], 0)
-    meta = sched.build_meta(StepOutput({"b": 1, "c": 2 * BLOCK}))
-    assert [s.req_id for s in meta.saves] == ["c"] and len(meta.loads) == 1
+    meta = sched.build_meta(StepOutput({"c": 2 * BLOCK}))
+    assert [s.req_id for s in meta.saves] == ["c"]
     worker.start_loads(meta)
     names = list(kv)
-    worker.wait_for_layer(names[0])
     worker.save_layer(meta, names[0])
-    drained(worker)  # the save is planned and its layer 0 copied
+    worker.drain()  # planned, layer 0 copied
     sidecar.proc.send_signal(signal.SIGKILL)
     sidecar.proc.wait()
     for name in names[1:]:
-        worker.wait_for_layer(name)
         worker.save_layer(meta, name)
     worker.run_saves(meta)
-    assert worker.load_errors() == {4, 5}
     saving.num_computed_tokens = 2 * BLOCK
-    sched.finished(saving)
+    assert sched.finished(saving) is True
     worker.run_saves(sched.build_meta(StepOutput()))
     assert finished_eventually(worker) == ({"c"}, set())
 
@@ -265,7 +272,7 @@ def test_a_cross_layer_block_is_copied_whole_after_its_last_layer(sidecar):
 
         forward(worker, meta, kv, compute)
         worker.run_saves(meta)
-        drained(worker)
+        worker.drain()
         late = request("b", [*tokens, 1])
         assert sched.num_new_matched_tokens(late, 0) == (2 * BLOCK, False)
         sched.after_alloc(late, [5, 6, 7], 2 * BLOCK)

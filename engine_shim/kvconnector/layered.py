@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine_shim.kvconnector.metadata import LoadSpec, SaveSpec
-from engine_shim.transfer import LayeredTransfer
+from engine_shim.transfer import LayeredTransfer, TransferHandle
 
 
 @dataclass
@@ -35,6 +35,9 @@ class LayerJob:
     """None: nothing to copy, or it failed."""
     in_cache: int = 0
     """A load's blocks in the engine's cache once it lands (a failure: its skipped ones)."""
+    handle: TransferHandle | None = None
+    """A load's, once its last layer is queued: reported as soon as its
+    copies land, so the sidecar's answer comes during the forward."""
 
 
 def save_stop(splits: Sequence[int], computed: int) -> int:

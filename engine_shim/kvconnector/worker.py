@@ -212,6 +212,11 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def drain(self) -> None:
+        """Block until every transfer queued so far has run (a benchmark
+        between engines sharing a host; never needed by vLLM)."""
+        self._pool.submit(lambda: None).result()
+
     def close(self) -> None:
         """Let the queued work end, then unregister."""
         self._pool.shutdown(wait=True)
@@ -366,6 +371,8 @@ class WorkerSide:
                     continue
                 try:
                     transfer.copy_layers(stop)
+                    if not save and stop == transfer.num_layers:
+                        job.handle = transfer.finish()  # reported once landed
                 except Exception as err:
                     log.warning("kvsidecar: layer copy of %s failed: %s", job.spec.req_id, err)
                     job.transfer = None
@@ -380,9 +387,12 @@ class WorkerSide:
             return job.in_cache
         try:
             with self._on_stream(ready):
-                if transfer.queued < transfer.num_layers:
-                    transfer.copy_layers(transfer.num_layers)
-                transfer.finish().wait()
+                handle = job.handle
+                if handle is None:
+                    if transfer.queued < transfer.num_layers:
+                        transfer.copy_layers(transfer.num_layers)
+                    handle = transfer.finish()
+                handle.wait()
             return job.in_cache
         except Exception as err:
             log.warning("kvsidecar: transfer of %s failed: %s", spec.req_id, err)
