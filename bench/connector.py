@@ -17,6 +17,12 @@ a block):
      connector's lookup thread); the scheduler time of the step they arrive
      in, and the wall time until all 64 are scheduled
 
+The simulated forward runs the connector's per-layer hooks as vLLM's
+attention layers do (wait_for_layer_load, a fixed time per layer,
+save_kv_layer). (b) also runs with `layer_wise` off and on, (c) with a
+synchronous load, layer_wise off and on, all in the same run; the engines
+take turns, each one's queued copies ending (untimed) before the next step.
+
 Targets: (a) added time <= 2% of the forward; (b) the step never waits for
 the copy: the worker-side hooks' p50 <= 25% of the time one synchronous
 save of the step's 128 blocks takes (measured in the same run). (b)'s

@@ -127,7 +127,8 @@ class BenchEngine:
             self.worker = KVConnectorFactory.create_connector(
                 config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_config
             )
-            self.worker.register_kv_caches({n: t.permute(0, 2, 1, 3) for n, t in self.kv.items()})
+            self.views = {n: t.permute(0, 2, 1, 3) for n, t in self.kv.items()}
+            self.worker.register_kv_caches(self.views)
             kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
         self.tables: dict[str, list[int]] = {}
 
@@ -211,7 +212,7 @@ class BenchEngine:
                 time.sleep(left)
             if hooks:
                 saved = time.perf_counter()
-                self.worker.save_kv_layer(name, t.permute(0, 2, 1, 3), None)
+                self.worker.save_kv_layer(name, self.views[name], None)
                 hooks_s += time.perf_counter() - saved
         sampled: dict[str, list[int]] = {}
         for req_id, n in out.num_scheduled_tokens.items():

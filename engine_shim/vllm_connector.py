@@ -18,7 +18,9 @@ Sliding-window models run with vLLM's hybrid allocator off (vLLM turns it
 off for a connector that is not `SupportsHMA`), which gives one group of
 full attention; a model that still has several groups (Mamba hybrids, or
 `--enable-hybrid-kv-cache-manager`) is refused naming them. Anything else is
-refused with a ValueError when vLLM creates the connector.
+refused with a ValueError when vLLM creates the connector. Transfers are
+one copy per step, or layer by layer with `"layer_wise": true`
+(`save_kv_layer`, `wait_for_layer_load`; docs/engines.md).
 """
 
 from __future__ import annotations

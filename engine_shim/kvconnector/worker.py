@@ -13,6 +13,10 @@ a preempted request's saves are waited for before the next forward
 (`handle_preemptions`). Asynchronous loads run on the same thread: a
 request waiting for them does not hold up the step.
 
+Layer-wise (`layer_wise`): the same thread copies a save's layers as the
+forward computes them and a synchronous load's ahead of the forward, split
+by split (engine_shim.kvconnector.layered).
+
 TP: rank 0 asks the sidecar for each plan and relays it to the other ranks
 (`RankRelay`), which run it on their shard; see `Parallel`.
 
