@@ -32,7 +32,7 @@ from vllm_helpers import (
 )
 
 import engine_shim.vllm_connector as glue
-from engine_shim.kvconnector.layered import load_stop, save_stop
+from engine_shim.kvconnector.layered import StepSaves, load_stop, save_stop
 from engine_shim.kvconnector.metadata import ConnectorMeta
 from engine_shim.kvconnector.settings import ConnectorSettings
 from engine_shim.kvconnector.worker import WorkerSide
@@ -236,6 +236,15 @@ def test_the_connector_needs_piecewise_graphs_where_the_hooks_copy():
     assert cls.requires_piecewise_for_cudagraph({"layer_wise": True}) is True
     assert cls.requires_piecewise_for_cudagraph({"layer_wise": False}) is False
     assert cls.requires_piecewise_for_cudagraph({"load_async": False}) is True
+
+
+def test_a_save_copies_only_the_computed_prefix_of_layers():
+    """Layers reported out of order: the copies never pass a layer not computed yet."""
+    saves = StepSaves(1, [])
+    assert saves.computed_layer(1) is False and saves.prefix == 0
+    assert saves.computed_layer(0) is True and saves.prefix == 2
+    assert saves.computed_layer(3) is False and saves.prefix == 2
+    assert saves.computed_layer(2) is True and saves.prefix == 4
 
 
 def test_splits_stop_a_save_before_and_a_load_past():

@@ -3,9 +3,9 @@ and saves share between the forward's thread and the transfer thread.
 
 A save is planned at the step's first `save_kv_layer` and its copies
 queued layer by layer as the forward computes them (a copy never reads a
-layer the forward has not finished: it stops at the last split at or before
-the layer computed); what is left is copied after the forward, at
-`wait_for_save`. A synchronous load is planned at `start_load_kv` and its
+layer the forward has not finished: it stops at the last split within the
+prefix of layers computed, in whatever order they were reported); what is
+left is copied after the forward, at `wait_for_save`. A synchronous load is planned at `start_load_kv` and its
 layers copied in order, ahead of the forward (a copy stops at the first
 split at or past the layer asked for): `wait_for_layer_load` waits for its
 layer only.
@@ -18,7 +18,7 @@ one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine_shim.kvconnector.metadata import LoadSpec, SaveSpec
 from engine_shim.transfer import LayeredTransfer, TransferHandle
@@ -38,6 +38,28 @@ class LayerJob:
     handle: TransferHandle | None = None
     """A load's, once its last layer is queued: reported as soon as its
     copies land, so the sidecar's answer comes during the forward."""
+
+
+@dataclass
+class StepSaves:
+    """A step's layered saves, on the forward's thread."""
+
+    step: int
+    jobs: list[LayerJob]
+    computed: set[int] = field(default_factory=set)
+    """Layers the forward has computed (reported by `save_kv_layer`)."""
+    prefix: int = 0
+    """Layers [0, prefix) are computed: what the copies may read."""
+
+    def computed_layer(self, layer: int) -> bool:
+        """Note `layer` computed; whether the computed prefix grew (a copy
+        never reads a layer past it, whatever order the layers come in)."""
+        self.computed.add(layer)
+        grown = self.prefix
+        while grown in self.computed:
+            grown += 1
+        grew, self.prefix = grown > self.prefix, grown
+        return grew
 
 
 def save_stop(splits: Sequence[int], computed: int) -> int:

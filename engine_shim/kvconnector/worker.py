@@ -42,7 +42,7 @@ import torch
 from engine_shim.channel import SidecarError, SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
-from engine_shim.kvconnector.layered import LayerJob, load_stop, save_stop
+from engine_shim.kvconnector.layered import LayerJob, StepSaves, load_stop, save_stop
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
 from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.relay import RankRelay, Tag
@@ -85,8 +85,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._abandoned: set[Tag] = set()
         """Follower: plans it gave up waiting for (cancelled if they come)."""
-        self._saving: tuple[int, list[LayerJob]] | None = None
-        """Layer-wise: (step, its saves) once its first layer is computed."""
+        self._saving: StepSaves | None = None
+        """Layer-wise: the step's saves, once its first layer is computed."""
         self._layered_loads: list[LayerJob] = []
         self._load_points: dict[int, Future[None]] = {}
         """Layer-wise: per split, the task that copies this step's loads up to it."""
@@ -163,13 +163,15 @@ class WorkerSide:
         with `layer_wise` off."""
         if not (self.settings.layer_wise and self.parallel.saves and meta.saves):
             return
-        computed = self._layer(layer_name) + 1
-        if self._saving is None or self._saving[0] != meta.step:
-            self._saving = (meta.step, [LayerJob(spec) for spec in meta.saves])
-            for job in self._saving[1]:
+        layer = self._layer(layer_name)
+        saving = self._saving
+        if saving is None or saving.step != meta.step:
+            saving = self._saving = StepSaves(meta.step, [LayerJob(spec) for spec in meta.saves])
+            for job in saving.jobs:
                 self._pool.submit(self._plan_layered_save, meta.step, job)
-        ready = self._stream_point()  # the forward wrote the layer
-        self._pool.submit(self._copy_layers, self._saving[1], computed, ready, True)
+        if saving.computed_layer(layer):
+            ready = self._stream_point()  # the forward wrote the layers
+            self._pool.submit(self._copy_layers, saving.jobs, saving.prefix, ready, True)
 
     def handle_preemptions(self, meta: ConnectorMeta) -> None:
         """Before a forward that may overwrite a preempted request's blocks:
@@ -183,8 +185,8 @@ class WorkerSide:
         queued so far are done."""
         self._end_sync_loads()
         ready = self._stream_point() if meta.saves else None  # the forward wrote the blocks
-        if self._saving is not None and self._saving[0] == meta.step:
-            for job in self._saving[1]:  # layer-wise: the layers left, then the report
+        if self._saving is not None and self._saving.step == meta.step:
+            for job in self._saving.jobs:  # layer-wise: the layers left, then the report
                 self._pool.submit(self._finish_layered, job, ready)
         elif self.parallel.saves:
             for spec in meta.saves:
