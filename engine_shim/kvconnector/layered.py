@@ -5,10 +5,10 @@ A save is planned at the step's first `save_kv_layer` and its copies
 queued layer by layer as the forward computes them (a copy never reads a
 layer the forward has not finished: it stops at the last split within the
 prefix of layers computed, in whatever order they were reported); what is
-left is copied after the forward, at `wait_for_save`. A synchronous load is planned at `start_load_kv` and its
-layers copied in order, ahead of the forward (a copy stops at the first
-split at or past the layer asked for): `wait_for_layer_load` waits for its
-layer only.
+left is copied after the forward, at `wait_for_save`. A synchronous load
+is planned at `start_load_kv` and its layers copied in order, ahead of the
+forward (a copy stops at the first split at or past the layer asked for):
+`wait_for_layer_load` waits for its layer only.
 
 Splits: where cuda_ext can cut a block's copy (`KVPlanes.layer_splits`):
 every layer in a layer-major layout, only the whole block in a cross-layer
