@@ -229,12 +229,12 @@ class LayeredTransfer:
                 self._ranges.append((end, self._queue((self.queued, end))))
             except Exception as err:
                 self._error = err
-                self._fail(err)
-                for _, copies in self._ranges:
+                for _, copies in self._ranges:  # landed before the slots are given up
                     for copy in copies:
                         with contextlib.suppress(Exception):
                             copy.synchronize()
                 self._ranges = []
+                self._fail(err)
                 raise
         self.queued = end
 
