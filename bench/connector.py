@@ -17,6 +17,12 @@ a block):
      connector's lookup thread); the scheduler time of the step they arrive
      in, and the wall time until all 64 are scheduled
 
+The simulated forward runs the connector's per-layer hooks as vLLM's
+attention layers do (wait_for_layer_load, a fixed time per layer,
+save_kv_layer). (b) also runs with `layer_wise` off and on, (c) with a
+synchronous load, layer_wise off and on, all in the same run; the engines
+take turns, each one's queued copies ending (untimed) before the next step.
+
 Targets: (a) added time <= 2% of the forward; (b) the step never waits for
 the copy: the worker-side hooks' p50 <= 25% of the time one synchronous
 save of the step's 128 blocks takes (measured in the same run). (b)'s
@@ -37,10 +43,29 @@ from pathlib import Path
 from typing import Any
 
 from cachesim.report import print_table, write_json
+from engine_shim.kvconnector.settings import LAYER_WISE_DEFAULT
 
 CASES = "abcd"
 PREFIX = 2048
 WARMUP = 5
+SIDES: dict[str, dict[str, Any]] = {
+    "without": {},
+    "with": {},
+    "with, one copy per step": {"layer_wise": False},
+    "with, layer-wise": {"layer_wise": True},
+    "with, sync load, one copy per step": {"load_async": False, "layer_wise": False},
+    "with, sync load, layer-wise": {"load_async": False, "layer_wise": True},
+}
+"""The engines a case may run: no connector, or the connector with these
+`kv_connector_extra_config` keys ("with": its defaults)."""
+CASE_SIDES = {
+    "a": ("without", "with"),
+    "b": ("without", "with", "with, one copy per step", "with, layer-wise"),
+    "c": ("without", "with", "with, sync load, one copy per step", "with, sync load, layer-wise"),
+    "d": ("without", "with"),
+}
+"""Layer-wise on and off side by side where it copies: (b) saves, (c)
+synchronous loads (an asynchronous load runs between steps, whole)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -84,16 +109,15 @@ def measure(args: argparse.Namespace) -> int:
         sidecar = LocalSidecar(workdir, cpu_capacity="512MiB").start()
         try:
 
-            def engine(with_connector: bool) -> BenchEngine:
-                where = workdir / ("with" if with_connector else "without")
-                return BenchEngine(
-                    where, shape, forward_s, sidecar.endpoint if with_connector else None
-                )
+            def engine(side: str) -> BenchEngine:
+                endpoint = None if side == "without" else sidecar.endpoint
+                extra = SIDES[side]
+                return BenchEngine(workdir / side, shape, forward_s, endpoint, **extra)
 
             cases: dict[str, Any] = {}
             for case in args.cases:
                 print(f"case {case} ...", file=sys.stderr, flush=True)
-                pair = {"without": engine(False), "with": engine(True)}
+                pair = {side: engine(side) for side in CASE_SIDES[case]}
                 cases[case] = CASE_RUNNERS[case](pair, args.steps)
             copy_ms = _sync_save_ms(sidecar.endpoint, shape)
         finally:
@@ -120,6 +144,7 @@ def _steps(pair: Pair, steps: int, feed: Callable[[Any, int], None]) -> dict[str
             for side, engine in pair.items():
                 feed(engine, i)
                 t = engine.step()
+                engine.settle()  # engines take turns: none copies during another's step
                 if i >= WARMUP:
                     times[side].append(t)
     finally:
@@ -149,10 +174,11 @@ def case_b(pair: Pair, steps: int) -> dict[str, Any]:
 
 def case_c(pair: Pair, steps: int) -> dict[str, Any]:
     prefix = _tokens(77, PREFIX)
-    seeded = pair["with"]  # the sidecar holds the prefix before the timed steps
-    seeded.add("c-seed", [*prefix, 1], max_tokens=1)
-    while not seeded.idle():
-        seeded.step()
+    for side, seeded in pair.items():  # the sidecar holds the prefix before the timed steps
+        if side != "without":  # (each engine its own model path: its own namespace)
+            seeded.add("c-seed", [*prefix, 1], max_tokens=1)
+            while not seeded.idle():
+                seeded.step()
 
     def feed(engine: Any, i: int) -> None:
         engine.add(f"c{i}", [*prefix, 2 + i % 30_000], max_tokens=1)
@@ -248,9 +274,12 @@ def _summary(cases: dict[str, Any], forward_s: float, copy_ms: float, shape: Any
     for name, figures in cases.items():
         if name == "d":
             continue
-        added = figures["with"]["step_ms_p50"] - figures["without"]["step_ms_p50"]
-        figures["added_ms_p50"] = added
-        figures["added_pct_of_forward"] = 100 * added / forward_ms
+        for side in [s for s in figures if s in SIDES and s != "without"]:
+            added = figures[side]["step_ms_p50"] - figures["without"]["step_ms_p50"]
+            figures[side]["added_ms_p50"] = added
+            figures[side]["added_pct_of_forward"] = 100 * added / forward_ms
+        figures["added_ms_p50"] = figures["with"]["added_ms_p50"]
+        figures["added_pct_of_forward"] = figures["with"]["added_pct_of_forward"]
     targets: dict[str, Any] = {}
     if "a" in cases:
         value = cases["a"]["added_pct_of_forward"]
@@ -275,9 +304,27 @@ def _summary(cases: dict[str, Any], forward_s: float, copy_ms: float, shape: Any
         "forward_ms": forward_ms,
         "block_bytes": shape.block_bytes,
         "prefix_tokens": PREFIX,
+        "layer_wise_default": LAYER_WISE_DEFAULT,
+        "layer_wise": _layer_wise(cases),
         "cases": cases,
         "targets": targets,
     }
+
+
+def _layer_wise(cases: dict[str, Any]) -> dict[str, Any]:
+    """Step time p50 (ms) with layer-wise copies off and on, where they copy."""
+    pairs = {
+        "b_save": ("with, one copy per step", "with, layer-wise"),
+        "c_sync_load": ("with, sync load, one copy per step", "with, sync load, layer-wise"),
+    }
+    found = {}
+    for name, (off, on) in pairs.items():
+        figures = cases.get(name[0])
+        if figures is not None:
+            off_ms, on_ms = figures[off]["step_ms_p50"], figures[on]["step_ms_p50"]
+            faster = "layer-wise" if on_ms < off_ms else "one copy per step"
+            found[name] = {"off_step_ms_p50": off_ms, "on_step_ms_p50": on_ms, "faster": faster}
+    return found
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -285,17 +332,26 @@ def _print(result: dict[str, Any]) -> None:
     for name, c in result["cases"].items():
         if name == "d":
             continue
-        rows.append((
-            name, c["without"]["step_ms_p50"], c["with"]["step_ms_p50"], c["added_ms_p50"],
-            c["added_pct_of_forward"], c["without"]["scheduler_us_p50"],
-            c["with"]["scheduler_us_p50"], c["with"]["worker_us_p50"], c["with"]["worker_us_p90"],
-            c["with"]["saved_blocks_per_step"], c["with"]["loaded_blocks_per_step"],
-        ))  # fmt: skip
+        for side in [s for s in c if s in SIDES and s != "without"]:
+            w = c[side]
+            rows.append((
+                name, side, c["without"]["step_ms_p50"], w["step_ms_p50"], w["added_ms_p50"],
+                w["added_pct_of_forward"], c["without"]["scheduler_us_p50"],
+                w["scheduler_us_p50"], w["worker_us_p50"], w["worker_us_p90"],
+                w["saved_blocks_per_step"], w["loaded_blocks_per_step"],
+            ))  # fmt: skip
     print_table(
-        ("case", "step ms (none)", "step ms (kvs)", "added ms", "added %", "sched us (none)",
-         "sched us (kvs)", "worker us p50", "worker us p90", "saved/step", "loaded/step"),
+        ("case", "engine", "step ms (none)", "step ms (kvs)", "added ms", "added %",
+         "sched us (none)", "sched us (kvs)", "worker us p50", "worker us p90", "saved/step",
+         "loaded/step"),
         rows,
     )  # fmt: skip
+    for name, lw in result["layer_wise"].items():
+        print(
+            f"layer-wise {name}: step p50 {lw['off_step_ms_p50']:.2f} ms one copy per step, "
+            f"{lw['on_step_ms_p50']:.2f} ms layer-wise: {lw['faster']} is faster "
+            f"(default layer_wise={str(result['layer_wise_default']).lower()})"
+        )
     if "d" in result["cases"]:
         d = result["cases"]["d"]
         print(

@@ -62,7 +62,8 @@ class StepTime:
     """schedule() + update_from_output()."""
     worker_s: float
     """The connector's hooks around the forward (bind, start_load_kv,
-    handle_preemptions, wait_for_save, get_finished, errors)."""
+    handle_preemptions, wait_for_save, get_finished, errors) and inside it
+    (each layer's wait_for_layer_load and save_kv_layer)."""
     total_s: float
     loads: int
     saves: int
@@ -126,7 +127,8 @@ class BenchEngine:
             self.worker = KVConnectorFactory.create_connector(
                 config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_config
             )
-            self.worker.register_kv_caches({n: t.permute(0, 2, 1, 3) for n, t in self.kv.items()})
+            self.views = {n: t.permute(0, 2, 1, 3) for n, t in self.kv.items()}
+            self.worker.register_kv_caches(self.views)
             kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
         self.tables: dict[str, list[int]] = {}
 
@@ -147,19 +149,19 @@ class BenchEngine:
         scheduled = time.perf_counter()
         meta = out.kv_connector_metadata
         if self.worker is None:
-            forward_at = time.perf_counter()
-            sampled = self._forward(out, forward_at)
+            sampled, _ = self._forward(out)
             worker_s, kv_output = 0.0, None
         else:
+            kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # several engines: this one's
             self.worker.handle_preemptions(meta)
             with (
                 set_forward_context(None, self.config),
                 KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output,
             ):
                 forward_at = time.perf_counter()
-                sampled = self._forward(out, forward_at)
+                sampled, hooks_s = self._forward(out)
                 forward_end = time.perf_counter()
-            worker_s = (forward_at - scheduled) + (time.perf_counter() - forward_end)
+            worker_s = (forward_at - scheduled) + (time.perf_counter() - forward_end) + hooks_s
         before_update = time.perf_counter()
         self.scheduler.update_from_output(
             out,
@@ -177,8 +179,11 @@ class BenchEngine:
             (scheduled - started) + (ended - before_update), worker_s, ended - started, loads, saves
         )
 
-    def _forward(self, out: Any, started: float) -> dict[str, list[int]]:
-        """Sleep out `forward_s` from `started`; the tokens sampled."""
+    def _forward(self, out: Any) -> tuple[dict[str, list[int]], float]:
+        """(the tokens sampled, seconds in the per-layer hooks). Layer by
+        layer as vLLM's attention layers run the connector's hooks: wait for
+        the layer's load, compute it (sleep out forward_s / layers from when
+        it could start: a GPU's fixed time per layer), save it."""
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
@@ -190,19 +195,36 @@ class BenchEngine:
                 if req_id in cached.resumed_req_ids:
                     table.clear()
                 table.extend(cached.new_block_ids[i][0])
+        block, per_layer = self.shape.block, self.forward_s / len(self.kv)
+        hooks = self.worker is not None and bool(out.num_scheduled_tokens)
+        hooks_s = 0.0
+        for name, t in self.kv.items():
+            if hooks:
+                waited = time.perf_counter()
+                self.worker.wait_for_layer_load(name)
+                hooks_s += time.perf_counter() - waited
+            layer_at = time.perf_counter()
+            for req_id, start in starts.items():  # one token's KV: the time is the sleep's
+                if req_id in out.num_scheduled_tokens:
+                    t[self.tables[req_id][start // block], start % block] = float(start)
+            left = per_layer - (time.perf_counter() - layer_at)
+            if left > 0:
+                time.sleep(left)
+            if hooks:
+                saved = time.perf_counter()
+                self.worker.save_kv_layer(name, self.views[name], None)
+                hooks_s += time.perf_counter() - saved
         sampled: dict[str, list[int]] = {}
-        block = self.shape.block
         for req_id, n in out.num_scheduled_tokens.items():
-            start, table = starts[req_id], self.tables[req_id]
-            first = table[start // block]  # one token's KV per step: the time is the sleep's
-            for t in self.kv.values():
-                t[first, start % block] = float(start)
-            done = start + n >= self.scheduler.requests[req_id].num_tokens
+            done = starts[req_id] + n >= self.scheduler.requests[req_id].num_tokens
             sampled[req_id] = [7] if done else []
-        left = self.forward_s - (time.perf_counter() - started)
-        if left > 0:
-            time.sleep(left)
-        return sampled
+        return sampled, hooks_s
+
+    def settle(self) -> None:
+        """Let this engine's queued transfers end (untimed), so that they do
+        not run beside the next engine's timed step."""
+        if self.worker is not None:
+            self.worker._worker.drain()
 
     def idle(self) -> bool:
         return not self.scheduler.requests
@@ -210,6 +232,7 @@ class BenchEngine:
     def close(self) -> None:
         self.scheduler.shutdown()
         if self.worker is not None:
+            kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # what is shut down
             kv_transfer_state.ensure_kv_transfer_shutdown()
 
 

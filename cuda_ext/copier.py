@@ -144,27 +144,61 @@ class CpuBlockCopier:
             layout = BlockLayout(len(chunks.planes), chunks.chunk_bytes)
             self._checked = shm_copy.Planes(chunks.planes, layout)
 
-    def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
-        """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
-        return self._copy(block_ids, slots, layout, rank, save=True)
+    def save(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> DoneHandle:
+        """Copy engine block block_ids[i] into this rank's shard of slot
+        slots[i]; `layers` (begin, end): those model layers only."""
+        return self._copy(block_ids, slots, layout, rank, layers, save=True)
 
-    def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
-        """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
-        return self._copy(block_ids, slots, layout, rank, save=False)
+    def load(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> DoneHandle:
+        """Copy this rank's shard of slot slots[i] into engine block
+        block_ids[i]; `layers` (begin, end): those model layers only."""
+        return self._copy(block_ids, slots, layout, rank, layers, save=False)
 
     def _copy(
-        self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, *, save: bool
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        layers: tuple[int, int] | None,
+        *,
+        save: bool,
     ) -> DoneHandle:
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
+        part = _planes_of(self.copied_planes, layers)
         if self._checked is not None:  # the planes were checked once: only the ids now
             shm_copy.copy_located(
-                self._checked, request.blocks, self.pool, request.segments, request.offsets, save
+                self._checked,
+                request.blocks,
+                self.pool,
+                request.segments,
+                request.offsets,
+                save,
+                layer_range=part,
             )
         else:
             planes, pool = self.copied_planes.planes, self.pool
             layout = coalesced_layout(self.copied_planes, layout)
             copy = shm_copy.save_blocks if save else shm_copy.load_blocks
-            copy(planes, request.blocks, pool, slots, layout, rank, impl=self.impl)
+            copy(
+                planes, request.blocks, pool, slots, layout, rank, impl=self.impl, layer_range=part
+            )
         return DoneHandle(self.planes.num_layers)
 
     def close(self) -> None:
@@ -191,25 +225,61 @@ class StagedBlockCopier:
         self.copied_planes = planes.coalesced()
         """What the copies read and write: `planes` coalesced (the same bytes)."""
 
-    def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
-        """Copy engine block block_ids[i] into this rank's shard of slot slots[i]."""
+    def save(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> DoneHandle:
+        """Copy engine block block_ids[i] into this rank's shard of slot
+        slots[i]; `layers` (begin, end): those model layers only."""
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=True)
+        begin, end = _planes_of(self.copied_planes, layers) or (0, len(self.copied_planes.planes))
         index = torch.from_numpy(request.blocks).to(self.planes.device)
-        staged = [plane.index_select(0, index).cpu() for plane in self.copied_planes.planes]
+        planes = self.copied_planes.planes
+        # Planes outside the range are never read: empty rows keep the slot offsets.
+        staged = [
+            planes[p].index_select(0, index).cpu()
+            if begin <= p < end
+            else torch.empty(
+                (len(request.blocks), self.copied_planes.chunk_bytes), dtype=torch.uint8
+            )
+            for p in range(len(planes))
+        ]
         rows = np.arange(len(request.blocks))
         layout = coalesced_layout(self.copied_planes, layout)
-        shm_copy.save_blocks(staged, rows, self.pool, slots, layout, rank, impl=self.impl)
+        shm_copy.save_blocks(
+            staged, rows, self.pool, slots, layout, rank, impl=self.impl, layer_range=(begin, end)
+        )
         return DoneHandle(self.planes.num_layers)
 
-    def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> DoneHandle:
-        """Copy this rank's shard of slot slots[i] into engine block block_ids[i]."""
+    def load(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> DoneHandle:
+        """Copy this rank's shard of slot slots[i] into engine block
+        block_ids[i]; `layers` (begin, end): those model layers only."""
         request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=False)
+        begin, end = _planes_of(self.copied_planes, layers) or (0, len(self.copied_planes.planes))
         n, chunk = len(request.blocks), self.copied_planes.chunk_bytes
         staged = [torch.empty((n, chunk), dtype=torch.uint8) for _ in self.copied_planes.planes]
         layout = coalesced_layout(self.copied_planes, layout)
-        shm_copy.load_blocks(staged, np.arange(n), self.pool, slots, layout, rank, impl=self.impl)
+        shm_copy.load_blocks(
+            staged, np.arange(n), self.pool, slots, layout, rank, impl=self.impl,
+            layer_range=(begin, end),
+        )  # fmt: skip
         index = torch.from_numpy(request.blocks).to(self.planes.device)
-        for plane, rows in zip(self.copied_planes.planes, staged, strict=True):
+        for plane, rows in zip(
+            self.copied_planes.planes[begin:end], staged[begin:end], strict=True
+        ):
             plane.index_copy_(0, index, rows.to(plane.device))
         return DoneHandle(self.planes.num_layers)
 
@@ -225,6 +295,11 @@ class StagedBlockCopier:
 
 BlockCopier: TypeAlias = "CpuBlockCopier | GpuBlockCopier | StagedBlockCopier"
 """Any of them: they take the same arguments and return handles alike."""
+
+
+def _planes_of(planes: KVPlanes, layers: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The copied planes of model layers `layers` (None: all); checked before a byte moves."""
+    return None if layers is None else planes.plane_range(layers)
 
 
 def open_copier(planes: KVPlanes, pool: ShmPool, **gpu_options: Any) -> BlockCopier:

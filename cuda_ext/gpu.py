@@ -288,9 +288,20 @@ class GpuBlockCopier:
         self._group_cache: dict[tuple[bool, int, int], tuple[np.ndarray, list[int]]] = {}
 
     def save(
-        self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int, *, path: str | None = None
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        path: str | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> GpuCopyHandle:
-        """Queue engine block block_ids[i] -> this rank's shard of slot slots[i]."""
+        """Queue engine block block_ids[i] -> this rank's shard of slot
+        slots[i]; `layers` (begin, end): those model layers only (the dma
+        path: the sm path's launches start at plane 0)."""
+        if layers is not None:
+            return self._run_part(block_ids, slots, layout, rank, layers, save=True)
         return self._run(block_ids, slots, layout, rank, save=True, path=path, layer_events=False)
 
     def load(
@@ -302,11 +313,16 @@ class GpuBlockCopier:
         *,
         path: str | None = None,
         layer_events: bool = True,
+        layers: tuple[int, int] | None = None,
     ) -> GpuCopyHandle:
         """Queue this rank's shard of slot slots[i] -> engine block block_ids[i].
         With layer_events (a launch per group of layers of at least
         load_group_bytes) `wait_layer(l)` waits for the group holding layer l
-        only; without, one launch and every layer lands at the end."""
+        only; without, one launch and every layer lands at the end.
+        `layers` (begin, end): those model layers only, in one launch (the
+        dma path)."""
+        if layers is not None:
+            return self._run_part(block_ids, slots, layout, rank, layers, save=False)
         return self._run(
             block_ids, slots, layout, rank, save=False, path=path, layer_events=layer_events
         )
@@ -429,9 +445,37 @@ class GpuBlockCopier:
             )
         return GpuCopyHandle(self.device, events, event_of_layer)
 
-    def _run_dma(self, request: CopyRequest, save: bool, layer_events: bool) -> GpuCopyHandle:
+    def _run_part(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        layers: tuple[int, int],
+        *,
+        save: bool,
+    ) -> GpuCopyHandle:
+        """The copies of model layers `layers` only, on the dma path in one
+        launch; every layer's wait is that launch's event."""
+        self._check_open()
+        request = check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
+        begin, end = self.copied_planes.plane_range(layers)
+        event_of_layer = [0] * self.copied_planes.num_layers
+        return self._run_dma(
+            request, save, False, (np.array([end], np.int64), event_of_layer), begin
+        )
+
+    def _run_dma(
+        self,
+        request: CopyRequest,
+        save: bool,
+        layer_events: bool,
+        groups: tuple[np.ndarray, list[int]] | None = None,
+        first_plane: int = 0,
+    ) -> GpuCopyHandle:
+        """`groups` (default `_groups`) from `first_plane` on."""
         n = int(request.blocks.size)
-        group_ends, event_of_layer = self._groups(layer_events, n)
+        group_ends, event_of_layer = groups or self._groups(layer_events, n)
         events = np.zeros(group_ends.size, np.uint64)
         caller = torch.cuda.current_stream(self.device)
         with self._enqueue:
@@ -439,7 +483,7 @@ class GpuBlockCopier:
             self._ready.record(caller)  # the op runs after what the caller queued
             self.stream.wait_event(self._ready)
             try:
-                begin = 0
+                begin = first_plane
                 for g, end in enumerate(group_ends.tolist()):
                     if n:
                         self._launch_dma(request, begin, end, save)

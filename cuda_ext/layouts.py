@@ -88,6 +88,33 @@ class KVPlanes:
             return (self.chunk_bytes,) * len(self.planes)
         return tuple(int(p.stride(0)) for p in self.planes)
 
+    @property
+    def layer_splits(self) -> tuple[int, ...]:
+        """Where a layer-wise copy may split the model layers: l is one when no
+        plane holds both a layer before l and one from l on (every layer in
+        a layer-major layout; only the last for a cross-layer block)."""
+        ends, last = self.layer_ends, len(self.layer_ends)
+        return tuple(i + 1 for i in range(last) if i + 1 == last or ends[i] < ends[i + 1])
+
+    def plane_range(self, layers: tuple[int, int]) -> tuple[int, int]:
+        """The planes holding model layers [begin, end) and no other layer;
+        ValueError if a plane holds one of them and another (split the
+        layers at `layer_splits` only)."""
+        if (
+            not isinstance(layers, tuple)
+            or len(layers) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
+            or not 0 <= layers[0] < layers[1] <= self.num_layers
+        ):
+            raise ValueError(f"layers must be (begin, end) in 0..{self.num_layers}, got {layers!r}")
+        begin, end = layers
+        if (begin and begin not in self.layer_splits) or end not in self.layer_splits:
+            raise ValueError(
+                f"layers {begin}..{end - 1} share planes with other layers: "
+                f"split at {self.layer_splits} only"
+            )
+        return (self.layer_ends[begin - 1] if begin else 0), self.layer_ends[end - 1]
+
     def coalesced(self) -> KVPlanes:
         """The same bytes as fewer, larger planes: each group of k consecutive
         planes that lie end to end in every block (a cross-layer block's

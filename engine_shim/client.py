@@ -40,7 +40,7 @@ from contract.blocks import KeyHasher, Namespace, canonical_tokens
 from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
 from contract.ids import BlockKey, BlockKeys, key_bytes
 from contract.protocol import ErrorCode
-from cuda_ext.copier import BlockCopier, open_copier
+from cuda_ext.copier import BlockCopier, CpuBlockCopier, open_copier
 from cuda_ext.layouts import kv_planes
 from engine_shim.call_metrics import timed_call
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
@@ -48,7 +48,14 @@ from engine_shim.heartbeat import Heartbeat
 from engine_shim.hotpath import GRANT_LOW, GRANT_WANT, HotPath
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.registration import RegisterFields, Registration, check_geometry
-from engine_shim.transfer import Copy, EngineOp, PlanOps, TransferHandle, queue_copies
+from engine_shim.transfer import (
+    Copy,
+    EngineOp,
+    LayeredTransfer,
+    PlanOps,
+    TransferHandle,
+    queue_copies,
+)
 from shm import hotindex
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
@@ -546,6 +553,112 @@ class KVClient:
             with contextlib.suppress(SidecarUnavailable):
                 hot.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
         return True
+
+    def layered_load_keys(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
+    ) -> LayeredTransfer:
+        """`load_keys`, planned now, its copies queued layer by layer
+        (`LayeredTransfer.copy_layers`) and reported by `finish().wait()`."""
+        keys, blocks = keys_and_blocks(keys, block_ids)
+        tpb = self._tokens_per_block
+        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
+            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
+        request = self._req(p.Load, skip=skip_tokens // tpb)
+        reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
+        plan = _plan_ops(reply, arrays, "load")
+        return self._layered(plan, skip_tokens + reply.hit_blocks * tpb)
+
+    def layered_save_keys(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray
+    ) -> LayeredTransfer:
+        """`save_keys`, planned now (before the forward computes the blocks),
+        its copies queued layer by layer as the layers are computed."""
+        keys, blocks = keys_and_blocks(keys, block_ids)
+        if self._hot_flags() & hotindex.SAVES and isinstance(self._copier, CpuBlockCopier):
+            transfer = self._hot_layered_save(keys, blocks)
+            if transfer is not None:
+                return transfer
+        reply, arrays = self._call(
+            self._req(p.Save, skip=0), [p.keys_frame(keys), p.ids_frame(blocks)]
+        )
+        plan = _plan_ops(reply, arrays, "save")
+        stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
+        return self._layered(plan, stored * self._tokens_per_block)
+
+    def _hot_layered_save(self, keys: BlockKeys, blocks: np.ndarray) -> LayeredTransfer | None:
+        """`_hot_save`, layer by layer: slots granted ahead taken now, the
+        Commit sent by `finish()` (a failure gives the slots back). None
+        where `_hot_save` would be."""
+        hot, copier, layout = self._hot, self._copier, self._layout
+        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
+        if layout.tp_size != 1 or not self._grants_usable(hot):
+            return None
+        kb = key_bytes(keys)
+        first = hot.view.count(kb)
+        rest = len(keys) - first
+        if rest and len(hot.granted) < rest:
+            return None
+        slots = np.array(hot.granted[len(hot.granted) - rest :], dtype=np.int64)
+        del hot.granted[len(hot.granted) - rest :]
+        planes = copier.copied_planes
+        num_tokens = len(keys) * self._tokens_per_block
+
+        def commit(copies: Sequence[Copy]) -> TransferHandle:
+            if not rest:
+                return self._handle(None, num_tokens, None)
+            ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
+            self._grants_usable(hot)  # ask for more, if few are left
+            return self._handle(None, num_tokens, ack)
+
+        return LayeredTransfer(
+            None,
+            num_tokens,
+            planes.num_layers,
+            planes.layer_splits,
+            queue=(lambda part: [copier.save(blocks[first:], slots, layout, 0, layers=part)])
+            if rest
+            else None,
+            finish=commit,
+            fail=lambda err: hot.granted.extend(slots.tolist()),  # still ours: not committed
+        )
+
+    def execute_layered(self, plan: PlanOps) -> LayeredTransfer:
+        """`execute`, layer by layer: this rank's part of another rank's plan."""
+        return self._layered(plan, 0)
+
+    def _layered(self, plan: PlanOps | None, num_tokens: int) -> LayeredTransfer:
+        if plan is not None and (plan.boot_id != self._boot_id or self._pool_is_stale()):
+            self._register()  # as `_run`: map a restarted sidecar's shm
+            self._check_boot(plan)
+        copier, layout = self._copier, self._layout
+        if copier is None or layout is None:
+            raise SidecarUnavailable("not registered with the sidecar yet")
+        planes = copier.copied_planes
+        if plan is None:
+            return LayeredTransfer(
+                None,
+                num_tokens,
+                planes.num_layers,
+                planes.layer_splits,
+                queue=None,
+                finish=lambda copies: self._handle(None, num_tokens, None),
+                fail=lambda err: None,
+            )
+
+        def finish(copies: Sequence[Copy]) -> TransferHandle:
+            if plan.kind == "load" and not all(copy.query() for copy in copies):
+                return self._handle(plan, num_tokens, None, copies)
+            return self._handle(plan, num_tokens, self._report(plan, copies))
+
+        return LayeredTransfer(
+            plan,
+            num_tokens,
+            planes.num_layers,
+            planes.layer_splits,
+            queue=lambda layers: queue_copies(plan, copier, layout, self.tp_rank, layers),
+            finish=finish,
+            fail=lambda err: self._fail(plan, err),
+        )
 
     def execute(self, plan: PlanOps) -> TransferHandle:
         """Run this rank's part of a plan another rank of the engine asked for.

@@ -63,26 +63,52 @@ class Copy(Protocol):
 class Copier(Protocol):
     """Copies between one rank's registered KV tensors and the sidecar's pool."""
 
-    def load(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> Copy:
-        """Queue slot slots[i] (this rank's shard) -> engine block block_ids[i]."""
+    def load(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> Copy:
+        """Queue slot slots[i] (this rank's shard) -> engine block block_ids[i];
+        `layers` (begin, end): those model layers only."""
         ...
 
-    def save(self, block_ids: Any, slots: Any, layout: BlockLayout, rank: int) -> Copy:
-        """Queue engine block block_ids[i] -> this rank's shard of slot slots[i]."""
+    def save(
+        self,
+        block_ids: Any,
+        slots: Any,
+        layout: BlockLayout,
+        rank: int,
+        *,
+        layers: tuple[int, int] | None = None,
+    ) -> Copy:
+        """Queue engine block block_ids[i] -> this rank's shard of slot slots[i];
+        `layers` (begin, end): those model layers only."""
         ...
 
 
-def queue_copies(plan: PlanOps, copier: Copier, layout: BlockLayout, rank: int) -> list[Copy]:
-    """Queue this rank's copy of every op of `plan`. If one cannot be queued,
-    those already queued are let end before the error is raised: the sidecar
-    reuses the slots once told of the failure."""
+def queue_copies(
+    plan: PlanOps,
+    copier: Copier,
+    layout: BlockLayout,
+    rank: int,
+    layers: tuple[int, int] | None = None,
+) -> list[Copy]:
+    """Queue this rank's copy of every op of `plan` (of model layers
+    `layers` only, if given). If one cannot be queued, those already queued
+    are let end before the error is raised: the sidecar reuses the slots
+    once told of the failure."""
     copies: list[Copy] = []
+    part = {} if layers is None else {"layers": layers}
     try:
         for _, kind, src, dst in plan.ops:
             if kind is OpKind.H2D:
-                copies.append(copier.load(dst, src, layout, rank))
+                copies.append(copier.load(dst, src, layout, rank, **part))
             else:
-                copies.append(copier.save(src, dst, layout, rank))
+                copies.append(copier.save(src, dst, layout, rank, **part))
     except Exception:
         for copy in copies:
             with contextlib.suppress(Exception):
@@ -149,3 +175,88 @@ class TransferHandle:
             self._wait_reply(self._ack, timeout)
             self._ack = None
         return self.num_tokens
+
+
+class LayeredTransfer:
+    """A load or save planned before its copies: `copy_layers` queues the
+    copies of a range of model layers (at `splits` only), as the engine
+    computes them (a save) or is about to read them (a load); `finish()`
+    once every layer is queued gives the handle that reports the plan.
+
+    A range that cannot be queued fails the whole plan (the sidecar told,
+    the copies queued so far let end); `finish()` then raises that error,
+    so nothing of a failed plan is ever reported as done.
+
+    `queue(layers)` queues the copies of a range (None: nothing to copy),
+    `finish(copies)` reports them, `fail(err)` gives the plan up."""
+
+    def __init__(
+        self,
+        plan: PlanOps | None,
+        num_tokens: int,
+        num_layers: int,
+        splits: Sequence[int],
+        *,
+        queue: Callable[[tuple[int, int]], list[Copy]] | None,
+        finish: Callable[[Sequence[Copy]], TransferHandle],
+        fail: Callable[[Exception], None],
+    ) -> None:
+        self.plan = plan
+        """The sidecar's plan, for the other TP ranks (None: none to share)."""
+        self.num_tokens = num_tokens
+        """Load: tokens in the engine's cache once it lands. Save: tokens cached."""
+        self.num_layers = num_layers
+        self.splits = tuple(splits)
+        """Layer counts a range may end at (cuda_ext's `KVPlanes.layer_splits`)."""
+        self.queued = 0
+        """Layers [0, queued) have their copies queued."""
+        self._queue, self._finish, self._fail = queue, finish, fail
+        self._ranges: list[tuple[int, list[Copy]]] = []
+        """(end layer, its range's copies), in order."""
+        self._error: Exception | None = None
+        self._finished = False
+
+    def copy_layers(self, end: int) -> None:
+        """Queue the copies of layers [queued, end): `end` one of `splits`,
+        past `queued`. Raises the error of a copy that cannot be queued (the
+        plan is then failed)."""
+        if end not in self.splits or end <= self.queued:
+            raise ValueError(f"copy up to layer {end}: one of {self.splits} past {self.queued}")
+        if self._error is not None:
+            raise self._error
+        if self._queue is not None:
+            try:
+                self._ranges.append((end, self._queue((self.queued, end))))
+            except Exception as err:
+                self._error = err
+                for _, copies in self._ranges:  # landed before the slots are given up
+                    for copy in copies:
+                        with contextlib.suppress(Exception):
+                            copy.synchronize()
+                self._ranges = []
+                self._fail(err)
+                raise
+        self.queued = end
+
+    def wait_layer(self, layer: int, stream: Any = None) -> None:
+        """Make `stream` (default: the current CUDA stream) wait until the
+        copy of `layer`, queued already, has landed; returns at once (copies
+        into CPU tensors have landed when queued)."""
+        for end, copies in list(self._ranges):
+            if layer < end:
+                for copy in copies:
+                    copy.wait_layer(layer, stream)
+                return
+
+    def finish(self) -> TransferHandle:
+        """The handle whose `wait()` waits for every copy and reports the plan;
+        the error of a failed range, or ValueError if layers are not queued."""
+        if self._error is not None:
+            raise self._error
+        if self.queued != self.num_layers or self._finished:
+            raise ValueError(
+                f"finish() once, with every layer queued ({self.queued} of {self.num_layers})"
+            )
+        self._finished = True  # the ranges stay: `wait_layer` may still be asked
+        copies = [copy for _, queued in self._ranges for copy in queued]
+        return self._finish(copies)

@@ -18,7 +18,9 @@ Sliding-window models run with vLLM's hybrid allocator off (vLLM turns it
 off for a connector that is not `SupportsHMA`), which gives one group of
 full attention; a model that still has several groups (Mamba hybrids, or
 `--enable-hybrid-kv-cache-manager`) is refused naming them. Anything else is
-refused with a ValueError when vLLM creates the connector.
+refused with a ValueError when vLLM creates the connector. Transfers are
+one copy per step, or layer by layer with `"layer_wise": true`
+(`save_kv_layer`, `wait_for_layer_load`; docs/engines.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.parallel import Parallel
-from engine_shim.kvconnector.settings import ConnectorSettings
+from engine_shim.kvconnector.settings import LAYER_WISE_DEFAULT, ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +203,14 @@ def _connector_class() -> type:
             else:
                 self._worker = WorkerSide(settings, geometry, parallel)
 
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+            """The per-layer hooks must run (not be skipped by a full CUDA
+            graph's replay) where they copy: layer-wise, or synchronous loads."""
+            extra = extra_config or {}
+            layer_wise = extra.get("layer_wise", LAYER_WISE_DEFAULT)
+            return layer_wise is True or extra.get("load_async", True) is False
+
         @property
         def requires_kv_delivery(self) -> bool:
             return False  # a cache: a dropped save is a later miss
@@ -258,8 +268,10 @@ def _connector_class() -> type:
         def save_kv_layer(
             self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
         ) -> None:
-            """Nothing per layer: the step's full blocks are saved together,
-            on the transfer thread, once `wait_for_save` queues them."""
+            """`layer_wise`: queue this layer's copy of the step's saves; else
+            nothing (the step's blocks are copied once `wait_for_save` queues them)."""
+            assert self._worker is not None
+            self._worker.save_layer(self._get_connector_metadata(), layer_name)
 
         def wait_for_save(self) -> None:
             assert self._worker is not None

@@ -67,13 +67,18 @@ def save_blocks(
     *,
     impl: str | None = None,
     threads: int | None = None,
+    layer_range: tuple[int, int] | None = None,
 ) -> None:
     """Copy engine block block_ids[i] of every layer l into slot slots[i] at
     layout.offset(rank, l). Slots must be distinct.
 
     `impl` picks "c" or "torch" (default IMPL); `threads` caps the C copy's
-    threads (default: MAX_THREADS for batches of THREAD_MIN_BYTES or more)."""
-    _transfer(kv_layers, block_ids, pool, slots, layout, rank, impl, threads, save=True)
+    threads (default: MAX_THREADS for batches of THREAD_MIN_BYTES or more);
+    `layer_range` (begin, end) copies layers begin..end-1 only (a layer-wise
+    transfer: the same bytes, a part at a time)."""
+    _transfer(
+        kv_layers, block_ids, pool, slots, layout, rank, impl, threads, layer_range, save=True
+    )
 
 
 def load_blocks(
@@ -86,11 +91,14 @@ def load_blocks(
     *,
     impl: str | None = None,
     threads: int | None = None,
+    layer_range: tuple[int, int] | None = None,
 ) -> None:
     """Copy slot slots[i] at layout.offset(rank, l) into engine block
-    block_ids[i] of every layer l. Block ids must be distinct. `impl` and
-    `threads` as for save_blocks."""
-    _transfer(kv_layers, block_ids, pool, slots, layout, rank, impl, threads, save=False)
+    block_ids[i] of every layer l. Block ids must be distinct. `impl`,
+    `threads` and `layer_range` as for save_blocks."""
+    _transfer(
+        kv_layers, block_ids, pool, slots, layout, rank, impl, threads, layer_range, save=False
+    )
 
 
 def _transfer(
@@ -102,6 +110,7 @@ def _transfer(
     rank: int,
     impl: str | None,
     threads: int | None,
+    layer_range: tuple[int, int] | None,
     *,
     save: bool,
 ) -> None:
@@ -114,6 +123,7 @@ def _transfer(
         raise ValueError(f"threads must be an int in 1..16, got {threads!r}")
     planes = Planes(kv_layers, layout)
     layers = planes.layers
+    first, end = _check_range(layer_range, len(layers))
     blocks = _index_array("block_ids", block_ids)
     slots = _index_array("slots", slots)
     if blocks.size != slots.size:
@@ -135,10 +145,11 @@ def _transfer(
         return
     offsets += rank * layout.shard_bytes
     if impl == "c":
-        copy_located(planes, blocks, pool, segments, offsets, save, threads)
+        copy_located(planes, blocks, pool, segments, offsets, save, threads, (first, end))
     else:
         pins = [pool.segment_view(i) for i in range(len(pool.segment_sizes))]
-        _copy_torch(layers, blocks, pins, segments, offsets, layout, save)
+        offsets += first * layout.layer_block_bytes
+        _copy_torch(layers[first:end], blocks, pins, segments, offsets, layout, save)
 
 
 class Planes:
@@ -165,11 +176,13 @@ def copy_located(
     offsets: np.ndarray,
     save: bool,
     threads: int | None = None,
+    layer_range: tuple[int, int] | None = None,
 ) -> None:
     """The C copy of engine blocks `blocks` <-> the slot bytes at (segment,
-    byte offset) of the pool, ids already checked (in range, the written side
-    distinct: what save_blocks checks). Raises RuntimeError without the C
-    extension."""
+    byte offset of the rank's shard) of the pool, ids already checked (in
+    range, the written side distinct: what save_blocks checks); layers
+    layer_range[0]..[1]-1 only (checked here). Raises RuntimeError without
+    the C extension."""
     if _blockcopy is None:
         raise RuntimeError("shm._blockcopy is not built")
     if blocks.size == 0:
@@ -184,9 +197,11 @@ def copy_located(
     # 0.75x the contiguous floor block-major, 0.92-1.05x layer-major, where
     # the reads of consecutive blocks of one layer are adjacent (measured
     # here, 2,048 blocks of 32 x 4 KiB; at 64 KiB pieces both are ~0.95x).
-    engine = blocks.astype(np.uint64)[:, None] * planes.strides[None, :] + planes.starts[None, :]
+    first, end = _check_range(layer_range, len(planes.layers))
+    strides, starts = planes.strides[first:end], planes.starts[first:end]
+    engine = blocks.astype(np.uint64)[:, None] * strides[None, :] + starts[None, :]
     slot_starts = bases[segments] + offsets.astype(np.uint64)
-    shm = slot_starts[:, None] + planes.per_layer[None, :]
+    shm = slot_starts[:, None] + planes.per_layer[None, first:end]
     size = planes.layer_bytes
     threads, stream = copy_settings(engine.size * size, threads or MAX_THREADS)
     if save:  # layer-major: each layer's blocks read in address order
@@ -195,6 +210,21 @@ def copy_located(
         src, dst = shm.ravel(), engine.ravel()
     _blockcopy.copy(src, dst, size, threads, stream)
     del pins
+
+
+def _check_range(layer_range: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:
+    if layer_range is None:
+        return 0, num_layers
+    if (
+        not isinstance(layer_range, tuple)
+        or len(layer_range) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in layer_range)
+        or not 0 <= layer_range[0] < layer_range[1] <= num_layers
+    ):
+        raise ValueError(
+            f"layer_range must be (begin, end) in 0..{num_layers}, got {layer_range!r}"
+        )
+    return layer_range
 
 
 def has_repeats(ids: np.ndarray) -> bool:

@@ -34,6 +34,16 @@ def test_bench_connector_writes_every_case_and_its_targets(tmp_path):
     assert c["loaded_blocks_per_step"] > 0
     assert result["cases"]["a"]["with"]["saved_blocks_per_step"] == 0
     assert result["cases"]["d"]["with"]["all_scheduled_ms_p50"] > 0
+    # Layer-wise off and on, side by side where it copies, in the same run.
+    b_on, c_on = (
+        result["cases"]["b"]["with, layer-wise"],
+        result["cases"]["c"]["with, sync load, layer-wise"],
+    )
+    assert b_on["saved_blocks_per_step"] > 0 and c_on["loaded_blocks_per_step"] > 0
+    assert set(result["layer_wise"]) == {"b_save", "c_sync_load"}
+    for figures in result["layer_wise"].values():
+        on_faster = figures["on_step_ms_p50"] < figures["off_step_ms_p50"]
+        assert figures["faster"] == ("layer-wise" if on_faster else "one copy per step")
 
 
 def test_bad_arguments_are_refused():

@@ -357,3 +357,37 @@ def test_without_a_runnable_library_cuda_planes_take_the_staged_torch_path(
     for target, block in zip(targets, blocks, strict=True):
         got = np.concatenate([raw(p[int(target)]) for p in back.planes])
         assert np.array_equal(got, expected_shard(kv, int(block)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layer_ranges_give_the_whole_copy_s_bytes(pool, layout):
+    """Layer-wise: ranges at `layer_splits` (the dma path, in one launch
+    each) write and read exactly what one copy of every layer does, TP
+    shards included; each range's handle waits for its own layers."""
+    tp = 2
+    kvs = [logical_kv(torch.bfloat16, seed=5 * rank + 1) for rank in range(tp)]
+    planes = [gpu_planes(layout, kv) for kv in kvs]
+    block_layout = planes[0].block_layout(tp)
+    blocks, slots, targets = np.array([4, 0, 6]), np.array([3, 1, 5]), np.array([9, 2, 7])
+    for rank in range(tp):
+        with GpuBlockCopier(planes[rank], pool) as copier:
+            splits, begin = copier.copied_planes.layer_splits, 0
+            for end in splits:
+                copier.save(blocks, slots, block_layout, rank, layers=(begin, end)).synchronize()
+                begin = end
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), block_layout.slot_stride)
+        shards = [expected_shard(kv, int(block)) for kv in kvs]
+        assert np.array_equal(view[: block_layout.block_bytes], np.concatenate(shards))
+    for rank in range(tp):
+        back = gpu_planes(layout, torch.zeros_like(kvs[rank]))
+        with GpuBlockCopier(back, pool) as copier:
+            begin = 0
+            for end in copier.copied_planes.layer_splits:
+                handle = copier.load(targets, slots, block_layout, rank, layers=(begin, end))
+                handle.wait_layer(end - 1)  # the current stream: after this range
+                begin = end
+            torch.cuda.current_stream().synchronize()
+        for target, block in zip(targets, blocks, strict=True):
+            got = np.concatenate([raw(p[int(target)]) for p in back.planes])
+            assert np.array_equal(got, expected_shard(kvs[rank], int(block)))

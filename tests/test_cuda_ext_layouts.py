@@ -179,3 +179,42 @@ def test_a_load_launches_once_per_group_of_whole_layers_of_enough_bytes():
     assert groups(0, 4, layer_events=False) == ([5], [0] * 5)
     cross = kv_planes(torch.zeros(4, 3, 2, 256), "cross_layer")  # every layer in one plane
     assert groups(0, 4, kv=cross) == ([1], [0, 0, 0])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "staged"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copies_split_at_layer_splits_give_the_whole_copy_s_bytes(pool, layout, kind):
+    """Layer-wise: a save and a load in model-layer ranges, one range per
+    split, write exactly what one copy of every layer does; a range that
+    would cut a plane (a cross-layer block's) is refused before a byte moves."""
+    kv = logical_kv(torch.float16, seed=5)
+    planes = kv_planes(engine_kv(layout, kv), layout)
+    block_layout = planes.block_layout()
+    blocks, slots = np.array([3, 0, 5]), np.array([4, 1, 2])
+    splits = planes.coalesced().layer_splits
+    assert splits[-1] == LAYERS and (layout == "cross_layer") == (splits == (LAYERS,))
+    with make_copier(kind, planes, pool, "c" if "c" in shm_copy.IMPLS else "torch") as copier:
+        begin = 0
+        for end in splits:
+            copier.save(blocks, slots, block_layout, 0, layers=(begin, end)).synchronize()
+            begin = end
+        for block, slot in zip(blocks, slots, strict=True):
+            view = pool.slot_view(int(slot), block_layout.slot_stride)
+            assert np.array_equal(view[: block_layout.block_bytes], expected_shard(kv, int(block)))
+        back = engine_kv(layout, torch.zeros_like(kv))
+        back_planes = kv_planes(back, layout)
+    with make_copier(kind, back_planes, pool, "c" if "c" in shm_copy.IMPLS else "torch") as copier:
+        begin = 0
+        for end in splits:
+            copier.load(np.array([7, 8, 9]), slots, block_layout, 0, layers=(begin, end))
+            begin = end
+        for target, block in zip([7, 8, 9], blocks, strict=True):
+            got = np.concatenate([raw(p[target]) for p in back_planes.planes])
+            assert np.array_equal(got, expected_shard(kv, int(block)))
+        if splits == (LAYERS,):
+            before = pool.segment_view(0).copy()
+            with pytest.raises(ValueError, match="share planes with other layers"):
+                copier.save(blocks, slots, block_layout, 0, layers=(0, 1))
+            assert np.array_equal(pool.segment_view(0), before)
+        with pytest.raises(ValueError, match="layers must be"):
+            copier.load(blocks, slots, block_layout, 0, layers=(1, 1))

@@ -287,3 +287,24 @@ def test_bad_input_raises_and_copies_nothing(pool, direction, case):
 )  # fmt: skip
 def test_has_repeats_in_increasing_and_any_order(ids, repeats):
     assert shm_copy.has_repeats(np.array(ids, dtype=np.int64)) is repeats
+
+
+@pytest.mark.parametrize("impl", shm_copy.IMPLS)
+def test_a_layer_range_copies_those_layers_only_at_their_offsets(pool, impl):
+    src = random_layers(3, (6, 4, 8), torch.float16, seed=7)
+    layout = BlockLayout.for_tensors(src)
+    blocks, slots = np.array([5, 1]), np.array([2, 0])
+    shm_copy.save_blocks(src, blocks, pool, slots, layout, 0, impl=impl, layer_range=(1, 2))
+    size = layout.layer_block_bytes
+    for block, slot in zip(blocks, slots, strict=True):
+        view = pool.slot_view(int(slot), layout.slot_stride)
+        assert (view[:size] == SENTINEL).all() and (view[2 * size :] == SENTINEL).all()
+        assert np.array_equal(view[size : 2 * size], raw(src[1][block]))
+    back = [torch.zeros_like(t) for t in src]
+    shm_copy.load_blocks(
+        back, np.array([0, 3]), pool, slots, layout, 0, impl=impl, layer_range=(1, 2)
+    )
+    assert torch.equal(back[1][[0, 3]], src[1][blocks]) and not back[0].any() and not back[2].any()
+    for bad in [(0, 0), (2, 4), (-1, 1), [0, 1], (0, True)]:
+        with pytest.raises(ValueError, match="layer_range"):
+            shm_copy.save_blocks(src, blocks, pool, slots, layout, 0, layer_range=bad)

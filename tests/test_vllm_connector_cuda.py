@@ -59,11 +59,16 @@ def finished_eventually(worker: WorkerSide) -> tuple[set[str], set[str]]:
     return got
 
 
+@pytest.mark.parametrize("layer_wise", [False, True], ids=["per-step", "layer-wise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("load_async", [True, False])
-def test_saves_follow_the_forward_stream_and_load_back_exactly(sidecar, dtype, load_async):
+def test_saves_follow_the_forward_stream_and_load_back_exactly(
+    sidecar, dtype, load_async, layer_wise
+):
+    """Layer-wise: each layer's save is queued right after the layer's
+    writes (an event per layer), the load's layers waited for one by one."""
     geometry = dataclasses.replace(GEOMETRY, dtype=dtype)
-    s = settings(sidecar.endpoint, load_async=load_async)
+    s = settings(sidecar.endpoint, load_async=load_async, layer_wise=layer_wise)
     kv = cuda_kv(dtype)
     worker = WorkerSide(s, geometry)
     worker.register(kv)
@@ -75,16 +80,17 @@ def test_saves_follow_the_forward_stream_and_load_back_exactly(sidecar, dtype, l
         sched.after_alloc(req, [0, 1, 2, 3], 0)
         # The "forward": its KV writes come after matmuls long enough to be
         # still queued on the current stream when the save is.
-        big = torch.randn(2048, 2048, device="cuda")
-        for _ in range(8):
-            big = torch.tanh(big @ big)  # bounded: no inf, so 0 * big is 0
-        zero = (big[0, 0] * 0).to(dtype)  # the writes depend on the matmuls
-        for i, t in enumerate(kv.values()):
-            values = torch.arange(t[:3].numel(), device="cuda").reshape(t[:3].shape) % 251 + i
-            t[:3] = values.to(dtype) + zero
-        want = [t[:3].clone() for t in kv.values()]
         meta = sched.build_meta(StepOutput({"a": len(tokens)}))
         worker.start_loads(meta)
+        big = torch.randn(2048, 2048, device="cuda")
+        for i, (name, t) in enumerate(kv.items()):
+            for _ in range(8):
+                big = torch.tanh(big @ big)  # bounded: no inf, so 0 * big is 0
+            zero = (big[0, 0] * 0).to(dtype)  # the writes depend on the matmuls
+            values = torch.arange(t[:3].numel(), device="cuda").reshape(t[:3].shape) % 251 + i
+            t[:3] = values.to(dtype) + zero
+            worker.save_layer(meta, name)  # layer-wise: this layer's copy, after its writes
+        want = [t[:3].clone() for t in kv.values()]
         worker.run_saves(meta)  # no synchronize: the copy must wait for the writes
         req.num_computed_tokens = len(tokens)
         assert sched.finished(req) is True

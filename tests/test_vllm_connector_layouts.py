@@ -16,7 +16,7 @@ import torch
 from kv_helpers import FILL, VLLM_ORDERS, padding_mask, random_bytes, raw, vllm_views, why_no_gpu
 from sidecar_proc import Sidecar
 from test_vllm_connector import finished_eventually, save, step
-from vllm_helpers import BLOCK, prompt, request, scheduler_side, settings, tables_of
+from vllm_helpers import BLOCK, StepOutput, prompt, request, scheduler_side, settings, tables_of
 
 from cuda_ext.layouts import kv_planes
 from engine_shim.kvconnector.geometry import KVGeometry
@@ -54,7 +54,19 @@ def engine(layout: str, kv: torch.Tensor, padded: bool):
     return memory, {f"model.layers.{i}.self_attn.attn": v for i, v in enumerate(views)}
 
 
-def run_case(sidecar, layout: str, heads: int, padded: bool, dtype, device: str) -> None:
+def hooked_step(sched, worker: WorkerSide, scheduled: dict[str, int], names: list[str]) -> None:
+    """One step whose forward runs the per-layer hooks, in layer order."""
+    meta = sched.build_meta(StepOutput(scheduled))
+    worker.start_loads(meta)
+    for name in names:
+        worker.wait_for_layer(name)
+        worker.save_layer(meta, name)
+    worker.run_saves(meta)
+
+
+def run_case(
+    sidecar, layout: str, heads: int, padded: bool, dtype, device: str, layer_wise: bool = False
+) -> None:
     geo = geometry(layout, heads, dtype)
     gen = torch.Generator().manual_seed(7)
     kv = random_bytes((LAYERS, NUM_BLOCKS, heads, BLOCK, 2 * DIM), dtype, gen)
@@ -69,24 +81,41 @@ def run_case(sidecar, layout: str, heads: int, padded: bool, dtype, device: str)
     )
     made = []
     try:
-        writer = WorkerSide(settings(sidecar.endpoint, model_name=f"m-{layout}-{dtype}"), geo)
+        name = f"m-{layout}-{dtype}-{layer_wise}"
+        layered = {"layer_wise": True, "load_async": False} if layer_wise else {}
+        writer = WorkerSide(settings(sidecar.endpoint, model_name=name, **layered), geo)
         made.append(writer)
         writer.register(saved)
         sched = scheduler_side(writer.settings, geometry=geo)
         made.append(sched)
         tokens = prompt(3 * BLOCK + 1, start=heads + 10 * padded)
-        save(sched, writer, request("a", tokens), [3, 7, 1, 5])
+        names = list(saved)
+        if layer_wise:
+            first = request("a", tokens)
+            tables_of(sched)["a"] = [3, 7, 1, 5]
+            sched.after_alloc(first, [3, 7, 1, 5], 0)
+            hooked_step(sched, writer, {"a": len(tokens)}, names)
+            first.num_computed_tokens = len(tokens)
+            assert sched.finished(first) is True
+            hooked_step(sched, writer, {}, names)
+            assert finished_eventually(writer) == ({"a"}, set())
+        else:
+            save(sched, writer, request("a", tokens), [3, 7, 1, 5])
 
         another_engine = dataclasses.replace(writer.settings, engine_id="reader")
         reader = WorkerSide(another_engine, geo)
         made.append(reader)
         reader.register(loaded)
         second = request("b", tokens)
-        assert sched.num_new_matched_tokens(second, 0) == (3 * BLOCK, True)
+        assert sched.num_new_matched_tokens(second, 0) == (3 * BLOCK, not layer_wise)
         tables_of(sched)["b"] = [9, 0, 4, 2]
         sched.after_alloc(second, [9, 0, 4, 2], 3 * BLOCK)
-        step(sched, reader, {"b": 1})
-        assert finished_eventually(reader) == (set(), {"b"}) and reader.load_errors() == set()
+        if layer_wise:  # a synchronous load, layer by layer in the forward
+            hooked_step(sched, reader, {"b": 1}, names)
+            assert reader.finished() == (set(), set()) and reader.load_errors() == set()
+        else:
+            step(sched, reader, {"b": 1})
+            assert finished_eventually(reader) == (set(), {"b"}) and reader.load_errors() == set()
     finally:
         for side in made:
             side.close()
@@ -105,12 +134,20 @@ def test_every_layout_saves_and_loads_through_the_connector(sidecar, layout, hea
     run_case(sidecar, layout, heads, padded, dtype, "cpu")
 
 
+@pytest.mark.parametrize("layout, heads, padded", CASES)
+def test_every_layout_saves_and_loads_layer_by_layer(sidecar, layout, heads, padded):
+    """layer_wise: saves copied as the forward computes each layer, loads
+    synchronous and copied split by split (a cross-layer block whole)."""
+    run_case(sidecar, layout, heads, padded, torch.bfloat16, "cpu", layer_wise=True)
+
+
 @pytest.mark.skipif(why_no_gpu() is not None, reason=str(why_no_gpu()))
+@pytest.mark.parametrize("layer_wise", [False, True], ids=["per-step", "layer-wise"])
 @pytest.mark.parametrize("layout, heads, padded", CASES)
 def test_every_layout_saves_and_loads_cuda_tensors_through_the_connector(
-    sidecar, layout, heads, padded
+    sidecar, layout, heads, padded, layer_wise
 ):
-    run_case(sidecar, layout, heads, padded, torch.bfloat16, "cuda")
+    run_case(sidecar, layout, heads, padded, torch.bfloat16, "cuda", layer_wise=layer_wise)
 
 
 @pytest.mark.parametrize("layout", VLLM_ORDERS)

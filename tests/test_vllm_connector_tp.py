@@ -41,11 +41,15 @@ def prompt(n: int, start: int = 0) -> list[int]:
     return [(start + i) % 900 + 1 for i in range(n)]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_a_running_request_is_hit_by_one_sharing_its_prefix(tmp_path, sidecar, tp):
+@pytest.mark.parametrize(
+    ("tp", "extra"),
+    [(2, {}), (4, {}), (2, {"layer_wise": True, "load_async": False})],
+    ids=["tp2", "tp4", "tp2-layer-wise-sync-load"],
+)
+def test_a_running_request_is_hit_by_one_sharing_its_prefix(tmp_path, sidecar, tp, extra):
     """a's prompt prefills in 64-token chunks; each full block is saved in
     its chunk's step, so b (same prefix) loads them while a still runs."""
-    engine = TPEngine(tmp_path, sidecar.endpoint, tp=tp, block_keys="tokens")
+    engine = TPEngine(tmp_path, sidecar.endpoint, tp=tp, block_keys="tokens", **extra)
     try:
         tokens = prompt(10 * BLOCK + 3)
         engine.add("a", tokens, max_tokens=150)

@@ -177,22 +177,34 @@ class Engine:
         return out, kv_output
 
     def _forward(self, out) -> dict[str, list[int]]:
-        """Write KV for every scheduled token; sample a token for requests
-        whose prompt is then complete."""
+        """Layer by layer, as vLLM's attention layers run the connector's
+        per-layer hooks (`maybe_transfer_kv_layer`): wait for the layer's
+        load, write its KV for every scheduled token, save it. Sample a
+        token for requests whose prompt is then complete."""
         starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        hooks = self.worker.has_connector_metadata() and bool(out.num_scheduled_tokens)
+        for layer, (name, t) in enumerate(self.kv.items()):
+            if hooks:
+                self.worker.wait_for_layer_load(name)
+            for req_id, n in out.num_scheduled_tokens.items():
+                req, table, start = (
+                    self.scheduler.requests[req_id],
+                    self.block_tables[req_id],
+                    starts[req_id],
+                )
+                for pos in range(start, start + n):
+                    t[table[pos // BLOCK], :, pos % BLOCK] = kv_value(
+                        req.all_token_ids[pos], pos, layer
+                    )
+            if hooks:
+                self.worker.save_kv_layer(name, t, None)
         sampled: dict[str, list[int]] = {}
         for req_id, n in out.num_scheduled_tokens.items():
-            req = self.scheduler.requests[req_id]
             start = starts[req_id]
-            table = self.block_tables[req_id]
-            for pos in range(start, start + n):
-                token = req.all_token_ids[pos]
-                for layer, t in enumerate(self.kv.values()):
-                    t[table[pos // BLOCK], :, pos % BLOCK] = kv_value(token, pos, layer)
-                self.computed.setdefault(req_id, set()).add(pos)
-            done = start + n >= req.num_tokens
+            self.computed.setdefault(req_id, set()).update(range(start, start + n))
+            done = start + n >= self.scheduler.requests[req_id].num_tokens
             sampled[req_id] = [7] if done else []
         return sampled
 
@@ -275,8 +287,14 @@ def test_auto_keys_by_tokens_without_a_fixed_hash_seed(tmp_path, sidecar, monkey
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"block_keys": "tokens"}, {"load_async": False}],
-    ids=["vllm-hashes-async", "token-keys", "sync-load"],
+    [
+        {},
+        {"block_keys": "tokens"},
+        {"load_async": False},
+        {"layer_wise": True},
+        {"layer_wise": True, "load_async": False},
+    ],
+    ids=["vllm-hashes-async", "token-keys", "sync-load", "layer-wise", "layer-wise-sync-load"],
 )
 def test_a_finished_request_is_saved_and_a_later_one_loads_it(tmp_path, sidecar, extra):
     engine = Engine(tmp_path, sidecar.endpoint, **extra)

@@ -167,17 +167,22 @@ def rank_main(conn: Any, rank: int, tp: int, port: int, args: dict[str, Any]) ->
                     set_forward_context(None, config),
                     KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_output,
                 ):
-                    for block, off, token, pos in writes:
-                        for layer, t in enumerate(kv.values()):
+                    bad = []
+                    hooks = worker.has_connector_metadata() and bool(writes or checks)
+                    for layer, (name, t) in enumerate(kv.items()):  # as vLLM's attention layers
+                        if hooks:
+                            worker.wait_for_layer_load(name)
+                        for block, off, token, pos in writes:
                             t[block, :, off] = kv_value(token, pos, layer, same, heads)
-                    bad = [
-                        (block, off, token, pos)
-                        for block, off, token, pos in checks
-                        for layer, t in enumerate(kv.values())
-                        if not torch.equal(
-                            t[block, :, off], kv_value(token, pos, layer, same, heads)
-                        )
-                    ]
+                        bad += [
+                            (block, off, token, pos)
+                            for block, off, token, pos in checks
+                            if not torch.equal(
+                                t[block, :, off], kv_value(token, pos, layer, same, heads)
+                            )
+                        ]
+                        if hooks:
+                            worker.save_kv_layer(name, t, None)
                 conn.send((kv_output, bad))
         finally:
             kv_transfer_state.ensure_kv_transfer_shutdown()

@@ -11,4 +11,5 @@ adapts it to vLLM's `KVConnectorBase_V1`.
 | lookups.py    | `Lookups`: sidecar lookups, answered now or on a thread        |
 | scheduler.py  | `SchedulerSide`: what to load and save, per request            |
 | worker.py     | `WorkerSide`: runs the loads and saves on a thread of its own  |
+| layered.py    | `LayerJob`: a step's layer-wise load or save, and its splits    |
 """

@@ -91,6 +91,17 @@ class KVGeometry:
         heads_outside = order.index(_H) < max(order.index(_L), order.index(_B))
         return self.num_kv_heads if heads_outside else 1
 
+    @property
+    def layer_splits(self) -> tuple[int, ...]:
+        """Layer counts a layer-wise copy may stop at: every layer where each
+        layer has blocks of its own, only all of them in a cross-layer
+        layout (a block is one copy). cuda_ext's `KVPlanes.layer_splits` of
+        the registered tensors may be finer, never coarser."""
+        order = LAYOUT_ORDERS[self.layout]
+        if order.index(_B) < order.index(_L):
+            return (self.num_layers,)
+        return tuple(range(1, self.num_layers + 1))
+
     def stand_in(
         self, num_blocks: int = 2, device: str | torch.device = "cpu"
     ) -> list[torch.Tensor]:

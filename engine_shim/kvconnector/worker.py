@@ -13,6 +13,10 @@ a preempted request's saves are waited for before the next forward
 (`handle_preemptions`). Asynchronous loads run on the same thread: a
 request waiting for them does not hold up the step.
 
+Layer-wise (`layer_wise`): the same thread copies a save's layers as the
+forward computes them and a synchronous load's ahead of the forward, split
+by split (engine_shim.kvconnector.layered).
+
 TP: rank 0 asks the sidecar for each plan and relays it to the other ranks
 (`RankRelay`), which run it on their shard; see `Parallel`.
 
@@ -38,6 +42,7 @@ import torch
 from engine_shim.channel import SidecarError, SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
+from engine_shim.kvconnector.layered import LayerJob, StepSaves, load_stop, save_stop
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
 from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.relay import RankRelay, Tag
@@ -80,6 +85,11 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._abandoned: set[Tag] = set()
         """Follower: plans it gave up waiting for (cancelled if they come)."""
+        self._saving: StepSaves | None = None
+        """Layer-wise: the step's saves, once its first layer is computed."""
+        self._layered_loads: list[LayerJob] = []
+        self._load_points: dict[int, Future[None]] = {}
+        """Layer-wise: per split, the task that copies this step's loads up to it."""
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register vLLM's `{layer name: [B, H, N, C] view}` (model order) with
@@ -115,6 +125,9 @@ class WorkerSide:
         for them; a short hit is reported as load errors now."""
         self._require_client()
         ready = self._stream_point() if meta.loads else None
+        if meta.loads and self.settings.layer_wise and not self.settings.load_async:
+            self._start_layered_loads(meta, ready)
+            return
         for spec in meta.loads:
             queue_only = not self.settings.load_async
             future = self._pool.submit(self._load, meta.step, spec, queue_only, ready)
@@ -130,15 +143,35 @@ class WorkerSide:
     def wait_for_layer(self, layer_name: str) -> None:
         """Make the current CUDA stream wait for the synchronous loads of this
         layer (a no-op for CPU tensors, whose copies have landed, and for
-        asynchronous loads, reported by `finished` once landed)."""
-        if not self._sync_loads:
+        asynchronous loads, reported by `finished` once landed). Layer-wise:
+        first wait for the thread to have copied this layer."""
+        if not self._sync_loads and not self._load_points:
             return
-        index = self._layer_index.get(layer_name)
-        if index is None:
-            raise ValueError(f"unknown KV layer {layer_name!r}")
+        index = self._layer(layer_name)
+        if self._load_points:
+            self._load_points[load_stop(self.geometry.layer_splits, index + 1)].result()
+            for job in self._layered_loads:
+                if job.transfer is not None:
+                    job.transfer.wait_layer(index)
         for _, handle in self._sync_loads:
             if handle is not None:
                 handle.wait_layer(index)
+
+    def save_layer(self, meta: ConnectorMeta, layer_name: str) -> None:
+        """Layer-wise: the forward has computed `layer_name`; queue its copy
+        for this step's saves (the step's first layer plans them). A no-op
+        with `layer_wise` off."""
+        if not (self.settings.layer_wise and self.parallel.saves and meta.saves):
+            return
+        layer = self._layer(layer_name)
+        saving = self._saving
+        if saving is None or saving.step != meta.step:
+            saving = self._saving = StepSaves(meta.step, [LayerJob(spec) for spec in meta.saves])
+            for job in saving.jobs:
+                self._pool.submit(self._plan_layered_save, meta.step, job)
+        if saving.computed_layer(layer):
+            ready = self._stream_point()  # the forward wrote the layers
+            self._pool.submit(self._copy_layers, saving.jobs, saving.prefix, ready, True)
 
     def handle_preemptions(self, meta: ConnectorMeta) -> None:
         """Before a forward that may overwrite a preempted request's blocks:
@@ -152,9 +185,13 @@ class WorkerSide:
         queued so far are done."""
         self._end_sync_loads()
         ready = self._stream_point() if meta.saves else None  # the forward wrote the blocks
-        if self.parallel.saves:
+        if self._saving is not None and self._saving.step == meta.step:
+            for job in self._saving.jobs:  # layer-wise: the layers left, then the report
+                self._pool.submit(self._finish_layered, job, ready)
+        elif self.parallel.saves:
             for spec in meta.saves:
                 self._pool.submit(self._save, meta.step, spec, ready)
+        self._saving = None
         for req_id in meta.finished:
             self._finals.append(self._pool.submit(lambda r=req_id: r))
 
@@ -177,8 +214,14 @@ class WorkerSide:
 
     def load_errors(self) -> set[int]:
         """Engine block ids that failed to load since the last call."""
+        self._end_layered_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def drain(self) -> None:
+        """Block until every transfer queued so far has run (a benchmark
+        between engines sharing a host; never needed by vLLM)."""
+        self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
         """Let the queued work end, then unregister."""
@@ -251,6 +294,116 @@ class WorkerSide:
         except Exception as err:
             log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
 
+    # ---- layer-wise (engine_shim.kvconnector.layered) ----------------------------------
+
+    def _start_layered_loads(self, meta: ConnectorMeta, ready: Any) -> None:
+        """Plan the step's loads and copy them split by split, on the thread."""
+        self._end_layered_loads()
+        jobs = self._layered_loads = [LayerJob(spec) for spec in meta.loads]
+        for job in jobs:
+            self._pool.submit(self._plan_layered_load, meta.step, job)
+        self._load_points = {
+            end: self._pool.submit(self._copy_layers, jobs, end, ready, False)
+            for end in self.geometry.layer_splits
+        }
+
+    def _end_layered_loads(self) -> None:
+        """Report this step's layered loads: what did not land is a load error."""
+        jobs, self._layered_loads, self._load_points = self._layered_loads, [], {}
+        for job in jobs:
+            self._fail(job.spec, self._pool.submit(self._finish_layered, job).result())
+
+    def _plan_layered_load(self, step: int, job: LayerJob) -> None:
+        """As `_plan_load`, the copies left to `_copy_layers`. Never raises."""
+        spec = job.spec
+        assert isinstance(spec, LoadSpec)
+        job.in_cache = spec.skip_blocks
+        tag = (step, "load", spec.req_id)
+        try:
+            client = self._require_client()
+            if self._relay is not None and not self.parallel.leader:
+                got = self._leader_plan(tag)
+                if got is not None:  # else the leader's load failed
+                    plan, num_tokens = got
+                    job.transfer = None if plan is None else client.execute_layered(plan)
+                    job.in_cache = num_tokens // self.block_size
+                return
+            skip = spec.skip_blocks * self.block_size
+            try:
+                transfer = client.layered_load_keys(spec.keys, spec.block_ids, skip_tokens=skip)
+            except Exception:
+                if self._relay is not None:
+                    self._relay.send(tag, None)
+                raise
+            if self._relay is not None:
+                self._relay.send(tag, (transfer.plan, transfer.num_tokens))
+            job.transfer, job.in_cache = transfer, transfer.num_tokens // self.block_size
+        except Exception as err:
+            log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err)
+
+    def _plan_layered_save(self, step: int, job: LayerJob) -> None:
+        """As `_save`, the copies left to `_copy_layers`. Never raises."""
+        spec = job.spec
+        tag = (step, "save", spec.req_id)
+        try:
+            client = self._require_client()
+            if self._relay is not None and not self.parallel.leader:
+                plan = self._leader_plan(tag)
+                job.transfer = None if plan is None else client.execute_layered(plan)
+                return
+            try:
+                job.transfer = client.layered_save_keys(spec.keys, spec.block_ids)
+            except Exception:
+                if self._relay is not None:
+                    self._relay.send(tag, None)
+                raise
+            if self._relay is not None:
+                self._relay.send(tag, job.transfer.plan)
+        except Exception as err:
+            log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
+
+    def _copy_layers(self, jobs: list[LayerJob], layers: int, ready: Any, save: bool) -> None:
+        """Queue the copies of layers [.., layers) of every job (a save's
+        stop at the split before, a load's at the split past). A failure
+        drops the job: a save's blocks are a later miss, a load's are
+        recomputed. Never raises."""
+        with self._on_stream(ready):
+            for job in jobs:
+                transfer = job.transfer
+                if transfer is None:
+                    continue
+                stop = (save_stop if save else load_stop)(transfer.splits, layers)
+                if stop <= transfer.queued:
+                    continue
+                try:
+                    transfer.copy_layers(stop)
+                    if not save and stop == transfer.num_layers:
+                        job.handle = transfer.finish()  # reported once landed
+                except Exception as err:
+                    log.warning("kvsidecar: layer copy of %s failed: %s", job.spec.req_id, err)
+                    job.transfer = None
+                    if isinstance(job.spec, LoadSpec):
+                        job.in_cache = job.spec.skip_blocks
+
+    def _finish_layered(self, job: LayerJob, ready: Any = None) -> int:
+        """Copy the layers left, then report the plan; blocks in the cache
+        (a load's; a failure: its skipped ones). Never raises."""
+        transfer, spec = job.transfer, job.spec
+        if transfer is None:
+            return job.in_cache
+        try:
+            with self._on_stream(ready):
+                handle = job.handle
+                if handle is None:
+                    if transfer.queued < transfer.num_layers:
+                        transfer.copy_layers(transfer.num_layers)
+                    handle = transfer.finish()
+                handle.wait()
+            return job.in_cache
+        except Exception as err:
+            log.warning("kvsidecar: transfer of %s failed: %s", spec.req_id, err)
+            return spec.skip_blocks if isinstance(spec, LoadSpec) else 0
+
     def _stream_point(self) -> Any:
         """CUDA KV: an event where the caller's current stream stands now; else None."""
         if self._stream is None:
@@ -291,9 +444,16 @@ class WorkerSide:
 
     # ---- helpers ------------------------------------------------------------------------
 
+    def _layer(self, layer_name: str) -> int:
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            raise ValueError(f"unknown KV layer {layer_name!r}")
+        return index
+
     def _end_sync_loads(self) -> None:
         """Wait for this step's synchronous loads to be reported (their copies
         landed before the forward read them); a failure is a load error."""
+        self._end_layered_loads()
         loads, self._sync_loads = self._sync_loads, []
         for spec, handle in loads:
             if handle is None:
