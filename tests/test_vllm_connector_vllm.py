@@ -342,11 +342,14 @@ def test_a_load_failure_is_recomputed_by_vllm(engine, sidecar):
     engine.scheduler.reset_prefix_cache()
     engine.add("b", tokens)
 
-    def kill_before_the_load(out) -> None:
-        if out.kv_connector_metadata.loads:  # b's lookup hit: its load runs this step
-            sidecar.kill()
+    def stop_before_the_load(out) -> None:
+        # b's lookup hit: its load runs this step. A stopped sidecar withdraws
+        # its hot index (a killed one's would serve its intact hits until its
+        # stamp is stale), so the load asks it, and fails.
+        if out.kv_connector_metadata.loads:
+            sidecar.stop()
 
-    steps = engine.run(lambda: finished(engine, "b"), before_forward=kill_before_the_load)
+    steps = engine.run(lambda: finished(engine, "b"), before_forward=stop_before_the_load)
     assert sidecar.proc.poll() is not None
     assert any(kv.invalid_block_ids for _, kv in steps)
     assert min(engine.computed["b"]) == 0  # vLLM recomputed the blocks that failed
