@@ -2,13 +2,15 @@
 
 The victim orders shared with every policy are in test_policies.py; the
 queue accounting and the share's bounds under random operations are checked
-by test_index_properties.py."""
+by test_index_properties.py; the last test runs it in a real sidecar."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import sidecar_proc as sp
 from helpers import FakeClock, chain, key_ids, keys, make_index
+from sidecar_proc import Sidecar, connect, make_kv, stats_of, tokens
 
 from sidecar.control.arc import FREQUENT, LFU, LRU, RECENT, RECENT_SHARE, ArcPolicy
 from sidecar.control.index import RadixIndex
@@ -139,3 +141,27 @@ def test_peek_names_the_next_victim_and_its_key_is_its_age():
     assert index.policy.peek_key() == (node.last_access, 0.0, node.access_seq)
     assert evicted(index) == [1]
     assert node.policy_state.queue == RECENT
+
+
+def test_a_sidecar_with_arc_keeps_a_reused_prompt_while_one_hit_prompts_churn():
+    import torch
+
+    s = Sidecar("--set", "eviction_policy=arc", capacity="1MiB").start()  # 256 blocks
+    src, dst = make_kv(1), make_kv(None)
+    try:
+        with (
+            connect(s.endpoint, src) as writer,
+            connect(s.endpoint, dst, hot_path=False) as reader,
+        ):
+            hot = tokens(8)
+            assert writer.save(hot, np.arange(8)).wait() == 8 * sp.TOKENS_PER_BLOCK
+            assert reader.load(hot, np.arange(8)).wait() == 8 * sp.TOKENS_PER_BLOCK  # a hit: T2
+            for i in range(1, 41):  # 320 blocks seen once: T1, evicted before the hot prompt
+                prompt = tokens(8, start=500 * i)
+                assert writer.save(prompt, np.arange(8, 16)).wait() == 8 * sp.TOKENS_PER_BLOCK
+            assert reader.load(hot, np.arange(8, 16)).wait() == 8 * sp.TOKENS_PER_BLOCK
+            assert all(torch.equal(x[8:16], y[:8]) for x, y in zip(dst, src, strict=True))
+            assert reader.lookup(tokens(8, start=500)) == 0  # the oldest one-hit prompt went
+            assert stats_of(s)["tiers"]["cpu"]["used_blocks"] <= 256
+    finally:
+        s.stop()
