@@ -12,7 +12,7 @@ import sidecar_proc as sp
 from helpers import FakeClock, chain, key_ids, keys, make_index
 from sidecar_proc import Sidecar, connect, make_kv, stats_of, tokens
 
-from sidecar.control.arc import FREQUENT, LFU, LRU, RECENT, RECENT_SHARE, ArcPolicy
+from sidecar.control.arc import FREQUENT, MIN_AGING_HITS, RECENT, RECENT_SHARE, ArcPolicy
 from sidecar.control.index import RadixIndex
 
 
@@ -55,37 +55,41 @@ def test_a_return_from_the_recent_ghost_grows_the_share_and_enters_the_frequent_
     assert index.policy.recent_share == pytest.approx(RECENT_SHARE + 1 / 19)
 
 
-def frequent_index() -> tuple[RadixIndex, FakeClock]:
-    """Leaves 1..3 in T2: 1 least recent but hit twice, 2 and 3 hit once."""
+def test_the_frequent_queue_evicts_the_fewest_own_hits_first():
     clock = FakeClock()
     index = make_index("arc", clock)
     leaves(index, (1, 2, 3), clock)
     hit(index, clock, 10.0, 1)
-    hit(index, clock, 11.0, 1)
+    hit(index, clock, 11.0, 1)  # 1: two hits, least recent
     hit(index, clock, 12.0, 2)
     hit(index, clock, 13.0, 3)
-    return index, clock
+    assert index.policy.queue_blocks == (0, 3)
+    assert evicted(index, 3) == [2, 3, 1]
 
 
-def test_the_order_not_followed_marks_its_victim_and_a_hit_on_it_counts_against_that_order():
-    index, clock = frequent_index()
+def test_counts_halve_once_per_aging_epoch_so_old_popularity_fades():
+    clock = FakeClock()
+    index = make_index("arc", clock)
+    leaves(index, (1, 2), clock)
     policy = index.policy
-    assert policy.order == LRU
-    assert evicted(index) == [1]  # LRU's victim; LFU would have taken 2 (one hit, older than 3)
-    hit(index, clock, 20.0, 2)  # LFU would have lost this hit
-    assert policy.losses == [0.0, 1.0]
-    assert policy.order == LRU
-
-
-def test_the_cache_follows_the_order_that_lost_fewer_hits():
-    index, clock = frequent_index()
-    policy = index.policy
-    assert evicted(index) == [1]  # LRU evicts 1, spares LFU's 2
-    leaves(index, range(4, 30), clock)  # T1 fills; T2 (2, 3) now under its share
-    index.insert(keys(1), np.array([1]), ready=True)  # back from T2's ghost: LRU lost it
-    assert policy.losses == [1.0, 0.0]
-    assert policy.order == LFU
-    assert policy.recent_share < RECENT_SHARE  # and ARC shrinks the recent queue
+    for t in range(8):
+        hit(index, clock, 10.0 + t, 1)  # 1: eight hits
+    hit(index, clock, 20.0, 2)
+    assert (policy.freq(index.root.children[keys(1).tobytes()]), policy.epoch) == (8, 0)
+    assert evicted(index) == [2]  # fewer hits, though more recent
+    leaves(index, (2,), clock)
+    hit(index, clock, 21.0, 2)
+    # MIN_AGING_HITS own hits (on other leaves) end the epoch: 1's count halves.
+    for i in range(3, 3 + MIN_AGING_HITS):
+        leaves(index, (i,))
+        hit(index, clock, 22.0, i)
+    assert policy.epoch == 1
+    node = index.root.children[keys(1).tobytes()]
+    assert policy.freq(node) == 4
+    for t in range(6):  # 2 passes 1 only because 1 aged
+        hit(index, clock, 100.0 + t, 2)
+    victims = evicted(index, index.num_blocks)
+    assert victims.index(1) < victims.index(2)
 
 
 def test_only_the_deepest_node_of_a_match_counts_a_hit_for_lfu():
@@ -101,7 +105,7 @@ def test_only_the_deepest_node_of_a_match_counts_a_hit_for_lfu():
     assert upper.policy_state.queue == lower.policy_state.queue == FREQUENT
 
 
-def test_ghosts_and_spared_marks_stay_bounded():
+def test_ghosts_stay_bounded():
     clock = FakeClock()
     index = RadixIndex(ArcPolicy(min_ghost_entries=8), clock)
     policy = index.policy
@@ -117,17 +121,18 @@ def test_ghosts_and_spared_marks_stay_bounded():
             index.insert(keys(i // 2), np.array([i]), ready=True)
     bound = max(8, index.num_nodes + 1)
     assert all(len(g) <= bound for g in policy._ghosts)
-    assert len(policy._spared) <= bound
-    assert sum(policy.losses) > 0  # the loop did make both kinds of loss possible
+    assert policy.recent_share != RECENT_SHARE  # the loop did bring evicted nodes back
 
 
 def test_spawn_is_fresh_and_of_the_same_kind():
-    policy = ArcPolicy(min_ghost_entries=5)
-    policy.losses = [3.0, 1.0]
-    policy.order = LFU
+    index = make_index("arc", FakeClock())
+    leaves(index, range(1, 21))
+    index.evict(1)
+    index.insert(keys(1), np.array([1]), ready=True)  # the share moved
+    policy = index.policy
     child = policy.spawn()
     assert isinstance(child, ArcPolicy) and child.name == "arc"
-    assert child.order == LRU and child.losses == [0.0, 0.0]
+    assert child.recent_share == RECENT_SHARE != policy.recent_share
     assert child.num_candidates == 0 and child.queue_blocks == (0, 0)
     assert child.peek() is None and child.peek_key() is None and child.pop() is None
 

@@ -1,4 +1,4 @@
-"""ARC over radix-index nodes, its frequent queue ordered by LRU or LFU, learned.
+"""ARC over radix-index nodes, its frequent queue ordered by aged frequency.
 
 Nodes enter the recent queue T1 (ordered by least recent use). A hit moves a
 node to the frequent queue T2, and so does coming back while a ghost
@@ -7,25 +7,23 @@ remembers it. Eviction takes from T1 while T1 holds more than
 share: a node coming back from T1's ghost grows it, one from T2's ghost
 shrinks it (the step is `AdaptiveS3FifoPolicy`'s, within `SHARE_BOUNDS`).
 
-T2 has two orders, and eviction follows the one that has lost fewer hits
-lately:
-- LRU: least recently used first;
-- LFU: fewest *own* hits first (hits that ended a match at this node, so an
-  ancestor of a long conversation is not made hot by every turn below it),
-  then least recently used.
-At each T2 eviction the order not followed names its own victim, which stays
-cached and is marked *spared*. A hit on a spared node is a hit that order
-would have lost; a node coming back from T2's ghost is one the followed
-order lost. Each counts against its order, with exponential decay
-(`LOSS_DECAY` per loss), so the cache follows the recent winner. The spared
-marks and both ghosts are bounded by the number of cached nodes (at least
-`min_ghost_entries`).
+T2 evicts the node with the fewest *own* hits first (hits that ended a match
+at this node, so an ancestor of a long conversation is not made hot by every
+turn below it), ties by least recent use. The counts age as TinyLFU's do:
+after `AGING_HITS_PER_NODE` own hits per cached node, every count is
+halved, so what was popular long ago does not stay forever (plain LFU keeps
+finished conversations and evicts the live ones' new turns). Halving is
+lazy: a node's count is brought up to date when it is next read, and the
+T2 heap is rebuilt with the new counts, O(candidates) once per
+O(nodes) hits.
 
-Candidates sit in lazy min-heaps (T1, T2 by LRU, T2 by LFU) that share one
-token per node (`node.heap_token`): discarding a candidate invalidates all its
-entries at once, and heaps are rebuilt when stale entries outnumber live
-ones, so each operation costs amortised O(log n). `peek_key()` is the head's
-(last access, 0, access seq), comparable across namespaces like S3-FIFO's.
+The candidates sit in two lazy min-heaps (T1, T2) that share a token per
+node (`node.heap_token`), so moving a node between queues or dropping it
+invalidates its old entry; heaps are rebuilt when stale entries outnumber
+live ones, so each operation costs amortised O(log n). Both ghosts are
+bounded by the number of cached nodes (at least `min_ghost_entries`).
+`peek_key()` is the head's (last access, 0, access seq), comparable across
+namespaces like S3-FIFO's.
 """
 
 from __future__ import annotations
@@ -39,54 +37,53 @@ from sidecar.control.policies import EvictionPolicy
 from sidecar.control.s3fifo import SHARE_BOUNDS
 
 RECENT, FREQUENT = 0, 1
-LRU, LFU = 0, 1
 RECENT_SHARE = 0.1
 """The recent queue's share of the blocks before any ghost hit (S3-FIFO's)."""
-LOSS_DECAY = 0.999
-"""Each lost hit multiplies both orders' loss counts by this before counting."""
+AGING_HITS_PER_NODE = 0.5
+"""Own hits per cached node (at least `MIN_AGING_HITS`) between two halvings."""
+MIN_AGING_HITS = 64
 
 _Entry = tuple[float, float, int, int, RadixNode]
 
 
 class _State:
-    __slots__ = ("candidate_queue", "freq", "queue")
+    __slots__ = ("candidate_queue", "epoch", "freq", "queue")
 
-    def __init__(self, queue: int, freq: int) -> None:
+    def __init__(self, queue: int, freq: int, epoch: int) -> None:
         self.queue = queue
         self.freq = freq
+        """Own hits, halved once per aging epoch since `epoch`."""
+        self.epoch = epoch
         self.candidate_queue = queue
         """The queue whose candidate count holds the node while it is a candidate."""
 
     def copy(self) -> _State:
-        return _State(self.queue, self.freq)
+        return _State(self.queue, self.freq, self.epoch)
 
 
 class ArcPolicy(EvictionPolicy):
     name = "arc"
 
     def __init__(self, min_ghost_entries: int = 1024) -> None:
-        self._heaps: tuple[list[_Entry], list[_Entry], list[_Entry]] = ([], [], [])
-        """T1 by LRU, T2 by LRU, T2 by LFU."""
+        self._heaps: tuple[list[_Entry], list[_Entry]] = ([], [])
+        """T1 by recency, T2 by (aged own hits, recency)."""
         self._candidates = [0, 0]
         self._blocks = [0, 0]
         self._token = 0
         self._num_nodes = 0
         self._min_ghost = min_ghost_entries
-        self._ghosts: tuple[OrderedDict[bytes, tuple[int, int]], ...] = (
+        self._ghosts: tuple[OrderedDict[bytes, int], OrderedDict[bytes, int]] = (
             OrderedDict(),
             OrderedDict(),
         )
-        """First keys of what each queue evicted -> (blocks, the T2 order that evicted it)."""
-        self._spared: OrderedDict[int, tuple[RadixNode, int]] = OrderedDict()
-        """id(node) -> (node, the T2 order that would have evicted it)."""
+        """First keys of what each queue evicted -> blocks evicted."""
         self._last_touch = -1
         self._leaving: RadixNode | None = None
         self._leaving_queue = RECENT
         self.recent_share = RECENT_SHARE
-        self.losses = [0.0, 0.0]
-        """Decayed hits lost by T2's LRU and LFU orders."""
-        self.order = LRU
-        """The T2 order eviction follows now."""
+        self.epoch = 0
+        """Aging epochs so far: each halved every own-hit count."""
+        self._hits_this_epoch = 0
 
     @staticmethod
     def _state(node: RadixNode) -> _State:
@@ -94,19 +91,22 @@ class ArcPolicy(EvictionPolicy):
         assert isinstance(state, _State)
         return state
 
+    def freq(self, node: RadixNode) -> int:
+        """`node`'s own hits, aged to now."""
+        state = self._state(node)
+        self._age(state)
+        return state.freq
+
     # --- the index's hooks -------------------------------------------------
 
     def on_insert(self, node: RadixNode) -> None:
         queue, freq = RECENT, 0
         for ghost in (RECENT, FREQUENT):
-            found = self._ghosts[ghost].pop(node.first_key, None)
-            if found is not None:
+            blocks = self._ghosts[ghost].pop(node.first_key, None)
+            if blocks is not None:
                 queue, freq = FREQUENT, 1  # coming back is a use
-                blocks, order = found
                 self._adapt(ghost, blocks)
-                if ghost == FREQUENT:
-                    self._lose(order)
-        node.policy_state = _State(queue, freq)
+        node.policy_state = _State(queue, freq, self.epoch)
         self._blocks[queue] += len(node)
         self._num_nodes += 1
 
@@ -114,10 +114,11 @@ class ArcPolicy(EvictionPolicy):
         state = self._state(node)
         if node.access_seq != self._last_touch:  # the deepest node of this match
             self._last_touch = node.access_seq
+            self._age(state)
             state.freq += 1
-        spared = self._spared.pop(id(node), None)
-        if spared is not None and spared[0] is node:
-            self._lose(spared[1])
+            self._hits_this_epoch += 1
+            if self._hits_this_epoch >= max(MIN_AGING_HITS, AGING_HITS_PER_NODE * self._num_nodes):
+                self._next_epoch()
         if state.queue == RECENT:
             # A candidate stays one: the index adds it again, and `add` moves it to T2.
             self._blocks[RECENT] -= len(node)
@@ -131,7 +132,6 @@ class ArcPolicy(EvictionPolicy):
     def on_remove(self, node: RadixNode) -> None:
         self._blocks[self._state(node).queue] -= len(node)
         self._num_nodes -= 1
-        self._spared.pop(id(node), None)
         if node is self._leaving:
             self._leaving = None
             self._remember(node.first_key, len(node))
@@ -152,19 +152,20 @@ class ArcPolicy(EvictionPolicy):
             self._candidates[state.queue] += 1
         state.candidate_queue = state.queue
         self._token += 1
-        token = node.heap_token = self._token
-        if state.queue == RECENT:
-            heapq.heappush(self._heaps[0], (node.last_access, 0.0, node.access_seq, token, node))
-        else:
-            heapq.heappush(self._heaps[1], (node.last_access, 0.0, node.access_seq, token, node))
-            heapq.heappush(
-                self._heaps[2], (float(state.freq), node.last_access, node.access_seq, token, node)
-            )
-        live = self._candidates[RECENT] + self._candidates[FREQUENT]
-        if sum(len(h) for h in self._heaps) > 2 * live + 1024:
+        node.heap_token = self._token
+        heapq.heappush(self._heaps[state.queue], self._entry(node, state))
+        if len(self._heaps[0]) + len(self._heaps[1]) > 2 * self.num_candidates + 1024:
             for heap in self._heaps:
                 heap[:] = [e for e in heap if e[4].heap_token == e[3]]
                 heapq.heapify(heap)
+
+    def _entry(self, node: RadixNode, state: _State) -> _Entry:
+        token = node.heap_token
+        assert token is not None
+        if state.queue == RECENT:
+            return (node.last_access, 0.0, node.access_seq, token, node)
+        self._age(state)
+        return (float(state.freq), node.last_access, node.access_seq, token, node)
 
     def discard(self, node: RadixNode) -> None:
         if node.heap_token is not None:
@@ -190,7 +191,8 @@ class ArcPolicy(EvictionPolicy):
     def spawn(self) -> ArcPolicy:
         return ArcPolicy(self._min_ghost)
 
-    def _top(self, heap: list[_Entry]) -> RadixNode | None:
+    def _top(self, queue: int) -> RadixNode | None:
+        heap = self._heaps[queue]
         while heap:
             entry = heap[0]
             if entry[4].heap_token == entry[3]:
@@ -205,11 +207,7 @@ class ArcPolicy(EvictionPolicy):
         return queue if self._candidates[queue] else RECENT
 
     def peek(self) -> RadixNode | None:
-        if not self.num_candidates:
-            return None
-        if self._next_queue() == RECENT:
-            return self._top(self._heaps[0])
-        return self._top(self._heaps[1 + self.order])
+        return self._top(self._next_queue()) if self.num_candidates else None
 
     def peek_key(self) -> tuple[float, float, int] | None:
         node = self.peek()
@@ -219,14 +217,7 @@ class ArcPolicy(EvictionPolicy):
         if not self.num_candidates:
             return None
         queue = self._next_queue()
-        if queue == RECENT:
-            node = self._top(self._heaps[0])
-        else:
-            node = self._top(self._heaps[1 + self.order])
-            other = self._top(self._heaps[2 - self.order])
-            if other is not None and other is not node:
-                self._spared[id(other)] = (other, 1 - self.order)
-                self._bound(self._spared)
+        node = self._top(queue)
         assert node is not None
         self.discard(node)
         self._leaving, self._leaving_queue = node, queue
@@ -236,13 +227,10 @@ class ArcPolicy(EvictionPolicy):
 
     def _remember(self, key: bytes, blocks: int) -> None:
         ghost = self._ghosts[self._leaving_queue]
-        ghost[key] = (blocks, self.order)
-        self._bound(ghost)
-
-    def _bound(self, table: OrderedDict) -> None:
+        ghost[key] = blocks
         limit = max(self._min_ghost, self._num_nodes)
-        while len(table) > limit:
-            table.popitem(last=False)
+        while len(ghost) > limit:
+            ghost.popitem(last=False)
 
     def _adapt(self, ghost: int, blocks: int) -> None:
         """ARC's step: a return from T1's ghost grows T1's share, from T2's shrinks it."""
@@ -252,8 +240,15 @@ class ArcPolicy(EvictionPolicy):
         share = self.recent_share + (step if ghost == RECENT else -step)
         self.recent_share = min(max(share, SHARE_BOUNDS[0]), SHARE_BOUNDS[1])
 
-    def _lose(self, order: int) -> None:
-        """A hit that T2's `order` lost (or would have)."""
-        self.losses = [loss * LOSS_DECAY for loss in self.losses]
-        self.losses[order] += 1.0
-        self.order = LRU if self.losses[LRU] <= self.losses[LFU] else LFU
+    def _age(self, state: _State) -> None:
+        if state.epoch != self.epoch:
+            state.freq >>= min(self.epoch - state.epoch, 63)
+            state.epoch = self.epoch
+
+    def _next_epoch(self) -> None:
+        """Halve every count: T2's candidates get entries with their new counts."""
+        self.epoch += 1
+        self._hits_this_epoch = 0
+        live = [e[4] for e in self._heaps[FREQUENT] if e[4].heap_token == e[3]]
+        self._heaps[FREQUENT][:] = [self._entry(n, self._state(n)) for n in live]
+        heapq.heapify(self._heaps[FREQUENT])

@@ -16,7 +16,7 @@ Names and semantics follow FlexKV, so its configs carry over:
 | filo            | newest inserted                                       |
 | s3fifo          | S3-FIFO: small / main FIFO queues with a ghost        |
 | s3fifo_adaptive | S3-FIFO, the small queue's share learned from ghosts  |
-| arc             | ARC; its frequent queue by LRU or LFU, learned        |
+| arc             | ARC; its frequent queue by aged own-hit counts        |
 """
 
 from __future__ import annotations
