@@ -10,8 +10,9 @@ After every step:
 - match() and ready_blocks() of every sequence give the model's longest ready prefix;
 - each node's lock count is the number of held locks at or below it;
 - the policy's candidates are exactly the ready, unlocked leaves;
-- under the S3-FIFO policies, each queue's block count is the blocks of the
-  nodes in it, and the small queue's share stays within SHARE_BOUNDS;
+- under the S3-FIFO policies and arc, each queue's block count is the blocks
+  of the nodes in it, and the small (recent) queue's share stays within
+  SHARE_BOUNDS; under arc, each queue's candidate count is its evictable leaves;
 and every evict(n) removes exactly min(n, evictable) blocks, each of them
 ready, unlocked and without an in-flight block below it.
 """
@@ -24,6 +25,7 @@ from helpers import FakeClock, key_ids, keys, machine_settings, make_index, walk
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from sidecar.control.arc import ArcPolicy
 from sidecar.control.index import IndexConflict, RadixIndex
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import POLICY_NAMES
@@ -228,16 +230,21 @@ class IndexMachine(RuleBasedStateMachine):
         assert all(n.heap_token is not None for n in leaves)
 
     @invariant()
-    def s3fifo_queues_count_their_blocks(self):
+    def queues_count_their_blocks(self):
         policy = self.index.policy
-        if not isinstance(policy, S3FifoPolicy):
+        if not isinstance(policy, S3FifoPolicy | ArcPolicy):
             return
-        counts = [0, 0]
+        counts, candidates = [0, 0], [0, 0]
         for node in walk(self.index.root):
             if node.parent is not None:
                 counts[node.policy_state.queue] += len(node)
+                candidates[node.policy_state.queue] += node.evictable
         assert policy.queue_blocks == tuple(counts)
-        assert SHARE_BOUNDS[0] <= policy.small_share <= SHARE_BOUNDS[1]
+        if isinstance(policy, ArcPolicy):
+            assert policy.queue_candidates == tuple(candidates)
+            assert SHARE_BOUNDS[0] <= policy.recent_share <= SHARE_BOUNDS[1]
+        else:
+            assert SHARE_BOUNDS[0] <= policy.small_share <= SHARE_BOUNDS[1]
 
 
 IndexMachine.TestCase.settings = machine_settings(200)

@@ -57,6 +57,9 @@ TRUTH = {
     # moves to M; E evicted; then M in order A, B, D.
     "s3fifo": "CEABD",
     "s3fifo_adaptive": "CEABD",  # no ghost hits yet: the share is still 10%
+    # T1 (never hit): C, E by recency; then T2 (A, B, D: hit) by own hits,
+    # then recency, as lfu.
+    "arc": "CEDAB",
 }
 
 

@@ -16,6 +16,7 @@ Names and semantics follow FlexKV, so its configs carry over:
 | filo            | newest inserted                                       |
 | s3fifo          | S3-FIFO: small / main FIFO queues with a ghost        |
 | s3fifo_adaptive | S3-FIFO, the small queue's share learned from ghosts  |
+| arc             | ARC; its frequent queue by aged own-hit counts        |
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ _ORDERINGS: dict[str, Callable[[float], Priority]] = {
     "filo": lambda _: lambda n: (0.0, 0.0, -n.birth),
 }
 
-POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo", "s3fifo_adaptive")
+POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo", "s3fifo_adaptive", "arc")
 DEFAULT_POLICY = "lru"
 """The default of the `eviction_policy` setting (see docs/control-plane.md for why)."""
 
@@ -234,6 +235,10 @@ def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
         from sidecar.control.s3fifo import AdaptiveS3FifoPolicy
 
         return AdaptiveS3FifoPolicy()
+    if name == "arc":
+        from sidecar.control.arc import ArcPolicy
+
+        return ArcPolicy()
     if name not in _ORDERINGS:
         raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
     return PriorityPolicy(_ORDERINGS[name](float(hit_reward_seconds)), name)
