@@ -97,6 +97,12 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension(
+            "router._cindex",
+            sources=["router/_cindex.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
         CudaLibrary("cuda_ext.libkvcopy", sources=["cuda_ext/csrc/kvcopy.cu"], optional=True),
     ],
 )

@@ -51,7 +51,7 @@ from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, KVEvent
 from sidecar.control.planner import GlobalCacheEngine
 
-INDEXES = ("radix", "flat")
+INDEXES = ("native", "radix", "flat")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -54,7 +54,7 @@ DEEP_BLOCKS = 512
 SHORT_BLOCKS = 8
 MISS_QUERIES = 500
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = ("dynamo", "radix", "flat")
+IMPLS = ("dynamo", "native", "radix", "flat")
 
 
 def _ids(keys: BlockKeys) -> list[int]:

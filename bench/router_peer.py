@@ -2,7 +2,7 @@
 side with Dynamo's indexer runs this once per implementation, Dynamo's in its
 side environment (where only numpy and msgpack are importable besides it).
 
-    python -m bench.router_peer --impl {dynamo,radix,flat} --stream FILE --out JSON
+    python -m bench.router_peer --impl {dynamo,native,radix,flat} --stream FILE --out JSON
 
 FILE (msgpack) holds `batches`, [[worker_id, [[kind, ids, parent], ...]], ...]
 with kind "stored" / "removed" / "cleared" and blocks named by integer ids
@@ -207,7 +207,7 @@ def measure(impl: str, stream: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("dynamo", "radix", "flat"), required=True)
+    p.add_argument("--impl", choices=("dynamo", "native", "radix", "flat"), required=True)
     p.add_argument("--stream", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()

@@ -40,7 +40,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="PUB=WORKER_ID",
         help="a vLLM engine's KV events endpoint and the worker id to give it (repeatable)",
     )
-    p.add_argument("--index", choices=("radix", "flat"), default="radix")
+    p.add_argument("--index", choices=("native", "radix", "flat"), default="native")
     p.add_argument("--overlap-weight", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
     p.add_argument("--seed", type=int, default=0, help="seed of the temperature draws")

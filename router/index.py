@@ -292,7 +292,7 @@ def register(name: str) -> Callable[[type[KvIndex]], type[KvIndex]]:
 
 
 def make_index(name: str) -> KvIndex:
-    for module in ("router.flat", "router.radix"):  # each registers its class
+    for module in ("router.flat", "router.native", "router.radix"):  # each registers its class
         importlib.import_module(module)
     try:
         return INDEXES[name]()

@@ -61,7 +61,7 @@ def add_parser(router_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--key-hash", default="blake2b", choices=("blake2b", "xxh3_128"))
     p.add_argument("--secret-file", type=Path, metavar="FILE", help="the engines' secret")
-    p.add_argument("--index", choices=("radix", "flat"), default="radix")
+    p.add_argument("--index", choices=("native", "radix", "flat"), default="native")
     p.add_argument("--overlap-weight", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
     p.add_argument("--seed", type=int, default=0)

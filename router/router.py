@@ -23,7 +23,7 @@ from router.stats import RouterStats
 class Router:
     def __init__(
         self,
-        index: KvIndex | str = "radix",
+        index: KvIndex | str = "native",
         *,
         overlap_weight: float = 1.0,
         temperature: float = 0.0,

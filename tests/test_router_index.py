@@ -43,7 +43,7 @@ def scores(idx: KvIndex, *ids: int, early_exit: bool = False) -> dict[Worker, in
 
 
 def test_both_implementations_are_registered() -> None:
-    assert IMPLS == ["flat", "radix"]
+    assert IMPLS == ["flat", "native", "radix"]
     with pytest.raises(ValueError, match="unknown index"):
         make_index("btree")
 
