@@ -27,6 +27,11 @@
 #define SHARD_BITS 10 /* the table is 1024 tables, each grown on its own: one
                          growth rehashes 1/1024 of the keys, never all */
 #define SHARDS (1u << SHARD_BITS)
+#define CHUNK_BITS 16 /* the pool grows by chunks of 65,536 entries: no realloc
+                         ever copies it (a 40 MB copy is a stall of ~10 ms) */
+#define CHUNK (1u << CHUNK_BITS)
+#define AT(ix, i) (&(ix)->chunks[(i) >> CHUNK_BITS][(i) & (CHUNK - 1)])
+#define PREFETCH 16 /* query keys looked ahead of the walk (table slots; entries at half) */
 
 enum { S_FREE = 0, S_LIVE = 1, S_DEAD = 2, S_SWEEPING = 3 };
 
@@ -40,9 +45,9 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
-    Entry *pool;
-    uint32_t pool_len, pool_cap, free_head, count;
-    uint32_t *table[SHARDS]; /* pool index + 1, 0: empty */
+    Entry **chunks; /* the pool: CHUNK entries each, never moved */
+    uint32_t nchunks, pool_len, free_head, count;
+    uint64_t *table[SHARDS]; /* (low 32 bits of the hash) << 32 | pool index + 1; 0: empty */
     uint32_t table_mask[SHARDS], table_count[SHARDS];
     uint8_t *state;  /* per slot */
     int64_t *size;   /* per slot: blocks held (live) or stale bits left (dead, sweeping) */
@@ -109,32 +114,53 @@ static void clear_bit(Entry *e, uint32_t slot) {
 
 static inline uint32_t shard_of(uint64_t h) { return (uint32_t)(h >> (64 - SHARD_BITS)); }
 
-static uint32_t lookup(const Index *ix, uint64_t k0, uint64_t k1) {
-    uint64_t h = mix(k0, k1);
-    const uint32_t *table = ix->table[shard_of(h)];
+static uint32_t lookup_h(const Index *ix, uint64_t k0, uint64_t k1, uint64_t h) {
+    const uint64_t *table = ix->table[shard_of(h)];
     if (!table) return ROOT;
     uint32_t mask = ix->table_mask[shard_of(h)], i = (uint32_t)h & mask;
+    uint64_t tag = h << 32;
     for (;;) {
-        uint32_t v = table[i];
+        uint64_t v = table[i];
         if (!v) return ROOT;
-        const Entry *e = &ix->pool[v - 1];
-        if (e->k0 == k0 && e->k1 == k1) return v - 1;
+        if ((v & 0xFFFFFFFF00000000ull) == tag) {
+            const Entry *e = AT(ix, (uint32_t)v - 1);
+            if (e->k0 == k0 && e->k1 == k1) return (uint32_t)v - 1;
+        }
         i = (i + 1) & mask;
     }
 }
 
-static void table_put(uint32_t *table, uint32_t mask, const Entry *pool, uint32_t idx) {
-    uint32_t i = (uint32_t)mix(pool[idx].k0, pool[idx].k1) & mask;
+static inline uint32_t lookup(const Index *ix, uint64_t k0, uint64_t k1) {
+    return lookup_h(ix, k0, k1, mix(k0, k1));
+}
+
+/* Prefetch the home table slot of hash h (a walk asks for it later). */
+static inline void prefetch_slot(const Index *ix, uint64_t h) {
+    const uint64_t *table = ix->table[shard_of(h)];
+    if (table) __builtin_prefetch(&table[(uint32_t)h & ix->table_mask[shard_of(h)]]);
+}
+
+/* Prefetch the pool entry the home slot of hash h names, if it is h's. */
+static inline void prefetch_entry(const Index *ix, uint64_t h) {
+    const uint64_t *table = ix->table[shard_of(h)];
+    if (!table) return;
+    uint64_t v = table[(uint32_t)h & ix->table_mask[shard_of(h)]];
+    if (v && (v >> 32) == (uint32_t)h) __builtin_prefetch(AT(ix, (uint32_t)v - 1));
+}
+
+static void table_put(uint64_t *table, uint32_t mask, uint64_t v) {
+    uint32_t i = (uint32_t)(v >> 32) & mask;
     while (table[i]) i = (i + 1) & mask;
-    table[i] = idx + 1;
+    table[i] = v;
 }
 
 static int grow_shard(Index *ix, uint32_t s) {
-    uint32_t *old = ix->table[s], cap = old ? (ix->table_mask[s] + 1) * 2 : 16;
-    uint32_t *table = calloc(cap, sizeof(uint32_t));
+    uint64_t *old = ix->table[s];
+    uint32_t cap = old ? (ix->table_mask[s] + 1) * 2 : 16;
+    uint64_t *table = calloc(cap, sizeof(uint64_t));
     if (!table) return -1;
     for (uint32_t i = 0; old && i <= ix->table_mask[s]; i++)
-        if (old[i]) table_put(table, cap - 1, ix->pool, old[i] - 1);
+        if (old[i]) table_put(table, cap - 1, old[i]);
     free(old);
     ix->table[s] = table;
     ix->table_mask[s] = cap - 1;
@@ -142,16 +168,16 @@ static int grow_shard(Index *ix, uint32_t s) {
 }
 
 static void table_delete(Index *ix, uint32_t idx) {
-    uint64_t h = mix(ix->pool[idx].k0, ix->pool[idx].k1);
+    uint64_t h = mix(AT(ix, idx)->k0, AT(ix, idx)->k1);
     uint32_t s = shard_of(h), mask = ix->table_mask[s], i = (uint32_t)h & mask;
-    uint32_t *table = ix->table[s];
-    while (table[i] != idx + 1) i = (i + 1) & mask;
+    uint64_t *table = ix->table[s];
+    while ((uint32_t)table[i] != idx + 1) i = (i + 1) & mask;
     uint32_t j = i;
     for (;;) { /* backward shift: no tombstones */
         j = (j + 1) & mask;
-        uint32_t v = table[j];
+        uint64_t v = table[j];
         if (!v) break;
-        uint32_t home = (uint32_t)mix(ix->pool[v - 1].k0, ix->pool[v - 1].k1) & mask;
+        uint32_t home = (uint32_t)(v >> 32) & mask;
         if (((j - home) & mask) >= ((j - i) & mask)) {
             table[i] = v;
             i = j;
@@ -162,32 +188,34 @@ static void table_delete(Index *ix, uint32_t idx) {
 }
 
 static uint32_t new_entry(Index *ix, uint64_t k0, uint64_t k1, uint32_t parent) {
-    uint32_t s = shard_of(mix(k0, k1));
+    uint64_t h = mix(k0, k1);
+    uint32_t s = shard_of(h);
     if (!ix->table[s] || (uint64_t)(ix->table_count[s] + 1) * 10 > (uint64_t)(ix->table_mask[s] + 1) * 7)
         if (grow_shard(ix, s) < 0) return FREE;
     uint32_t idx;
     if (ix->free_head != ROOT) {
         idx = ix->free_head;
-        ix->free_head = ix->pool[idx].children;
+        ix->free_head = AT(ix, idx)->children;
     } else {
-        if (ix->pool_len == ix->pool_cap) {
-            uint32_t cap = ix->pool_cap ? ix->pool_cap * 2 : 1024;
-            Entry *pool = realloc(ix->pool, (size_t)cap * sizeof(Entry));
-            if (!pool) return FREE;
-            ix->pool = pool;
-            ix->pool_cap = cap;
+        if (ix->pool_len == ix->nchunks * CHUNK) {
+            if (ix->pool_len >= FREE - CHUNK) return FREE; /* 2^32 - 2 entries at most */
+            Entry **chunks = realloc(ix->chunks, (ix->nchunks + 1) * sizeof(Entry *));
+            if (!chunks) return FREE;
+            ix->chunks = chunks;
+            if (!(chunks[ix->nchunks] = malloc(CHUNK * sizeof(Entry)))) return FREE;
+            ix->nchunks++;
         }
         idx = ix->pool_len++;
     }
-    Entry *e = &ix->pool[idx];
+    Entry *e = AT(ix, idx);
     e->k0 = k0;
     e->k1 = k1;
     e->bits = 0;
     e->ext = NULL;
     e->parent = parent;
     e->children = 0;
-    if (parent != ROOT) ix->pool[parent].children++;
-    table_put(ix->table[s], ix->table_mask[s], ix->pool, idx);
+    if (parent != ROOT) AT(ix, parent)->children++;
+    table_put(ix->table[s], ix->table_mask[s], (h << 32) | (idx + 1));
     ix->table_count[s]++;
     ix->count++;
     return idx;
@@ -196,7 +224,7 @@ static uint32_t new_entry(Index *ix, uint64_t k0, uint64_t k1, uint32_t parent) 
 /* Free `idx` and then each ancestor left unheld and childless. */
 static void prune(Index *ix, uint32_t idx) {
     while (idx != ROOT) {
-        Entry *e = &ix->pool[idx];
+        Entry *e = AT(ix, idx);
         if (e->children || any_bit(e)) return;
         uint32_t up = e->parent;
         table_delete(ix, idx);
@@ -206,7 +234,7 @@ static void prune(Index *ix, uint32_t idx) {
         e->children = ix->free_head;
         ix->free_head = idx;
         ix->count--;
-        if (up != ROOT) ix->pool[up].children--;
+        if (up != ROOT) AT(ix, up)->children--;
         idx = up;
     }
 }
@@ -314,7 +342,7 @@ static PyObject *Index_store(Index *ix, PyObject *args) {
         uint64_t p0, p1;
         if (key_of(parent_o, &p0, &p1) < 0) return NULL;
         pidx = lookup(ix, p0, p1);
-        if (pidx == ROOT || !has_bit(&ix->pool[pidx], slot)) {
+        if (pidx == ROOT || !has_bit(AT(ix, pidx), slot)) {
             PyErr_SetString(PyExc_ValueError, "the parent is not held by the slot");
             return NULL;
         }
@@ -335,6 +363,9 @@ static PyObject *Index_store(Index *ix, PyObject *args) {
     uint32_t expected = pidx; /* ROOT also: the previous key is new */
     int prev_new = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH < n) prefetch_slot(ix, mix(keys[2 * (i + PREFETCH)], keys[2 * (i + PREFETCH) + 1]));
+        if (i + PREFETCH / 2 < n)
+            prefetch_entry(ix, mix(keys[2 * (i + PREFETCH / 2)], keys[2 * (i + PREFETCH / 2) + 1]));
         uint64_t k0 = keys[2 * i], k1 = keys[2 * i + 1];
         uint32_t h = (uint32_t)mix(k0, k1) & smask;
         for (; seen[h]; h = (h + 1) & smask) {
@@ -343,7 +374,7 @@ static PyObject *Index_store(Index *ix, PyObject *args) {
         }
         seen[h] = (uint32_t)i + 1;
         uint32_t idx = lookup(ix, k0, k1);
-        if (idx != ROOT && (prev_new || ix->pool[idx].parent != expected)) goto done;
+        if (idx != ROOT && (prev_new || AT(ix, idx)->parent != expected)) goto done;
         found[i] = idx;
         prev_new = idx == ROOT;
         expected = idx;
@@ -352,7 +383,7 @@ static PyObject *Index_store(Index *ix, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t idx = found[i];
         if (idx == ROOT) idx = new_entry(ix, keys[2 * i], keys[2 * i + 1], up);
-        int added = idx == FREE ? -1 : set_bit(&ix->pool[idx], slot);
+        int added = idx == FREE ? -1 : set_bit(AT(ix, idx), slot);
         if (added < 0) { /* out of memory: the keys stored so far stay */
             PyErr_NoMemory();
             goto done;
@@ -380,15 +411,15 @@ static PyObject *Index_remove(Index *ix, PyObject *args) {
     if (!keys) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t idx = lookup(ix, keys[2 * i], keys[2 * i + 1]);
-        if (idx == ROOT || !has_bit(&ix->pool[idx], slot)) {
+        if (idx == ROOT || !has_bit(AT(ix, idx), slot)) {
             PyMem_Free(keys);
             return PyLong_FromLong(-1);
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t idx = lookup(ix, keys[2 * i], keys[2 * i + 1]);
-        if (idx == ROOT || !has_bit(&ix->pool[idx], slot)) continue; /* repeated */
-        clear_bit(&ix->pool[idx], slot);
+        if (idx == ROOT || !has_bit(AT(ix, idx), slot)) continue; /* repeated */
+        clear_bit(AT(ix, idx), slot);
         ix->size[slot]--;
         prune(ix, idx);
     }
@@ -405,7 +436,7 @@ static PyObject *Index_holds(Index *ix, PyObject *args) {
         key_of(key, &k0, &k1) < 0)
         return NULL;
     uint32_t idx = lookup(ix, k0, k1);
-    return PyBool_FromLong(idx != ROOT && has_bit(&ix->pool[idx], slot));
+    return PyBool_FromLong(idx != ROOT && has_bit(AT(ix, idx), slot));
 }
 
 static PyObject *key_bytes(const Entry *e) {
@@ -421,10 +452,28 @@ static PyObject *Index_parent_of(Index *ix, PyObject *key) {
     if (key_of(key, &k0, &k1) < 0) return NULL;
     uint32_t idx = lookup(ix, k0, k1);
     if (idx == ROOT) return Py_BuildValue("(OO)", Py_False, Py_None);
-    uint32_t up = ix->pool[idx].parent;
+    uint32_t up = AT(ix, idx)->parent;
     if (up == ROOT) return Py_BuildValue("(OO)", Py_True, Py_None);
-    PyObject *p = key_bytes(&ix->pool[up]);
+    PyObject *p = key_bytes(AT(ix, up));
     return p ? Py_BuildValue("(ON)", Py_True, p) : NULL;
+}
+
+typedef struct {
+    uint64_t k0, k1, h;
+} Ahead;
+
+/* Read query key j into ring[j % 32] and prefetch its table slot. */
+static inline int look_ahead(const Index *ix, PyObject **items, Py_ssize_t j, Ahead *ring) {
+    Ahead *a = &ring[j & 31];
+    if (key_of(items[j], &a->k0, &a->k1) < 0) return -1;
+    a->h = mix(a->k0, a->k1);
+    prefetch_slot(ix, a->h);
+    return 0;
+}
+
+/* Prefetch the pool entry of ring[j % 32] if its home slot names it. */
+static inline void entry_ahead(const Index *ix, const Ahead *ring, Py_ssize_t j) {
+    prefetch_entry(ix, ring[j & 31].h);
 }
 
 /* find(keys, names, early_exit) -> {names[slot]: score} for the live slots
@@ -452,21 +501,27 @@ static PyObject *Index_find(Index *ix, PyObject *args) {
     if (n && ix->nwords) {
         if (key_of(items[0], &k0, &k1) < 0) goto fail;
         first = lookup(ix, k0, k1);
-        if (first != ROOT && ix->pool[first].parent != ROOT) first = ROOT;
+        if (first != ROOT && AT(ix, first)->parent != ROOT) first = ROOT;
     }
     if (first == ROOT) goto finish;
     Py_ssize_t alive = 0, stop = n;
     uint32_t prev = first;
     for (uint32_t w = 0; w < nw; w++) {
-        active[w] = word_of(&ix->pool[first], w) & ix->live[w];
+        active[w] = word_of(AT(ix, first), w) & ix->live[w];
         alive += __builtin_popcountll(active[w]);
     }
     if (!alive) goto finish;
     if (early && alive <= 1) stop = 1;
+    Ahead ring[32]; /* keys i+1 .. i+PREFETCH: table slots, then entries, fetched ahead */
+    for (Py_ssize_t j = 1; j < stop && j <= PREFETCH; j++)
+        if (look_ahead(ix, items, j, ring) < 0) goto fail;
     for (Py_ssize_t i = 1; i < stop; i++) {
-        if (key_of(items[i], &k0, &k1) < 0) goto fail;
-        uint32_t idx = lookup(ix, k0, k1);
-        const Entry *e = idx == ROOT ? NULL : &ix->pool[idx];
+        if (i + 2 * PREFETCH < stop) __builtin_prefetch(items[i + 2 * PREFETCH]);
+        if (i + PREFETCH < stop && look_ahead(ix, items, i + PREFETCH, ring) < 0) goto fail;
+        if (i + PREFETCH / 2 < stop) entry_ahead(ix, ring, i + PREFETCH / 2);
+        const Ahead *a = &ring[i & 31];
+        uint32_t idx = lookup_h(ix, a->k0, a->k1, a->h);
+        const Entry *e = idx == ROOT ? NULL : AT(ix, idx);
         if (!e || e->parent != prev) {
             stop = i;
             break;
@@ -494,7 +549,7 @@ static PyObject *Index_find(Index *ix, PyObject *args) {
         for (uint64_t left = active[w]; left; left &= left - 1)
             scores[64 * w + __builtin_ctzll(left)] = stop;
     for (uint32_t w = 0; w < nw; w++)
-        for (uint64_t b = word_of(&ix->pool[first], w) & ix->live[w]; b; b &= b - 1) {
+        for (uint64_t b = word_of(AT(ix, first), w) & ix->live[w]; b; b &= b - 1) {
             Py_ssize_t slot = 64 * (Py_ssize_t)w + __builtin_ctzll(b);
             if (slot >= PyList_GET_SIZE(names)) {
                 PyErr_SetString(PyExc_IndexError, "names has no entry for a slot");
@@ -551,7 +606,7 @@ static PyObject *Index_sweep(Index *ix, PyObject *arg) {
             PyErr_SetString(PyExc_RuntimeError, "router index: stale count out of step");
             return NULL;
         }
-        Entry *e = &ix->pool[ix->cursor];
+        Entry *e = AT(ix, ix->cursor);
         int done = 1;
         if (e->parent != FREE)
             for (uint32_t w = 0; w < ix->nwords; w++) {
@@ -589,11 +644,11 @@ static PyObject *Index_size(Index *ix, PyObject *arg) {
 static PyObject *Index_entries(Index *ix, PyObject *unused) {
     PyObject *out = PyList_New(0);
     for (uint32_t i = 0; out && i < ix->pool_len; i++) {
-        const Entry *e = &ix->pool[i];
+        const Entry *e = AT(ix, i);
         if (e->parent == FREE) continue;
         PyObject *slots = PyList_New(0), *key = key_bytes(e), *up = NULL;
         if (slots && key) {
-            up = e->parent == ROOT ? Py_NewRef(Py_None) : key_bytes(&ix->pool[e->parent]);
+            up = e->parent == ROOT ? Py_NewRef(Py_None) : key_bytes(AT(ix, e->parent));
             for (uint32_t w = 0; up && w < ix->nwords; w++)
                 for (uint64_t b = word_of(e, w) & ix->live[w]; b; b &= b - 1) {
                     PyObject *s = PyLong_FromLong(64 * (long)w + __builtin_ctzll(b));
@@ -644,7 +699,7 @@ static PyObject *Index_load(Index *ix, PyObject *args) {
     }
     uint32_t idx = new_entry(ix, k0, k1, up);
     for (Py_ssize_t i = 0; idx != FREE && i < n; i++) {
-        int added = set_bit(&ix->pool[idx], checked[i]);
+        int added = set_bit(AT(ix, idx), checked[i]);
         if (added < 0) idx = FREE;
         else ix->size[checked[i]] += added;
     }
@@ -655,12 +710,12 @@ static PyObject *Index_load(Index *ix, PyObject *args) {
 
 /* memory() -> bytes the index has allocated (pool, table, side words). */
 static PyObject *Index_memory(Index *ix, PyObject *unused) {
-    size_t total = (size_t)ix->pool_cap * sizeof(Entry);
+    size_t total = (size_t)ix->nchunks * CHUNK * sizeof(Entry);
     for (uint32_t s = 0; s < SHARDS; s++)
-        total += ix->table[s] ? (size_t)(ix->table_mask[s] + 1) * sizeof(uint32_t) : 0;
+        total += ix->table[s] ? (size_t)(ix->table_mask[s] + 1) * sizeof(uint64_t) : 0;
     for (uint32_t i = 0; i < ix->pool_len; i++)
-        if (ix->pool[i].parent != FREE && ix->pool[i].ext)
-            total += (ix->pool[i].ext[0] + 1) * sizeof(uint64_t);
+        if (AT(ix, i)->parent != FREE && AT(ix, i)->ext)
+            total += (AT(ix, i)->ext[0] + 1) * sizeof(uint64_t);
     return PyLong_FromSize_t(total);
 }
 
@@ -668,8 +723,9 @@ static PyObject *Index_len(Index *ix, PyObject *unused) { return PyLong_FromUnsi
 
 static void Index_dealloc(Index *ix) {
     for (uint32_t i = 0; i < ix->pool_len; i++)
-        if (ix->pool[i].parent != FREE) free(ix->pool[i].ext);
-    free(ix->pool);
+        if (AT(ix, i)->parent != FREE) free(AT(ix, i)->ext);
+    for (uint32_t c = 0; c < ix->nchunks; c++) free(ix->chunks[c]);
+    free(ix->chunks);
     for (uint32_t s = 0; s < SHARDS; s++) free(ix->table[s]);
     free(ix->state);
     free(ix->size);
