@@ -480,10 +480,14 @@ static inline void entry_ahead(const Index *ix, const Ahead *ring, Py_ssize_t j)
  * holding keys[0] (a root block): how many leading keys, each continuing
  * the one before, they hold. With early_exit the walk stops once at most
  * one slot still matches (its score then a lower bound). */
-static PyObject *Index_find(Index *ix, PyObject *args) {
-    PyObject *seq, *names;
-    int early;
-    if (!PyArg_ParseTuple(args, "OO!p", &seq, &PyList_Type, &names, &early)) return NULL;
+static PyObject *Index_find(Index *ix, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "find(keys, names: list, early_exit)");
+        return NULL;
+    }
+    PyObject *seq = args[0], *names = args[1];
+    int early = PyObject_IsTrue(args[2]);
+    if (early < 0) return NULL;
     PyObject *fast = PySequence_Fast(seq, "keys must be a sequence");
     if (!fast) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -491,7 +495,7 @@ static PyObject *Index_find(Index *ix, PyObject *args) {
     PyObject *out = PyDict_New();
     uint32_t nw = ix->nwords ? ix->nwords : 1;
     uint64_t one = 0, *active = nw > 1 ? PyMem_Calloc(nw, sizeof(uint64_t)) : &one;
-    Py_ssize_t *scores = PyMem_Malloc(64 * (size_t)nw * sizeof(Py_ssize_t));
+    Py_ssize_t few[64], *scores = nw > 1 ? PyMem_Malloc(64 * (size_t)nw * sizeof(Py_ssize_t)) : few;
     uint32_t first = ROOT;
     uint64_t k0, k1;
     if (!out || !active || !scores) {
@@ -563,13 +567,17 @@ static PyObject *Index_find(Index *ix, PyObject *args) {
             Py_DECREF(score);
         }
 finish:
-    if (nw > 1) PyMem_Free(active);
-    PyMem_Free(scores);
+    if (nw > 1) {
+        PyMem_Free(active);
+        PyMem_Free(scores);
+    }
     Py_DECREF(fast);
     return out;
 fail:
-    if (nw > 1 && active) PyMem_Free(active);
-    PyMem_Free(scores);
+    if (nw > 1) {
+        PyMem_Free(active);
+        PyMem_Free(scores);
+    }
     Py_DECREF(fast);
     Py_XDECREF(out);
     return NULL;
@@ -751,7 +759,7 @@ static PyMethodDef Index_methods[] = {
     {"remove", (PyCFunction)Index_remove, METH_VARARGS, "remove(slot, keys) -> size or -1."},
     {"holds", (PyCFunction)Index_holds, METH_VARARGS, "holds(slot, key) -> bool."},
     {"parent_of", (PyCFunction)Index_parent_of, METH_O, "(known, parent key or None)."},
-    {"find", (PyCFunction)Index_find, METH_VARARGS, "find(keys, names, early_exit) -> scores."},
+    {"find", (PyCFunction)(void (*)(void))Index_find, METH_FASTCALL, "find(keys, names, early_exit) -> scores."},
     {"sweep", (PyCFunction)Index_sweep, METH_O, "sweep(max_bits) -> whether stale bits are left."},
     {"stale", (PyCFunction)Index_stale, METH_NOARGS, "Stale bits not swept yet."},
     {"size", (PyCFunction)Index_size, METH_O, "Blocks a live slot holds."},
