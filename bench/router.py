@@ -45,13 +45,15 @@ from cachesim.report import positive_int_list, print_table, write_json
 from cachesim.trace import Trace, infinite_hit_ratio, load_mooncake
 from contract.events import Cleared, Removed, RouterEvent, Stored
 from contract.ids import BlockKeys, keys_from_ints
+from router.index import default_index
 from router.keys import BlockKey, Worker, split_keys, worker
 from router.router import Router
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, KVEvent
 from sidecar.control.planner import GlobalCacheEngine
 
-INDEXES = ("native", "radix", "flat")
+INDEXES = ("native", "radix", "flat") if default_index() == "native" else ("radix", "flat")
+"""The indexes measured (native only where its C extension is built)."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from bench.router import Fleet
+from bench.router import INDEXES, Fleet
 from cachesim.trace import Trace
 from contract.ids import BlockKeys
 from router.keys import split_keys
@@ -56,7 +56,7 @@ DEEP_BLOCKS = 512
 SHORT_BLOCKS = 8
 MISS_QUERIES = 500
 ROOT = Path(__file__).resolve().parent.parent
-IMPLS = ("dynamo", "native", "radix", "flat")
+IMPLS = ("dynamo", *INDEXES)
 
 
 def _ids(keys: BlockKeys) -> list[int]:
@@ -83,7 +83,7 @@ def record(
     from bench.router import to_router_events
 
     fleet = Fleet(n, capacity, inflight)
-    router = Router("flat")
+    router = Router()
     for w in fleet.workers:
         router.add_worker(w)
     offsets = trace.offsets.tolist()
