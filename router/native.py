@@ -37,7 +37,6 @@ except ImportError:  # the optional extension was not built
     _CIndex = None
 
 
-@register("native")
 class NativeIndex(KvIndex):
     def __init__(self) -> None:
         if _CIndex is None:
@@ -187,3 +186,7 @@ class NativeIndex(KvIndex):
     ) -> None:
         for key, parent, holders in entries:
             self._c.load(key, parent, sorted(holders))
+
+
+if _CIndex is not None:  # without the extension, "native" is not an index name
+    register("native")(NativeIndex)
