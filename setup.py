@@ -97,6 +97,13 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension(
+            "router._cindex",
+            sources=["router/_cindex.c", "router/_cindex_core.c"],
+            depends=["router/_cindex.h"],
+            extra_compile_args=["-O3", "-fvisibility=hidden"],
+            optional=True,
+        ),
         CudaLibrary("cuda_ext.libkvcopy", sources=["cuda_ext/csrc/kvcopy.cu"], optional=True),
     ],
 )

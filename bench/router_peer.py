@@ -2,7 +2,7 @@
 side with Dynamo's indexer runs this once per implementation, Dynamo's in its
 side environment (where only numpy and msgpack are importable besides it).
 
-    python -m bench.router_peer --impl {dynamo,radix,flat} --stream FILE --out JSON
+    python -m bench.router_peer --impl {dynamo,native,radix,flat} --stream FILE --out JSON
 
 FILE (msgpack) holds `batches`, [[worker_id, [[kind, ids, parent], ...]], ...]
 with kind "stored" / "removed" / "cleared" and blocks named by integer ids
@@ -12,7 +12,10 @@ ids. Measured, the same way for every implementation:
   calls (for Dynamo, whose calls only queue the event for its own thread,
   until a query behind them returns), and the longest single call (for
   ours, the longest the index is busy with one event; for Dynamo only the
-  queueing, its thread's own time is not visible);
+  queueing, its thread's own time is not visible), by the wall clock and by
+  the calling thread's CPU time (which leaves out the time the process was
+  preempted: on a loaded machine the wall clock's longest call is mostly
+  that);
 - memory: the process's resident set growth over the ingest, per held block
   (batches are decoded one at a time and dropped, so the index is what grows);
 - find_matches: each query once, the call alone timed (its answer, Dynamo's
@@ -64,14 +67,15 @@ class Dynamo:
             out.append((wid, json.dumps({"event_id": self.event_id, "data": data}).encode()))
         return out
 
-    def apply(self, prepared: list[tuple[int, bytes]]) -> int:
-        """Apply; the longest call (ns)."""
-        longest = 0
+    def apply(self, prepared: list[tuple[int, bytes]]) -> tuple[int, int]:
+        """Apply; the longest call (ns), wall clock and this thread's CPU time."""
+        longest = longest_cpu = 0
         for wid, event in prepared:
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             self.tree.apply_event(wid, event)
             longest = max(longest, time.perf_counter_ns() - t0)
-        return longest
+            longest_cpu = max(longest_cpu, time.thread_time_ns() - c0)
+        return longest, longest_cpu
 
     def sync(self) -> None:
         self.tree.find_matches([0])
@@ -121,16 +125,17 @@ class Ours:
 
         return split_keys(keys_from_ints(ids).tobytes())
 
-    def apply(self, prepared: tuple[Any, list[Any]]) -> int:
-        """Apply; the longest call (ns)."""
+    def apply(self, prepared: tuple[Any, list[Any]]) -> tuple[int, int]:
+        """Apply; the longest call (ns), wall clock and this thread's CPU time."""
         w, events = prepared
         apply = self.router.apply
-        longest = 0
+        longest = longest_cpu = 0
         for e in events:
-            t0 = time.perf_counter_ns()
+            c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
             apply(w, (e,))
             longest = max(longest, time.perf_counter_ns() - t0)
-        return longest
+            longest_cpu = max(longest_cpu, time.thread_time_ns() - c0)
+        return longest, longest_cpu
 
     def sync(self) -> None:
         pass
@@ -166,13 +171,15 @@ def measure(impl: str, stream: dict[str, Any]) -> dict[str, Any]:
     gc.freeze()
     rss0 = rss_bytes()
     apply_ns = 0
-    event_max_ns = 0
+    event_max_ns = event_max_cpu_ns = 0
     blocks = 0
     for batch in batches:
         prepared = index.prepare(batch)
         blocks += sum(len(e[1]) for e in batch[1] if e[0] != "cleared")
         t0 = time.perf_counter_ns()
-        event_max_ns = max(event_max_ns, index.apply(prepared))
+        longest, longest_cpu = index.apply(prepared)
+        event_max_ns = max(event_max_ns, longest)
+        event_max_cpu_ns = max(event_max_cpu_ns, longest_cpu)
         apply_ns += time.perf_counter_ns() - t0
         del prepared
     t0 = time.perf_counter_ns()
@@ -196,6 +203,7 @@ def measure(impl: str, stream: dict[str, Any]) -> dict[str, Any]:
         "ingest_s": apply_ns / 1e9,
         "ingest_blocks_per_s": blocks / (apply_ns / 1e9),
         "ingest_event_max_ms": event_max_ns / 1e6,
+        "ingest_event_max_cpu_ms": event_max_cpu_ns / 1e6,
         "rss_growth_bytes": rss1 - rss0,
         "match_ns": match_ns,
         "scores": [sorted(s.items()) for s in scores],
@@ -207,7 +215,7 @@ def measure(impl: str, stream: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--impl", choices=("dynamo", "radix", "flat"), required=True)
+    p.add_argument("--impl", choices=("dynamo", "native", "radix", "flat"), required=True)
     p.add_argument("--stream", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()

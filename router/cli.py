@@ -11,6 +11,7 @@ from pathlib import Path
 import zmq
 
 from contract.endpoint import CurveClientKeys, curve_client_keys, load_curve_client_keys
+from router.index import default_index
 from router.subscriber import Source
 
 
@@ -40,7 +41,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="PUB=WORKER_ID",
         help="a vLLM engine's KV events endpoint and the worker id to give it (repeatable)",
     )
-    p.add_argument("--index", choices=("radix", "flat"), default="radix")
+    p.add_argument(
+        "--index",
+        choices=("native", "radix", "flat"),
+        default=default_index(),
+        help="the index: native (C, the default where built), radix or flat (Python)",
+    )
     p.add_argument("--overlap-weight", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
     p.add_argument("--seed", type=int, default=0, help="seed of the temperature draws")

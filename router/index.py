@@ -1,13 +1,17 @@
 """The router's global index: which worker holds which block.
 
-Two implementations share this interface and one test suite: a radix tree
-(`router.radix.RadixTreeIndex`) and a flat hash map (`router.flat.FlatIndex`).
+Three implementations share this interface and one test suite: the native
+index (`router.native.NativeIndex`, its data in C: the default), a radix
+tree (`router.radix.RadixTreeIndex`, the reference the native index is
+property-tested against) and a flat hash map (`router.flat.FlatIndex`, the
+fastest without the C extension, which is optional to build).
 They are pure data structures: no I/O, no threads, no clocks.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -291,8 +295,13 @@ def register(name: str) -> Callable[[type[KvIndex]], type[KvIndex]]:
     return deco
 
 
+def default_index() -> str:
+    """ "native" where the C extension is built, else "flat"."""
+    return "native" if importlib.util.find_spec("router._cindex") else "flat"
+
+
 def make_index(name: str) -> KvIndex:
-    for module in ("router.flat", "router.radix"):  # each registers its class
+    for module in ("router.flat", "router.native", "router.radix"):  # each registers its class
         importlib.import_module(module)
     try:
         return INDEXES[name]()

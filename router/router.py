@@ -15,7 +15,7 @@ import numpy as np
 from contract.blocks import KeyHasher
 from contract.events import Cleared, Removed, RouterEvent, Stored
 from router.choice import Choice, WorkerSelector
-from router.index import SWEEP_SLICE, KvIndex, OverlapScores, make_index
+from router.index import SWEEP_SLICE, KvIndex, OverlapScores, default_index, make_index
 from router.keys import BlockKey, Worker, WorkerId, split_keys
 from router.stats import RouterStats
 
@@ -23,7 +23,7 @@ from router.stats import RouterStats
 class Router:
     def __init__(
         self,
-        index: KvIndex | str = "radix",
+        index: KvIndex | str | None = None,
         *,
         overlap_weight: float = 1.0,
         temperature: float = 0.0,
@@ -31,8 +31,11 @@ class Router:
         window: int = 1000,
         hasher: KeyHasher | None = None,
     ) -> None:
-        """`hasher` turns token ids into the sidecars' block keys (needed only
+        """`index`: an index or its name (default: `default_index()`).
+        `hasher` turns token ids into the sidecars' block keys (needed only
         by `choose_tokens`); it must use the sidecars' namespace."""
+        if index is None:
+            index = default_index()
         self.index = make_index(index) if isinstance(index, str) else index
         self.selector = WorkerSelector(overlap_weight, temperature, seed)
         self.stats = RouterStats(window)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.router import replay_routed
+from bench.router import INDEXES, replay_routed
 from bench.router_dynamo import DEEP_BLOCKS, compare, record
 from bench.router_peer import measure
 from cachesim.replay import DEFAULT_TRACE
@@ -26,12 +26,11 @@ def test_overlap_routing_beats_round_robin_and_indexes_agree() -> None:
     keys = keys_from_ints(trace.block_ids)
     capacity = trace.num_unique_blocks() // 20
     rr = replay_routed(trace, keys, 4, capacity, 2, None)
-    radix = replay_routed(trace, keys, 4, capacity, 2, "radix")
-    flat = replay_routed(trace, keys, 4, capacity, 2, "flat")
-    assert radix["hit_ratio"] == flat["hit_ratio"] >= rr["hit_ratio"]
-    assert radix["events"] == flat["events"] > 0
-    assert radix["find_matches_us_p50"] > 0 and radix["dict_floor_us_p50"] > 0
-    for run in (radix, flat):  # the busiest worker removed, then swept
+    runs = [replay_routed(trace, keys, 4, capacity, 2, index) for index in INDEXES]
+    assert len({run["hit_ratio"] for run in runs}) == 1 and runs[0]["hit_ratio"] >= rr["hit_ratio"]
+    assert len({run["events"] for run in runs}) == 1 and runs[0]["events"] > 0
+    assert runs[0]["find_matches_us_p50"] > 0 and runs[0]["dict_floor_us_p50"] > 0
+    for run in runs:  # the busiest worker removed, then swept
         assert run["held_blocks"] >= run["removed_blocks"] > 0
         assert run["remove_worker_ms"] > 0 and run["sweep_total_ms"] >= run["sweep_slice_ms_max"]
 
@@ -44,7 +43,7 @@ def test_bench_router_command_writes_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "match/dict p50" in proc.stdout and "remove ms" in proc.stdout
     runs = json.loads(out.read_text())["runs"]
-    assert set(runs) == {f"{n}/{k}" for n in (2, 3) for k in ("round_robin", "radix", "flat")}
+    assert set(runs) == {f"{n}/{k}" for n in (2, 3) for k in ("round_robin", *INDEXES)}
 
 
 def _stream(requests: int = 60) -> dict:
@@ -53,16 +52,17 @@ def _stream(requests: int = 60) -> dict:
     return record(trace, keys_from_ints(trace.block_ids), 8, capacity, 2, requests)
 
 
-def test_both_indexes_replay_a_recorded_stream_alike() -> None:
-    """The side by side's harness on our two indexes: same scores, every
+def test_our_indexes_replay_a_recorded_stream_alike() -> None:
+    """The side by side's harness on our three indexes: same scores, every
     figure measured, the held blocks as recorded."""
     stream = _stream()
     assert stream["held_blocks"] > 0 and stream["classes"]["full"] == 60
-    radix, flat = measure("radix", stream), measure("flat", stream)
-    assert radix["scores"] == flat["scores"]
-    assert len(radix["scores"]) == len(stream["queries"])
-    assert any(max((s for _, s in row), default=0) >= DEEP_BLOCKS for row in radix["scores"])
-    for run in (radix, flat):
+    runs = [measure(index, stream) for index in INDEXES]
+    assert all(run["scores"] == runs[0]["scores"] for run in runs)
+    assert len(runs[0]["scores"]) == len(stream["queries"])
+    assert any(max((s for _, s in row), default=0) >= DEEP_BLOCKS for row in runs[0]["scores"])
+    for run in runs:
+        assert run["ingest_event_max_cpu_ms"] > 0
         assert run["ingest_blocks_per_s"] > 0 and run["remove_total_ms"] > 0
 
 

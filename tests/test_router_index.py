@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from router.index import (
@@ -42,8 +44,10 @@ def scores(idx: KvIndex, *ids: int, early_exit: bool = False) -> dict[Worker, in
     return idx.find_matches(ks(*ids), early_exit).scores
 
 
-def test_both_implementations_are_registered() -> None:
-    assert IMPLS == ["flat", "radix"]
+def test_every_implementation_is_registered() -> None:
+    built = importlib.util.find_spec("router._cindex") is not None
+    expected = ["flat", "native", "radix"] if built else ["flat", "radix"]  # native: C, optional
+    assert expected == IMPLS
     with pytest.raises(ValueError, match="unknown index"):
         make_index("btree")
 
