@@ -81,6 +81,19 @@ def test_the_daemon_and_the_cli_do_not_import_matplotlib() -> None:
     assert done.returncode == 0, done.stderr
 
 
+def test_the_daemon_starts_without_torch() -> None:
+    """`kvsidecar serve` parses its command line and builds its server
+    without importing torch (the benchmarks' modules, which do, are left out)."""
+    code = (
+        "import sys\n"
+        "import kvsidecar.cli, sidecar.server.server\n"
+        "kvsidecar.cli.build_parser('serve')\n"
+        "assert 'torch' not in sys.modules, 'imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_analyze_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     """--png with matplotlib missing is refused before any work, naming the extra."""
     code = (
