@@ -8,7 +8,12 @@ Every figure has its floor from the same run, in the same directory:
   between the page-aligned slots of a real, prefaulted ShmPool and the tier's
   data file; journal records and xxh3 checksums included;
 - floor: parallel os.pwritev / os.preadv with O_DIRECT of the same blocks,
-  same threads and split, same slots, a file of the same layout.
+  same threads and split, same slots, into the tier's own data file at the
+  offsets the tier uses (the same bytes, so the tier's records stay true).
+  Not a second file: two files of one directory sit in different places of
+  the disk, and on these virtio disks that alone moved a run's floor by
+  -16% to +7% against the other file, the same way in every round of that
+  run (docs/measurements.md#ssd).
 Each round writes every case (tier and floor, alternating which goes
 first), drops the page cache when permitted (root), then reads every case;
 a first round is untimed (it also turns the files' preallocated extents
@@ -138,7 +143,7 @@ def _measure(
         pools, result["pools"] = _pools(stack, nbytes, args, base)
         result.update(_measure_io(base, pools, kibs, counts, threads, repeats))
     result["fio"] = {
-        case_name(n, kib): fio_rates(base / f"floor-{kib}k" / "floor.data", kib << 10, n, threads)
+        case_name(n, kib): fio_rates(base / f"tier-{kib}k" / "kvsb.data", kib << 10, n, threads)
         for kib in kibs
         for n in counts
     }
@@ -215,10 +220,11 @@ def _measure_io(
     targets = {
         kib: {
             "tier": Tier(base / f"tier-{kib}k", kib << 10, nmax),
-            "floor": Floor(base / f"floor-{kib}k" / "floor.data", kib << 10, nmax),
         }
         for kib in kibs
     }
+    for pair in targets.values():
+        pair["floor"] = Floor(pair["tier"].data_path, pair["tier"].slot_bytes, nmax)
     try:
         with _slots(pools, kibs, nmax) as slots:
             for round_ in range(repeats + 1):

@@ -13,7 +13,8 @@ its tensors and acknowledges. The loaded bytes are checked.
 
 The floor is taken next to each GET (before it in odd repeats, after it in
 even ones), since the disk drifts: raw O_DIRECT reads of n blocks from the
-sidecar's own SSD data file into the sidecar's own CPU-tier memory (mapped
+slots that hold them in the sidecar's own SSD data file (its journal says
+which) into the sidecar's own CPU-tier memory (mapped
 here as an engine maps it, every page populated), with its thread count and
 split (`bench.ssd_io`). The same memory matters: O_DIRECT into 4 KiB pages
 runs at half speed when they are physically scattered (a 2 MiB block of
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench.hugepages import physical_runs
-from bench.ssd_io import Floor, drop_page_cache, run_batch
+from bench.ssd_io import StoredSlots, drop_page_cache, run_batch
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from shm.names import SHM_DIR
 from shm.pool import ShmPool
@@ -111,9 +112,9 @@ class _GetBench:
             "--set", "write_policy=write_through",
             "--set", f"ssd_io_threads={threads}",
         ]  # fmt: skip
-        self.data_file = ssd_dir / f"kvsidecar-{self.sidecar.instance}.data"
+        self.ssd_dir = ssd_dir
         self.io = IoPool("bench-e2e", threads)
-        self.floor: Floor | None = None
+        self.floor: StoredSlots | None = None
         self.seconds: list[float] = []
         self.floor_seconds: list[float] = []
         self.runs: list[float | None] = []
@@ -125,7 +126,14 @@ class _GetBench:
             client.save(self.tokens, np.arange(self.n)).wait()
             client.save(self.other, np.array([2 * self.n])).wait()
             _wait_on_ssd(client, self.n + 1)
-        self.floor = Floor(self.data_file, self.block_bytes, self.n)
+        # The geometry's data file (`SsdSpace` names it after the instance
+        # and the layout); the floor reads the slots its journal says hold blocks.
+        files = list(self.ssd_dir.glob(f"kvsidecar-{self.sidecar.instance}-*.data"))
+        if len(files) != 1:
+            raise RuntimeError(f"expected one SSD data file, found {files}")
+        self.floor = StoredSlots(files[0])
+        if len(self.floor.slots) != self.n + 1:
+            raise RuntimeError(f"{len(self.floor.slots)} blocks on SSD, saved {self.n + 1}")
 
     def repeat(self, floor_first: bool) -> None:
         n = self.n

@@ -8,8 +8,8 @@ loop does. Only what a job does differs:
 - tier: `SsdStore.write` / `read`, as the sidecar calls them (a journal
   record before and after each write; a key check and an xxh3 checksum of
   each block read);
-- floor: one `os.pwritev` / `os.preadv` per block, O_DIRECT, on a file of the
-  same layout (block i at i * slot_bytes) in the same directory.
+- floor: one `os.pwritev` / `os.preadv` per block, O_DIRECT, on the tier's
+  own data file (block i at i * slot_bytes, as the tier puts it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.tiers.io_pool import IoPool
-from sidecar.tiers.ssd.store import SsdStore
+from sidecar.tiers.ssd.store import MAGIC, RECORD, RECORD_BYTES, VALID, SsdStore, read_header
 
 Job = Callable[[int, int], None]
 """Moves blocks lo..hi-1 of a batch."""
@@ -60,6 +60,8 @@ class Tier:
     def __init__(self, directory: Path, slot_bytes: int, nslots: int) -> None:
         self.store = SsdStore([str(directory)], nslots * slot_bytes, slot_bytes, slot_bytes, "kvsb")
         self.direct = self.store.direct
+        self.data_path = directory / "kvsb.data"
+        self.slot_bytes = slot_bytes
 
     def writer(self, src: list[memoryview]) -> Job:
         def write(lo: int, hi: int) -> None:
@@ -82,7 +84,8 @@ class Tier:
 
 class Floor:
     """A file of at least `nslots` slots, preallocated (an existing one is
-    left as it is), opened with O_DIRECT."""
+    left as it is), opened with O_DIRECT. Writing block i's bytes at slot i
+    of a tier's data file leaves the tier's records true."""
 
     def __init__(self, path: Path, slot_bytes: int, nslots: int) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,44 @@ class Floor:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class StoredSlots:
+    """Raw O_DIRECT reads of the slots of an SSD tier's data file that hold
+    blocks (its journal's valid records, one directory): the floor of a GET
+    served from that file."""
+
+    def __init__(self, data_path: Path) -> None:
+        header = read_header(data_path.with_suffix(".json"))
+        if header is None:
+            raise RuntimeError(f"{data_path}: no readable header")
+        journal = data_path.with_suffix(".journal").read_bytes()
+        self.slots = [
+            j
+            for j in range(len(journal) // RECORD_BYTES)
+            if _valid(RECORD.unpack_from(journal, j * RECORD_BYTES))
+        ]
+        self.slot_bytes = int(header["slot_bytes"])
+        self.fd = os.open(data_path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+
+    def reader(self, dst: list[memoryview]) -> Job:
+        """Reads slot k of the stored ones into dst[k]."""
+        if len(dst) > len(self.slots):
+            raise ValueError(f"{len(dst)} buffers for {len(self.slots)} stored blocks")
+
+        def read(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                _whole(os.preadv(self.fd, [dst[i]], self.slots[i] * self.slot_bytes), dst[i])
+
+        return read
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _valid(record: tuple) -> bool:
+    magic, flags = record[0], record[1]
+    return magic == MAGIC and bool(flags & VALID)
 
 
 def _whole(done: int, view: memoryview) -> None:

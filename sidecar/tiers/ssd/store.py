@@ -245,11 +245,15 @@ class SsdStore:
     # ---- data ---------------------------------------------------------------
 
     def write(self, slot: int, block: memoryview, key: bytes, parent: bytes, first: bool) -> None:
-        """Store one block (a page-aligned view of slot_bytes) under `key`."""
+        """Store one block (a page-aligned view of slot_bytes) under `key`.
+        The block is hashed before it is written: the hash leaves it in the
+        cache, where the write reads it (256 KiB blocks: 0.92-0.94x the raw
+        O_DIRECT write hashing after, 0.98-1.01x before; docs/measurements.md).
+        Its bytes cannot change in between: a slot being written down is pinned."""
         d, offset = self._where(slot)
+        digest = checksum(block[: self.block_bytes], key)
         self._write_record(d, slot, b"\0" * RECORD_BYTES)  # invalid while the data changes
         _pwrite_all(d.fd, block, offset)
-        digest = checksum(block[: self.block_bytes], key)
         flags = VALID | (FIRST if first else 0)
         self._write_record(d, slot, RECORD.pack(MAGIC, flags, digest, key, parent, b""))
         self.checksums[slot] = digest
