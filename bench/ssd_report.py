@@ -33,6 +33,17 @@ def figures(times: dict, pools: dict, cases: list[tuple[int, int]]) -> dict[str,
             kind: {case: v / out[f"floor_{phase}_gbps"][kind][case] for case, v in by_case.items()}
             for kind, by_case in out[f"{phase}_gbps"].items()
         }
+    out["seconds"] = {
+        kind: {
+            case_name(n, kib): {
+                f"{who}_{phase}": times[(kind, n, kib, who, phase)]
+                for who in ("tier", "floor")
+                for phase in ("write", "read")
+            }
+            for n, kib in cases
+        }
+        for kind in pools
+    }
     if "huge" in pools:
         out["huge_vs_4k"] = {
             f"{who}{phase}": {

