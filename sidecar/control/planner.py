@@ -363,13 +363,8 @@ class GlobalCacheEngine(PlanTable):
         (on hits, or on eviction)."""
         if self.write_policy is not WritePolicy.WRITE_THROUGH or not self.lower:
             return
-        run, graph = self._start(PlanKind.WRITE_BACK)
         m = self.cpu.match(keys)
-        run.lock(self.cpu, m.node)
-        self._write_down(run, graph, keys[: m.num_blocks], m.slots, None, 0, ns)
-        plan = self._launch(run, graph)
-        if graph.ops:
-            self._background.append(plan)
+        self._write_in_background(keys[: m.num_blocks], m.slots, m.node, ns, hold=None)
 
     # ---- write-back ------------------------------------------------------------
 
@@ -379,20 +374,34 @@ class GlobalCacheEngine(PlanTable):
         until the write lands (empty when nothing needed writing). The plan
         locks the run's parent, whose blocks the write may read too, so the
         same eviction cannot take it next."""
-        run, graph = self._start(PlanKind.WRITE_BACK)
         parent = evicted.parent
         above_keys, above_slots = self.cpu.index.path(parent)
         keys = np.concatenate([above_keys, np.frombuffer(evicted.key_bytes, dtype=KEY_DTYPE)])
         slots = np.concatenate([above_slots, evicted.slots])
-        run.lock(self.cpu, parent if parent.parent is not None else None)
-        self._write_down(run, graph, keys, slots, None, 0, evicted.ns)
-        kept = evicted.slots if graph.ops else evicted.slots[:0]
-        if kept.size:
-            run.held.append((self.cpu, kept))
+        lock = parent if parent.parent is not None else None
+        wrote = self._write_in_background(keys, slots, lock, evicted.ns, hold=evicted.slots)
+        return evicted.slots if wrote else evicted.slots[:0]
+
+    def _write_in_background(
+        self,
+        keys: np.ndarray,
+        slots: np.ndarray,
+        lock: RadixNode | None,
+        ns: int,
+        hold: np.ndarray | None,
+    ) -> bool:
+        """A background plan writing the blocks (CPU `slots`) the lower tiers
+        lack, with CPU node `lock` locked (None: nothing) and the CPU slots
+        `hold` kept until it lands; whether it wrote anything."""
+        run, graph = self._start(PlanKind.WRITE_BACK)
+        run.lock(self.cpu, lock)
+        self._write_down(run, graph, keys, slots, None, 0, ns)
+        if graph.ops and hold is not None and hold.size:
+            run.held.append((self.cpu, hold))
         plan = self._launch(run, graph)
         if graph.ops:
             self._background.append(plan)
-        return kept
+        return bool(graph.ops)
 
     # ---- delete ----------------------------------------------------------------
 
