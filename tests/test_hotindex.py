@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -177,10 +178,14 @@ def pattern(k: int, stride: int) -> np.ndarray:
     return np.frombuffer(KEYS[k] * (stride // 16), dtype=np.uint8)
 
 
-def reader(names: list[str], sizes: list[int], stride: int, pfx: str, epoch, stop, out) -> None:
+def reader(
+    names: list[str], sizes: list[int], stride: int, pfx: str, epoch, stop, out, loads
+) -> None:
     """Load random keys optimistically until `stop`; count verified loads
-    and stale ones; report the first wrong one to `out`."""
+    (also in `loads`, live) and stale ones; report the first wrong one to
+    `out`. Says ("ready",) on `out` once it has attached the pool."""
     pool = ShmPool.attach(names, sizes)
+    out.put(("ready",))
     rng = np.random.default_rng(os.getpid())
     view, seen = None, -1
     verified = stale = 0
@@ -211,6 +216,8 @@ def reader(names: list[str], sizes: list[int], stride: int, pfx: str, epoch, sto
                 out.put(("wrong bytes", k, int(slots[0])))
                 return
             verified += 1
+            with loads.get_lock():
+                loads.value += 1
     finally:
         if view is not None:
             view.close()
@@ -231,11 +238,26 @@ class Rig:
         self.out = SPAWN.Queue()
         self.index: HotIndex | None = None
         self.totals = [0, 0]
+        self.loads = SPAWN.Value("q", 0)
+        """Verified loads so far, all readers."""
         names, sizes = list(self.pool.segment_names), list(self.pool.segment_sizes)
         args = (names, sizes, self.STRIDE, self.prefix, self.epoch, self.stop, self.out)
-        self.readers = [SPAWN.Process(target=reader, args=args) for _ in range(2)]
+        self.readers = [SPAWN.Process(target=reader, args=(*args, self.loads)) for _ in range(2)]
         for proc in self.readers:
             proc.start()
+        try:
+            self._await_readers()
+        except BaseException:
+            self.close()
+            raise
+
+    def _await_readers(self) -> None:
+        """A spawned reader imports for seconds on a loaded machine: the
+        writer's machine starts once both read, or it races nobody."""
+        deadline = time.monotonic() + DEADLINE
+        for _ in self.readers:
+            item = self.out.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert item == ("ready",), f"a reader failed to start: {item}"
 
     def new_table(self) -> HotIndex:
         """A writer restart: the old table withdrawn, a new one under the next name."""
@@ -359,6 +381,14 @@ def test_optimistic_loads_race_the_writer(rig: Rig) -> None:
         RaceMachine,
         settings=settings(max_examples=EXAMPLES, stateful_step_count=60, deadline=None),
     )
+    # However little time the readers got during the machine (a loaded
+    # machine may give them none), they must load from a table that holds
+    # blocks: one more, with every key saved, until one load verified.
+    table = rig.new_table()
+    for k in range(min(NUM_KEYS, NUM_SLOTS)):
+        rig.write(k, k)
+        table.publish(KEYS[k], np.array([k]))
+    wait_for(lambda: rig.loads.value > 0)
     rig.stop.set()
     for proc in rig.readers:
         proc.join(DEADLINE)
