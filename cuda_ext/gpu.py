@@ -55,17 +55,6 @@ from cuda_ext.layouts import KVPlanes
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 
-__all__ = [
-    "DMA_MIN_CHUNK_BYTES",
-    "INDEX_MIN_ENTRIES",
-    "LOAD_CTAS",
-    "LOAD_GROUP_BYTES",
-    "PATHS",
-    "SAVE_CTAS",
-    "GpuBlockCopier",
-    "GpuCopyHandle",
-]
-
 PATHS = ("auto", "sm", "dma")
 # Measured on an H100 (docs/gpu.md): alone, the kernel is faster for chunks
 # of 4 to 192 KiB, the copy engines for 2 MiB ones (a cross-layer block).

@@ -109,7 +109,6 @@ class KVClient:
         self._hot = HotLane(
             self._channel,
             self.session,
-            timeout,
             lease=lambda: self.lease_seconds,
             handle=lambda num_tokens, ack: self._handle(None, num_tokens, ack),
         )
@@ -308,7 +307,7 @@ class KVClient:
         and serving it, and the copier is open."""
         if not self.hot_path or self._copier is None or self._pool_is_stale():
             return 0
-        return self._hot.flags()
+        return self._hot.flags(self.timeout)
 
     def _close_copier(self) -> None:
         if self._copier is not None:
@@ -407,7 +406,8 @@ class KVClient:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
         if self._hot_flags() & hotindex.LOADS:
             assert self._copier is not None and self._layout is not None
-            found = self._hot.load(self._copier, self._layout, keys, blocks, skip_tokens // tpb)
+            skip = skip_tokens // tpb
+            found = self._hot.load(self._copier, self._layout, keys, blocks, skip, self.timeout)
             if found is not None:
                 return self._handle(None, skip_tokens + found * tpb, None)
         request = self._req(p.Load, skip=skip_tokens // tpb)

@@ -1,6 +1,6 @@
-"""The engine's side of the hot index: lookups and CPU-hit loads without a
-round trip (the sidecar's side: sidecar/server/hotpath.py; the table:
-shm/hotindex.py).
+"""The engine's side of the hot index: lookups, CPU-hit loads and saves
+without a round trip (the sidecar's side: sidecar/server/hotpath.py; the
+table: shm/hotindex.py).
 
 - A lookup hashes the prompt a chunk at a time (2 blocks, then 16, 128, ...:
   each chunk's parent is the last key of the one before) and probes each
@@ -15,10 +15,9 @@ shm/hotindex.py).
   lookups for its hit ratios, loaded prefixes for the eviction policy's
   recency.
 - A save copies the blocks the CPU tier lacks into slots granted ahead
-  (`Grant`, asked for before they run out) and commits them in one message.
+  (`Grant`) and commits them in one message (`Commit`).
 
-`HotPath` is one mapped table and its Touch batch; `HotLane` is what a
-`KVClient` does through it (the client composes one and says when to use it).
+`HotPath`: one mapped table and its batch; `HotLane`: a `KVClient`'s use of it.
 
 A table is trusted only while it is open and its writer stamped it within
 the client's timeout: a stopped or killed sidecar's table serves nothing.
@@ -201,7 +200,6 @@ class HotLane:
         self,
         channel: Channel,
         session: str,
-        timeout: float,
         *,
         lease: Callable[[], float],
         handle: Handle,
@@ -209,7 +207,6 @@ class HotLane:
         self.index: HotPath | None = None
         self._channel = channel
         self._session = session
-        self._timeout = timeout
         self._lease = lease
         self._handle = handle
         self.heard_at = time.monotonic()
@@ -230,18 +227,18 @@ class HotLane:
             self.index.close()
             self.index = None
 
-    def heard(self) -> None:
-        """The sidecar answered a call or a beat."""
+    def heard(self) -> None:  # the sidecar answered a call or a beat
         self.heard_at = time.monotonic()
 
-    def flags(self) -> int:
-        """The index's flags (0: none mapped, or not to be trusted). Late
+    def flags(self, max_age: float) -> int:
+        """The index's flags (0: none mapped, or not stamped within `max_age`
+        seconds). Late
         replies to calls given up on are read first (their plans are given back)."""
         if self.index is None:
             return 0
         if self._channel.late:
             self._channel.drain()
-        return self.index.flags(self._timeout)
+        return self.index.flags(max_age)
 
     def take_touch(self) -> tuple[Any, list[bytes]] | None:
         """What was done through the hot index since the last Touch, as one
@@ -287,11 +284,12 @@ class HotLane:
         keys: BlockKeys,
         blocks: np.ndarray,
         skip: int,
+        max_age: float,
     ) -> int | None:
         """`HotPath.load`: the blocks loaded past `skip` (None: the sidecar must plan it)."""
         index = self.index
         assert index is not None
-        lower = bool(index.flags(self._timeout) & hotindex.LOWER_TIERS)
+        lower = bool(index.flags(max_age) & hotindex.LOWER_TIERS)
         found = index.load(copier, layout, key_bytes(keys), blocks, skip, lower)
         if found is not None and index.due():
             self.send_touch()
@@ -323,11 +321,13 @@ class HotLane:
         return True
 
     def _take_slots(
-        self, index: HotPath, keys: BlockKeys, layout: BlockLayout
-    ) -> tuple[bytes, int, np.ndarray] | None:
-        """(key bytes, blocks the CPU tier holds already, granted slots taken
-        for the rest); None when the protocol must save: TP, too few slots
-        granted (more are asked for), or a lease that may be running out."""
+        self, keys: BlockKeys, layout: BlockLayout
+    ) -> tuple[HotPath, bytes, int, np.ndarray] | None:
+        """(the index, key bytes, blocks the CPU tier holds already, granted
+        slots taken for the rest); None when the protocol must save: TP, too
+        few slots granted (more are asked for), or a lease that may be running out."""
+        index = self.index
+        assert index is not None
         if layout.tp_size != 1 or not self.grants_usable(index):
             return None
         kb = key_bytes(keys)
@@ -337,7 +337,7 @@ class HotLane:
             return None
         slots = np.array(index.granted[len(index.granted) - rest :], dtype=np.int64)
         del index.granted[len(index.granted) - rest :]
-        return kb, first, slots
+        return index, kb, first, slots
 
     def _commit(
         self, index: HotPath, kb: bytes, first: int, slots: np.ndarray, num_tokens: int
@@ -361,12 +361,10 @@ class HotLane:
         commit them in one message, not awaited (`wait()` waits for its
         answer, so that every engine's lookup sees the blocks after it).
         None where `_take_slots` is."""
-        index = self.index
-        assert index is not None
-        taken = self._take_slots(index, keys, layout)
+        taken = self._take_slots(keys, layout)
         if taken is None:
             return None
-        kb, first, slots = taken
+        index, kb, first, slots = taken
         if slots.size:
             try:
                 copier.save(blocks[first:], slots, layout, 0).synchronize()
@@ -385,12 +383,10 @@ class HotLane:
     ) -> LayeredTransfer | None:
         """`save`, layer by layer: slots granted ahead taken now, the Commit
         sent by `finish()` (a failure gives the slots back)."""
-        index = self.index
-        assert index is not None
-        taken = self._take_slots(index, keys, layout)
+        taken = self._take_slots(keys, layout)
         if taken is None:
             return None
-        kb, first, slots = taken
+        index, kb, first, slots = taken
         planes = copier.copied_planes
         return LayeredTransfer(
             None,
