@@ -44,6 +44,13 @@ import torch
 
 from cuda_ext import _lib
 from cuda_ext.copier import CopyRequest, check_layout, check_request
+from cuda_ext.gpu_handle import (
+    REGISTRATIONS,
+    GpuCopyHandle,
+    current_stream,
+    int64_ids,
+    layer_groups,
+)
 from cuda_ext.layouts import KVPlanes
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
@@ -70,120 +77,12 @@ LOAD_CTAS = 16
 LOAD_GROUP_BYTES = 16 << 20
 
 
-class _Registrations:
-    """cudaHostRegister once per process per segment, however many copiers
-    use it; unregistered when the last of them closes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # (address, bytes) -> [device pointer, copiers using it, whether we registered it]
-        self._entries: dict[tuple[int, int], list] = {}
-
-    def acquire(self, device: int, address: int, nbytes: int) -> int:
-        with self._lock:
-            entry = self._entries.get((address, nbytes))
-            if entry is None:
-                pointer, ours = _lib.host_register(device, address, nbytes)
-                entry = self._entries[(address, nbytes)] = [pointer, 0, ours]
-            entry[1] += 1
-            return int(entry[0])
-
-    def release(self, address: int, nbytes: int) -> None:
-        with self._lock:
-            entry = self._entries[(address, nbytes)]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._entries[(address, nbytes)]
-                if entry[2]:
-                    _lib.host_unregister(address)
-
-
-_REGISTRATIONS = _Registrations()
-
-
 # An sm op's index (block ids, then slot device addresses) goes through
 # pinned host buffers and one device buffer that libkvcopy keeps for the
 # copier's life (kv_ops_create), starting at this many int64s (2,048 blocks)
 # and growing as ops need: a fresh pinned and device tensor per op cost ~0.1
 # ms of host time before the kernel could start (measured on an H100 host).
 INDEX_MIN_ENTRIES = 4096
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(device: int) -> int:
-    """The raw cudaStream_t of the current stream of `device`."""
-    if _RAW_STREAM is not None:
-        return int(_RAW_STREAM(device))
-    return int(torch.cuda.current_stream(device).cuda_stream)
-
-
-class GpuCopyHandle:
-    """A copy queued on a copier's stream; one CUDA event per group of planes
-    (libkvcopy's, destroyed with the handle)."""
-
-    def __init__(self, device: torch.device, events: np.ndarray, event_of_layer: list[int]) -> None:
-        self._index = device.index if device.index is not None else 0
-        self._lib = _lib.load()
-        self._events = events  # uint64 cudaEvent_t handles, in plane order
-        self._event_of_layer = event_of_layer
-
-    def wait_layer(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Make `stream` (default: the current stream) wait until model layer
-        `layer` has landed; returns at once. Layers land in order."""
-        self._wait(self._events[self._event(layer)], stream)
-
-    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Make `stream` (default: the current one) wait for the whole copy."""
-        self._wait(self._events[-1], stream)
-
-    def synchronize_layer(self, layer: int) -> None:
-        """Block the host until layer `layer` has landed."""
-        event = self._events[self._event(layer)]
-        code = self._lib.kv_event_synchronize(self._index, int(event))
-        _lib.check(code, "cudaEventSynchronize")
-
-    def synchronize(self) -> None:
-        """Block the host until the whole copy is done."""
-        code = self._lib.kv_event_synchronize(self._index, int(self._events[-1]))
-        _lib.check(code, "cudaEventSynchronize")
-
-    def query(self) -> bool:
-        """Whether the whole copy is done."""
-        return self._query(self._events[-1])
-
-    def query_layer(self, layer: int) -> bool:
-        """Whether model layer `layer` has landed."""
-        return self._query(self._events[self._event(layer)])
-
-    def _query(self, event: np.uint64) -> bool:
-        code = self._lib.kv_event_query(self._index, int(event))
-        if code == _lib.NOT_READY:
-            return False
-        _lib.check(code, "cudaEventQuery")
-        return True
-
-    def _wait(self, event: np.uint64, stream: torch.cuda.Stream | None) -> None:
-        # A raw stream of 0 is the default stream of whichever device is
-        # current: libkvcopy makes the stream's own device current first.
-        if stream is None:
-            device, raw = self._index, _current_stream(self._index)
-        else:
-            device, raw = stream.device_index, int(stream.cuda_stream)
-        code = self._lib.kv_stream_wait_event(device, raw, int(event))
-        _lib.check(code, "cudaStreamWaitEvent")
-
-    def _event(self, layer: int) -> int:
-        if isinstance(layer, bool) or not 0 <= layer < len(self._event_of_layer):
-            raise ValueError(f"layer {layer} out of range 0..{len(self._event_of_layer) - 1}")
-        return self._event_of_layer[layer]
-
-    def __del__(self) -> None:
-        # Destroying an event still pending is allowed: CUDA frees it once it
-        # completes, and streams already waiting on it still wait.
-        events = getattr(self, "_events", None)
-        if events is not None and events.size:
-            self._events = events[:0]
-            self._lib.kv_events_destroy(self._index, events.ctypes.data, events.size)
 
 
 class GpuBlockCopier:
@@ -258,7 +157,7 @@ class GpuBlockCopier:
             devs = []
             with torch.cuda.device(self.device):
                 for pin in self._pins:
-                    devs.append(_REGISTRATIONS.acquire(self._index, pin.ctypes.data, pin.nbytes))
+                    devs.append(REGISTRATIONS.acquire(self._index, pin.ctypes.data, pin.nbytes))
                     self._registered.append((pin.ctypes.data, pin.nbytes))
             self.register_seconds = time.perf_counter() - start
             """How long pinning and mapping the pool took (0 if done earlier in this process)."""
@@ -364,7 +263,7 @@ class GpuBlockCopier:
             with torch.cuda.device(self.device):
                 for address, nbytes in registered:
                     try:
-                        _REGISTRATIONS.release(address, nbytes)
+                        REGISTRATIONS.release(address, nbytes)
                     except _lib.CudaError as err:
                         errors.append(err)
             if errors:
@@ -410,7 +309,7 @@ class GpuBlockCopier:
             )
             return self._run_dma(request, save, layer_events)
         check_layout(self.planes, layout, rank)
-        blocks, slot_ids = _int64_ids(block_ids), _int64_ids(slots)
+        blocks, slot_ids = int64_ids(block_ids), int64_ids(slots)
         if blocks is None or slot_ids is None or blocks.size != slot_ids.size:
             check_request(self.planes, self.pool, block_ids, slots, layout, rank, save=save)
             blocks = slot_ids = np.zeros(0, np.int64)  # it passed: no ids at all
@@ -431,7 +330,7 @@ class GpuBlockCopier:
                 rank * layout.shard_bytes,
                 seen.ctypes.data,
                 int(save),
-                _current_stream(self._index),
+                current_stream(self._index),
                 group_ends.ctypes.data,
                 group_ends.size,
                 events.ctypes.data,
@@ -499,28 +398,15 @@ class GpuBlockCopier:
         return GpuCopyHandle(self.device, events, event_of_layer)
 
     def _groups(self, layer_events: bool, n: int) -> tuple[np.ndarray, list[int]]:
-        """Where each launch's plane range ends (int64), one range after
-        another from plane 0, and which range completes each layer: whole
-        layers, at least load_group_bytes of n blocks each."""
+        """`layer_groups` of this copier's planes, cached."""
         key = (layer_events, n, self.load_group_bytes)
         found = self._group_cache.get(key)
         if found is not None:
             return found
-        ends = self.copied_planes.layer_ends
-        if not layer_events:
-            group_ends, event_of_layer = [len(self.copied_planes.planes)], [0] * len(ends)
-        else:
-            distinct = sorted(set(ends))
-            plane_bytes = n * self.copied_planes.chunk_bytes
-            group_ends, begin = [], 0
-            for end in distinct:
-                if (end - begin) * plane_bytes >= self.load_group_bytes or end == distinct[-1]:
-                    group_ends.append(end)
-                    begin = end
-            event_of_layer = [next(i for i, g in enumerate(group_ends) if g >= e) for e in ends]
+        grouped = layer_groups(self.copied_planes, layer_events, n, self.load_group_bytes)
         if len(self._group_cache) >= 64:
             self._group_cache.clear()
-        found = self._group_cache[key] = (np.array(group_ends, np.int64), event_of_layer)
+        found = self._group_cache[key] = grouped
         return found
 
     def _slot_map(self, stride: int) -> tuple[np.ndarray, np.ndarray]:
@@ -560,12 +446,3 @@ class GpuBlockCopier:
             self._try_batch = False
             self.batch_error = _lib.error_name(batch_error.value)
         self.dma_kind = "batch" if used.value else "loop"
-
-
-def _int64_ids(values: Any) -> np.ndarray | None:
-    """`values` as a contiguous 1-D int64 array, or None if it is not a 1-D
-    integer array (check_request then says so)."""
-    array = np.asarray(values)
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        return None
-    return np.ascontiguousarray(array, dtype=np.int64)

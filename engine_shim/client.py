@@ -26,7 +26,6 @@ answers again.
 from __future__ import annotations
 
 import contextlib
-import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -36,16 +35,16 @@ import torch
 
 from contract import protocol as p
 from contract import replies as r
-from contract.blocks import KeyHasher, Namespace, canonical_tokens
+from contract.blocks import KeyHasher, Namespace
 from contract.endpoint import CurveClientKeys, curve_client_keys, default_endpoint
-from contract.ids import BlockKey, BlockKeys, key_bytes
+from contract.ids import BlockKey, BlockKeys
 from contract.protocol import ErrorCode
 from cuda_ext.copier import BlockCopier, CpuBlockCopier, open_copier
 from cuda_ext.layouts import kv_planes
 from engine_shim.call_metrics import timed_call
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from engine_shim.heartbeat import Heartbeat
-from engine_shim.hotpath import GRANT_LOW, GRANT_WANT, HotPath
+from engine_shim.hotpath import HotLane, token_array
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.registration import RegisterFields, Registration, check_geometry
 from engine_shim.transfer import (
@@ -107,12 +106,13 @@ class KVClient:
         self._copier: BlockCopier | None = None
         """Between the registered tensors and the mapped pool: closed with either."""
         self._layout: BlockLayout | None = None
-        self._hot: HotPath | None = None
-        """The mapped hot index of the sidecar whose pool is mapped (None: none)."""
-        self._heard_at = time.monotonic()
-        """When a call or beat was last answered: the lease runs from there."""
-        self._grants_lost = False
-        """Set by the heartbeat's thread when the sidecar forgot the session."""
+        self._hot = HotLane(
+            self._channel,
+            self.session,
+            lease=lambda: self.lease_seconds,
+            handle=lambda num_tokens, ack: self._handle(None, num_tokens, ack),
+        )
+        """The hot index of the sidecar whose pool is mapped, and what goes through it."""
         self._closed = False
         self._heartbeat: Heartbeat | None = None
         self.registration = 0
@@ -227,7 +227,7 @@ class KVClient:
         """Register (again) what `register` last took (grants of the session
         are gone if the sidecar had forgotten it)."""
         reply, _ = self._channel.call(self._register_request())
-        self._grants_lost = True
+        self._hot.grants_lost = True
         self._set_up(reply)
 
     def _set_up(self, reply: r.RegisterReply) -> None:
@@ -238,13 +238,9 @@ class KVClient:
             self._attach(reply)
         if self._copier is None:
             self._open_copier(reply)
-        if self._hot is not None and self._hot.name != reply.hot_index:
-            self._close_hot()
-        if self._hot is None and reply.hot_index and hotindex.AVAILABLE:
-            with contextlib.suppress(OSError, ShmPoolError, ValueError):  # then: no hot path
-                self._hot = HotPath(reply.hot_index)
+        self._hot.map(reply.hot_index)
         self.lease_seconds = reply.lease_seconds
-        self._heard_at = time.monotonic()
+        self._hot.heard()
         if self._heartbeat is None:
             self._heartbeat = Heartbeat(
                 self.endpoint,
@@ -254,7 +250,7 @@ class KVClient:
                 register_request=self._register_request,
                 heard=self._heard,
                 curve=self._curve,
-                touch=self._take_touch,
+                touch=self._hot.take_touch,
                 rejoined=self._rejoined,
             )
 
@@ -270,7 +266,7 @@ class KVClient:
     def _attach(self, reply: r.RegisterReply) -> None:
         """Map the (new) sidecar's segments."""
         self._close_copier()
-        self._close_hot()
+        self._hot.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -283,11 +279,11 @@ class KVClient:
     def _heard(self, boot_id: str) -> None:
         """The heartbeat's thread heard from the sidecar of `boot_id`."""
         self._live_boot = boot_id
-        self._heard_at = time.monotonic()
+        self._hot.heard()
 
     def _rejoined(self) -> None:
         """The heartbeat registered the session again: its grants are gone."""
-        self._grants_lost = True
+        self._hot.grants_lost = True
 
     def _pool_is_stale(self) -> bool:
         """The heartbeat met a sidecar other than the one whose pool is mapped
@@ -305,35 +301,13 @@ class KVClient:
         assert self._pool is not None
         self._copier = open_copier(registration.planes, self._pool)  # pins the pool once (GPU)
 
-    def _close_hot(self) -> None:
-        if self._hot is not None:
-            self._hot.close()
-            self._hot = None
-
     def _hot_flags(self) -> int:
         """The hot index's flags while this client may use it, else 0: it is
         mapped for the sidecar whose pool is mapped, that sidecar is alive
-        and serving it, and the copier is open. Late replies to calls given
-        up on are read first (their plans are given back)."""
-        hot = self._hot
-        if hot is None or not self.hot_path or self._copier is None or self._pool_is_stale():
+        and serving it, and the copier is open."""
+        if not self.hot_path or self._copier is None or self._pool_is_stale():
             return 0
-        if self._channel.late:
-            self._channel.drain()
-        return hot.flags(self.timeout)
-
-    def _take_touch(self) -> tuple[Any, list[bytes]] | None:
-        """What was done through the hot index since the last Touch, as one
-        (the heartbeat's thread sends it too, so none waits long)."""
-        hot = self._hot
-        return None if hot is None else hot.take_touch(self.session)
-
-    def _send_touch(self) -> None:
-        """Send what was done through the hot index (never awaited)."""
-        touch = self._take_touch()
-        if touch is not None:
-            with contextlib.suppress(SidecarUnavailable):  # lost with the sidecar: harmless
-                self._channel.send(*touch, reply=False)
+        return self._hot.flags(self.timeout)
 
     def _close_copier(self) -> None:
         if self._copier is not None:
@@ -376,19 +350,10 @@ class KVClient:
         flags = self._hot_flags()
         if not flags:
             return self._ask_lookup(self._keys(token_ids))
-        assert self._hot is not None
-        tokens = _token_array(token_ids)
-        cpu, total = self._hot.count(self._hasher, tokens)
-        if cpu < total and flags & hotindex.LOWER_TIERS:  # the rest may be below: ask
+        tokens = token_array(token_ids)
+        hit = self._hot.lookup_tokens(self._hasher, tokens, flags)
+        if hit is None:  # the rest may be below: ask
             return self._ask_lookup(self._keys(tokens))
-        return self._hot_lookup(total, cpu)
-
-    def _hot_lookup(self, asked: int, hit: int) -> TierTokens:
-        assert self._hot is not None
-        if asked:
-            self._hot.note_lookup(asked, hit)
-            if self._hot.due():
-                self._send_touch()
         return TierTokens(hit * self._tokens_per_block, 0, 0)
 
     def lookup_keys(self, keys: BlockKeys) -> int:
@@ -402,11 +367,9 @@ class KVClient:
     @timed_call("lookup")
     def _lookup(self, keys: BlockKeys) -> TierTokens:
         flags = self._hot_flags()
-        if flags:
-            assert self._hot is not None
-            cpu = self._hot.view.count(key_bytes(keys))
-            if cpu == len(keys) or not flags & hotindex.LOWER_TIERS:
-                return self._hot_lookup(len(keys), cpu)
+        hit = self._hot.lookup_keys(keys, flags) if flags else None
+        if hit is not None:
+            return TierTokens(hit * self._tokens_per_block, 0, 0)
         return self._ask_lookup(keys)
 
     def _ask_lookup(self, keys: BlockKeys) -> TierTokens:
@@ -442,26 +405,16 @@ class KVClient:
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
         if self._hot_flags() & hotindex.LOADS:
-            handle = self._hot_load(keys, blocks, skip_tokens // tpb)
-            if handle is not None:
-                return handle
+            assert self._copier is not None and self._layout is not None
+            skip = skip_tokens // tpb
+            found = self._hot.load(self._copier, self._layout, keys, blocks, skip, self.timeout)
+            if found is not None:
+                return self._handle(None, skip_tokens + found * tpb, None)
         request = self._req(p.Load, skip=skip_tokens // tpb)
         reply, arrays = self._call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = _plan_ops(reply, arrays, "load")
         num_tokens = skip_tokens + reply.hit_blocks * tpb
         return self._run(plan, num_tokens)
-
-    def _hot_load(self, keys: BlockKeys, blocks: np.ndarray, skip: int) -> TransferHandle | None:
-        """`HotPath.load` (None: the sidecar must plan it)."""
-        hot, copier, layout = self._hot, self._copier, self._layout
-        assert hot is not None and copier is not None and layout is not None
-        lower = bool(hot.flags(self.timeout) & hotindex.LOWER_TIERS)
-        found = hot.load(copier, layout, key_bytes(keys), blocks, skip, lower)
-        if found is None:
-            return None
-        if hot.due():
-            self._send_touch()
-        return self._handle(None, (skip + found) * self._tokens_per_block, None)
 
     def save(
         self,
@@ -489,7 +442,9 @@ class KVClient:
         if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
             raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
         if not skip_tokens and self._hot_flags() & hotindex.SAVES:
-            handle = self._hot_save(keys, blocks)
+            assert self._copier is not None and self._layout is not None
+            num_tokens = len(keys) * tpb
+            handle = self._hot.save(self._copier, self._layout, keys, blocks, num_tokens)
             if handle is not None:
                 return handle
         request = self._req(p.Save, skip=skip_tokens // tpb)
@@ -498,61 +453,6 @@ class KVClient:
         # Blocks another engine is saving right now count: they land with its save.
         stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
         return self._run(plan, stored * self._tokens_per_block)
-
-    def _hot_save(self, keys: BlockKeys, blocks: np.ndarray) -> TransferHandle | None:
-        """Copy the blocks the CPU tier lacks into slots granted ahead, then
-        commit them in one message, not awaited (`wait()` waits for its
-        answer, so that every engine's lookup sees the blocks after it).
-        None when the protocol must do it: TP, too few slots granted (more
-        are asked for), or a lease that may be running out."""
-        hot, copier, layout = self._hot, self._copier, self._layout
-        assert hot is not None and copier is not None and layout is not None
-        if layout.tp_size != 1 or not self._grants_usable(hot):
-            return None
-        kb = key_bytes(keys)
-        first = hot.view.count(kb)
-        rest = len(keys) - first
-        num_tokens = len(keys) * self._tokens_per_block
-        if rest == 0:
-            return self._handle(None, num_tokens, None)
-        if len(hot.granted) < rest:
-            return None
-        slots = np.array(hot.granted[-rest:], dtype=np.int64)
-        del hot.granted[-rest:]
-        try:
-            copier.save(blocks[first:], slots, layout, 0).synchronize()
-        except Exception:
-            hot.granted.extend(slots.tolist())  # still ours: nothing was committed
-            raise
-        request = self._req(p.Commit, first=first)
-        ack = self._channel.send(request, [kb, p.ids_frame(slots)])
-        self._grants_usable(hot)  # ask for more, if few are left
-        return self._handle(None, num_tokens, ack)
-
-    def _grants_usable(self, hot: HotPath) -> bool:
-        """Read a Grant's answer if it came, ask for more slots when few are
-        left; whether the slots held may be written: the session's lease was
-        renewed within half a lease, and the sidecar has not forgotten the
-        session since they were granted (else they are dropped here: the
-        sidecar freed them, or holds them for a while as an orphan's)."""
-        if self._grants_lost:
-            self._grants_lost = False
-            hot.granted.clear()
-            hot.grant_request = None
-        if time.monotonic() - self._heard_at > self.lease_seconds / 2:
-            return False
-        if hot.grant_request is not None:
-            try:
-                answer = self._channel.poll_reply(hot.grant_request)
-            except (SidecarError, SidecarUnavailable):
-                answer, hot.grant_request = None, None
-            if answer is not None:
-                hot.grant_request = None
-                hot.granted += np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
-        if hot.grant_request is None and len(hot.granted) < GRANT_LOW:
-            with contextlib.suppress(SidecarUnavailable):
-                hot.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
-        return True
 
     def layered_load_keys(
         self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
@@ -574,8 +474,11 @@ class KVClient:
         """`save_keys`, planned now (before the forward computes the blocks),
         its copies queued layer by layer as the layers are computed."""
         keys, blocks = keys_and_blocks(keys, block_ids)
-        if self._hot_flags() & hotindex.SAVES and isinstance(self._copier, CpuBlockCopier):
-            transfer = self._hot_layered_save(keys, blocks)
+        copier, layout = self._copier, self._layout
+        if self._hot_flags() & hotindex.SAVES and isinstance(copier, CpuBlockCopier):
+            assert layout is not None
+            num_tokens = len(keys) * self._tokens_per_block
+            transfer = self._hot.layered_save(copier, layout, keys, blocks, num_tokens)
             if transfer is not None:
                 return transfer
         reply, arrays = self._call(
@@ -584,43 +487,6 @@ class KVClient:
         plan = _plan_ops(reply, arrays, "save")
         stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
         return self._layered(plan, stored * self._tokens_per_block)
-
-    def _hot_layered_save(self, keys: BlockKeys, blocks: np.ndarray) -> LayeredTransfer | None:
-        """`_hot_save`, layer by layer: slots granted ahead taken now, the
-        Commit sent by `finish()` (a failure gives the slots back). None
-        where `_hot_save` would be."""
-        hot, copier, layout = self._hot, self._copier, self._layout
-        assert hot is not None and isinstance(copier, CpuBlockCopier) and layout is not None
-        if layout.tp_size != 1 or not self._grants_usable(hot):
-            return None
-        kb = key_bytes(keys)
-        first = hot.view.count(kb)
-        rest = len(keys) - first
-        if rest and len(hot.granted) < rest:
-            return None
-        slots = np.array(hot.granted[len(hot.granted) - rest :], dtype=np.int64)
-        del hot.granted[len(hot.granted) - rest :]
-        planes = copier.copied_planes
-        num_tokens = len(keys) * self._tokens_per_block
-
-        def commit(copies: Sequence[Copy]) -> TransferHandle:
-            if not rest:
-                return self._handle(None, num_tokens, None)
-            ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
-            self._grants_usable(hot)  # ask for more, if few are left
-            return self._handle(None, num_tokens, ack)
-
-        return LayeredTransfer(
-            None,
-            num_tokens,
-            planes.num_layers,
-            planes.layer_splits,
-            queue=(lambda part: [copier.save(blocks[first:], slots, layout, 0, layers=part)])
-            if rest
-            else None,
-            finish=commit,
-            fail=lambda err: hot.granted.extend(slots.tolist()),  # still ours: not committed
-        )
 
     def execute_layered(self, plan: PlanOps) -> LayeredTransfer:
         """`execute`, layer by layer: this rank's part of another rank's plan."""
@@ -689,7 +555,7 @@ class KVClient:
     def stats(self) -> dict[str, Any]:
         """The sidecar's figures (what this client did through the hot index
         is sent first, so they count it)."""
-        self._send_touch()
+        self._hot.send_touch()
         reply, _ = self._channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
         return reply.stats  # type: ignore[no-any-return]
 
@@ -703,11 +569,11 @@ class KVClient:
             self._heartbeat.stop()
             self._heartbeat = None
         if self._registered is not None:  # kept: its keys can still be computed
-            self._send_touch()
+            self._hot.send_touch()
             with contextlib.suppress(SidecarUnavailable, SidecarError):
                 self._channel.call(self._req(p.Unregister), timeout=min(self.timeout, 0.5))
         self._close_copier()
-        self._close_hot()
+        self._hot.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -818,25 +684,6 @@ class KVClient:
         copy ran for that plan, so cancel it (its locks and slots go back)."""
         with contextlib.suppress(SidecarUnavailable):  # gone, and its plans with it
             self._channel.send(self._req(p.Cancel, plan_id=plan_id), reply=False)
-
-
-_AS_IS = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.uint64, np.uint32))
-"""Token id dtypes whose slices the C key chain hashes in place (and range-checks
-as it goes: ids past a lookup's first miss are not looked at)."""
-
-
-def _token_array(token_ids: Any) -> np.ndarray:
-    """Token ids as a numpy array whose slices hash without a copy."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.detach().cpu().numpy()
-    if (
-        type(token_ids) is np.ndarray
-        and token_ids.ndim == 1
-        and token_ids.dtype in _AS_IS
-        and token_ids.flags.c_contiguous
-    ):
-        return token_ids
-    return canonical_tokens(token_ids)
 
 
 def _plan_ops(reply: r.PlanReply, arrays: list[bytes], kind: str) -> PlanOps | None:

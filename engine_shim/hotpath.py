@@ -1,6 +1,6 @@
-"""The engine's side of the hot index: lookups and CPU-hit loads without a
-round trip (the sidecar's side: sidecar/server/hotpath.py; the table:
-shm/hotindex.py).
+"""The engine's side of the hot index: lookups, CPU-hit loads and saves
+without a round trip (the sidecar's side: sidecar/server/hotpath.py; the
+table: shm/hotindex.py).
 
 - A lookup hashes the prompt a chunk at a time (2 blocks, then 16, 128, ...:
   each chunk's parent is the last key of the one before) and probes each
@@ -14,6 +14,10 @@ shm/hotindex.py).
 - What they did reaches the sidecar in batches, never awaited (`Touch`):
   lookups for its hit ratios, loaded prefixes for the eviction policy's
   recency.
+- A save copies the blocks the CPU tier lacks into slots granted ahead
+  (`Grant`) and commits them in one message (`Commit`).
+
+`HotPath`: one mapped table and its batch; `HotLane`: a `KVClient`'s use of it.
 
 A table is trusted only while it is open and its writer stamped it within
 the client's timeout: a stopped or killed sidecar's table serves nothing.
@@ -21,19 +25,25 @@ the client's timeout: a stopped or killed sidecar's table serves nothing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from contract import protocol as p
-from contract.blocks import KeyHasher
-from contract.ids import KEY_BYTES, key_bytes
-from cuda_ext.copier import BlockCopier
+from contract.blocks import KeyHasher, canonical_tokens
+from contract.ids import KEY_BYTES, BlockKeys, key_bytes
+from cuda_ext.copier import BlockCopier, CpuBlockCopier
+from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
+from engine_shim.transfer import LayeredTransfer, TransferHandle
 from shm import hotindex
 from shm.hotindex import HotIndexView
 from shm.layout import BlockLayout
+from shm.pool import ShmPoolError
 
 FIRST_CHUNK = 2
 """Blocks hashed before the first probe; each later chunk is 8x the last."""
@@ -154,3 +164,241 @@ class HotPath:
 
     def close(self) -> None:
         self.view.close()
+
+
+_AS_IS = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.uint64, np.uint32))
+"""Token id dtypes whose slices the C key chain hashes in place (and range-checks
+as it goes: ids past a lookup's first miss are not looked at)."""
+
+
+def token_array(token_ids: Any) -> np.ndarray:
+    """Token ids as a numpy array whose slices hash without a copy."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    if (
+        type(token_ids) is np.ndarray
+        and token_ids.ndim == 1
+        and token_ids.dtype in _AS_IS
+        and token_ids.flags.c_contiguous
+    ):
+        return token_ids
+    return canonical_tokens(token_ids)
+
+
+Handle = Callable[[int, "int | None"], TransferHandle]
+"""(tokens, the id of the reply to wait for or None) -> a handle with no plan."""
+
+
+class HotLane:
+    """A `KVClient`'s use of the hot index of the sidecar whose pool it has
+    mapped (`index`; None: none): lookups, CPU-hit loads, saves into slots
+    granted ahead (whole or layer by layer) and the Touch batch of what was
+    done. Each method that may be refused returns None: the client then asks
+    the sidecar. The client says when the index may be used (`flags`)."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        session: str,
+        *,
+        lease: Callable[[], float],
+        handle: Handle,
+    ) -> None:
+        self.index: HotPath | None = None
+        self._channel = channel
+        self._session = session
+        self._lease = lease
+        self._handle = handle
+        self.heard_at = time.monotonic()
+        """When a call or beat was last answered: the lease runs from there."""
+        self.grants_lost = False
+        """Set by the heartbeat's thread when the sidecar forgot the session."""
+
+    def map(self, name: str) -> None:
+        """Use the hot index `name` (a Register reply's; "": none) from now on."""
+        if self.index is not None and self.index.name != name:
+            self.close()
+        if self.index is None and name and hotindex.AVAILABLE:
+            with contextlib.suppress(OSError, ShmPoolError, ValueError):  # then: no hot path
+                self.index = HotPath(name)
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+
+    def heard(self) -> None:  # the sidecar answered a call or a beat
+        self.heard_at = time.monotonic()
+
+    def flags(self, max_age: float) -> int:
+        """The index's flags (0: none mapped, or not stamped within `max_age`
+        seconds). Late
+        replies to calls given up on are read first (their plans are given back)."""
+        if self.index is None:
+            return 0
+        if self._channel.late:
+            self._channel.drain()
+        return self.index.flags(max_age)
+
+    def take_touch(self) -> tuple[Any, list[bytes]] | None:
+        """What was done through the hot index since the last Touch, as one
+        (the heartbeat's thread sends it too, so none waits long)."""
+        index = self.index
+        return None if index is None else index.take_touch(self._session)
+
+    def send_touch(self) -> None:
+        """Send what was done through the hot index (never awaited)."""
+        touch = self.take_touch()
+        if touch is not None:
+            with contextlib.suppress(SidecarUnavailable):  # lost with the sidecar: harmless
+                self._channel.send(*touch, reply=False)
+
+    def lookup_tokens(self, hasher: KeyHasher, tokens: np.ndarray, flags: int) -> int | None:
+        """Leading blocks of `tokens` in the CPU tier; None: ask (the rest may be below)."""
+        assert self.index is not None
+        cpu, total = self.index.count(hasher, tokens)
+        if cpu < total and flags & hotindex.LOWER_TIERS:
+            return None
+        return self._looked_up(total, cpu)
+
+    def lookup_keys(self, keys: BlockKeys, flags: int) -> int | None:
+        """`lookup_tokens` for precomputed keys."""
+        assert self.index is not None
+        cpu = self.index.view.count(key_bytes(keys))
+        if cpu == len(keys) or not flags & hotindex.LOWER_TIERS:
+            return self._looked_up(len(keys), cpu)
+        return None
+
+    def _looked_up(self, asked: int, hit: int) -> int:
+        assert self.index is not None
+        if asked:
+            self.index.note_lookup(asked, hit)
+            if self.index.due():
+                self.send_touch()
+        return hit
+
+    def load(
+        self,
+        copier: BlockCopier,
+        layout: BlockLayout,
+        keys: BlockKeys,
+        blocks: np.ndarray,
+        skip: int,
+        max_age: float,
+    ) -> int | None:
+        """`HotPath.load`: the blocks loaded past `skip` (None: the sidecar must plan it)."""
+        index = self.index
+        assert index is not None
+        lower = bool(index.flags(max_age) & hotindex.LOWER_TIERS)
+        found = index.load(copier, layout, key_bytes(keys), blocks, skip, lower)
+        if found is not None and index.due():
+            self.send_touch()
+        return found
+
+    def grants_usable(self, index: HotPath) -> bool:
+        """Read a Grant's answer if it came, ask for more slots when few are
+        left; whether the slots held may be written: the session's lease was
+        renewed within half a lease, and the sidecar has not forgotten the
+        session since they were granted (else they are dropped here: the
+        sidecar freed them, or holds them for a while as an orphan's)."""
+        if self.grants_lost:
+            self.grants_lost = False
+            index.granted.clear()
+            index.grant_request = None
+        if time.monotonic() - self.heard_at > self._lease() / 2:
+            return False
+        if index.grant_request is not None:
+            try:
+                answer = self._channel.poll_reply(index.grant_request)
+            except (SidecarError, SidecarUnavailable):
+                answer, index.grant_request = None, None
+            if answer is not None:
+                index.grant_request = None
+                index.granted += np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
+        if index.grant_request is None and len(index.granted) < GRANT_LOW:
+            with contextlib.suppress(SidecarUnavailable):
+                index.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
+        return True
+
+    def _take_slots(
+        self, keys: BlockKeys, layout: BlockLayout
+    ) -> tuple[HotPath, bytes, int, np.ndarray] | None:
+        """(the index, key bytes, blocks the CPU tier holds already, granted
+        slots taken for the rest); None when the protocol must save: TP, too
+        few slots granted (more are asked for), or a lease that may be running out."""
+        index = self.index
+        assert index is not None
+        if layout.tp_size != 1 or not self.grants_usable(index):
+            return None
+        kb = key_bytes(keys)
+        first = index.view.count(kb)
+        rest = len(keys) - first
+        if rest and len(index.granted) < rest:
+            return None
+        slots = np.array(index.granted[len(index.granted) - rest :], dtype=np.int64)
+        del index.granted[len(index.granted) - rest :]
+        return index, kb, first, slots
+
+    def _commit(
+        self, index: HotPath, kb: bytes, first: int, slots: np.ndarray, num_tokens: int
+    ) -> TransferHandle:
+        """Commit the blocks past `first` in one message, not awaited."""
+        if not slots.size:
+            return self._handle(num_tokens, None)
+        ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
+        self.grants_usable(index)  # ask for more, if few are left
+        return self._handle(num_tokens, ack)
+
+    def save(
+        self,
+        copier: BlockCopier,
+        layout: BlockLayout,
+        keys: BlockKeys,
+        blocks: np.ndarray,
+        num_tokens: int,
+    ) -> TransferHandle | None:
+        """Copy the blocks the CPU tier lacks into slots granted ahead, then
+        commit them in one message, not awaited (`wait()` waits for its
+        answer, so that every engine's lookup sees the blocks after it).
+        None where `_take_slots` is."""
+        taken = self._take_slots(keys, layout)
+        if taken is None:
+            return None
+        index, kb, first, slots = taken
+        if slots.size:
+            try:
+                copier.save(blocks[first:], slots, layout, 0).synchronize()
+            except Exception:
+                index.granted.extend(slots.tolist())  # still ours: nothing was committed
+                raise
+        return self._commit(index, kb, first, slots, num_tokens)
+
+    def layered_save(
+        self,
+        copier: CpuBlockCopier,
+        layout: BlockLayout,
+        keys: BlockKeys,
+        blocks: np.ndarray,
+        num_tokens: int,
+    ) -> LayeredTransfer | None:
+        """`save`, layer by layer: slots granted ahead taken now, the Commit
+        sent by `finish()` (a failure gives the slots back)."""
+        taken = self._take_slots(keys, layout)
+        if taken is None:
+            return None
+        index, kb, first, slots = taken
+        planes = copier.copied_planes
+        return LayeredTransfer(
+            None,
+            num_tokens,
+            planes.num_layers,
+            planes.layer_splits,
+            queue=(lambda part: [copier.save(blocks[first:], slots, layout, 0, layers=part)])
+            if slots.size
+            else None,
+            finish=lambda copies: self._commit(index, kb, first, slots, num_tokens),
+            fail=lambda err: index.granted.extend(slots.tolist()),  # still ours: not committed
+        )
+
+    def _req(self, kind: type, **fields: Any) -> Any:
+        return kind(v=p.PROTOCOL_VERSION, id=0, session=self._session, **fields)

@@ -26,7 +26,7 @@ from kv_helpers import (  # noqa: E402
     why_no_gpu,
 )
 
-from cuda_ext import _lib, gpu  # noqa: E402
+from cuda_ext import _lib, gpu, gpu_handle  # noqa: E402
 from cuda_ext.gpu import GpuBlockCopier  # noqa: E402
 from cuda_ext.layouts import LAYOUTS, kv_planes  # noqa: E402
 
@@ -316,7 +316,7 @@ def test_the_pool_is_registered_once_per_process(pool):
     first = GpuBlockCopier(planes, pool)
     second = GpuBlockCopier(planes, pool)
     address = pool.segment_view(0).ctypes.data
-    entries = gpu._REGISTRATIONS._entries
+    entries = gpu_handle.REGISTRATIONS._entries
     assert [key[0] for key in entries].count(address) == 1
     assert entries[(address, pool.nbytes)][1] == 2
     first.close()

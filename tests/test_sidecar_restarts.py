@@ -172,7 +172,7 @@ def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_er
     to a sidecar that never made it."""
     with connect(sidecar.endpoint, make_kv(13), timeout=0.5) as client:
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
-        client._close_hot()  # a GPU load asks for a plan; a CPU one would not
+        client._hot.close()  # a GPU load asks for a plan; a CPU one would not
         handle = client.load(tokens(2), np.arange(2, 4))
         assert handle.plan is not None
         handle._ack, handle._copies = None, [_Landed()]  # as a GPU load before its wait

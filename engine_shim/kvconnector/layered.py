@@ -17,11 +17,15 @@ one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from engine_shim.kvconnector.metadata import LoadSpec, SaveSpec
 from engine_shim.transfer import LayeredTransfer, TransferHandle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,3 +76,51 @@ def load_stop(splits: Sequence[int], needed: int) -> int:
     """How far a load must copy for layers [0, needed) to land: the first
     split at or past `needed`."""
     return min(s for s in splits if s >= needed)
+
+
+def copy_layers(
+    jobs: list[LayerJob], layers: int, save: bool, stream: AbstractContextManager[None]
+) -> None:
+    """Queue the copies of layers [.., layers) of every job (a save's
+    stop at the split before, a load's at the split past). A failure
+    drops the job: a save's blocks are a later miss, a load's are
+    recomputed. Never raises. `stream`: entered around the copies (the
+    transfer thread's CUDA stream)."""
+    with stream:
+        for job in jobs:
+            transfer = job.transfer
+            if transfer is None:
+                continue
+            stop = (save_stop if save else load_stop)(transfer.splits, layers)
+            if stop <= transfer.queued:
+                continue
+            try:
+                transfer.copy_layers(stop)
+                if not save and stop == transfer.num_layers:
+                    job.handle = transfer.finish()  # reported once landed
+            except Exception as err:
+                log.warning("kvsidecar: layer copy of %s failed: %s", job.spec.req_id, err)
+                job.transfer = None
+                if isinstance(job.spec, LoadSpec):
+                    job.in_cache = job.spec.skip_blocks
+
+
+def finish_layered(job: LayerJob, stream: AbstractContextManager[None]) -> int:
+    """Copy the layers left, then report the plan; blocks in the cache
+    (a load's; a failure: its skipped ones). Never raises. `stream`: as
+    for `copy_layers`."""
+    transfer, spec = job.transfer, job.spec
+    if transfer is None:
+        return job.in_cache
+    try:
+        with stream:
+            handle = job.handle
+            if handle is None:
+                if transfer.queued < transfer.num_layers:
+                    transfer.copy_layers(transfer.num_layers)
+                handle = transfer.finish()
+            handle.wait()
+        return job.in_cache
+    except Exception as err:
+        log.warning("kvsidecar: transfer of %s failed: %s", spec.req_id, err)
+        return spec.skip_blocks if isinstance(spec, LoadSpec) else 0

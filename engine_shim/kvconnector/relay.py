@@ -12,18 +12,26 @@ and keeps the others until asked.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import stat
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
+from engine_shim.transfer import LayeredTransfer, TransferHandle
+
+log = logging.getLogger(__name__)
+
 Tag = tuple[int, str, str]
 """(scheduler step, "load" or "save", request id)."""
+
+T = TypeVar("T")
 
 KEEP_STEPS = 1024
 """A follower drops messages older than this many steps behind the one it
@@ -53,6 +61,8 @@ class RankRelay:
         self._inbox: dict[Tag, Any] = {}
         self._path: Path | None = None
         self._socks: list[zmq.Socket[bytes]] = []
+        self._abandoned: set[Tag] = set()
+        """Follower: tags it gave up waiting for (their plans are cancelled if they come)."""
         if tp_rank == 0:
             for rank in range(1, tp_size):
                 sock = self._ctx.socket(zmq.PUSH)
@@ -88,6 +98,22 @@ class RankRelay:
             del self._inbox[old]
         return self._inbox.pop(tag)
 
+    def follow(self, tag: Tag, timeout: float, cancel: Callable[[Any], None]) -> Any:
+        """Follower: `take(tag, timeout)`, after handing `cancel` the plan of
+        each tag it gave up on that has come since: such a plan is never
+        run, as the blocks it names may be another request's by then."""
+        for late_tag, payload in self.late(self._abandoned).items():
+            self._abandoned.discard(late_tag)
+            plan = payload[0] if late_tag[1] == "load" and payload is not None else payload
+            if plan is not None:
+                log.warning("kvsidecar: cancelling the leader's late plan for %s", late_tag)
+                cancel(plan)
+        try:
+            return self.take(tag, timeout)
+        except TimeoutError:
+            self._abandoned.add(tag)
+            raise
+
     def late(self, tags: set[Tag]) -> dict[Tag, Any]:
         """Follower: the payloads of `tags` (ones it gave up waiting for)
         that have come since, taken out; never waits."""
@@ -104,3 +130,27 @@ class RankRelay:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+
+
+def lead(relay: RankRelay | None, tag: Tag, ask: Callable[[], T], share: Callable[[T], Any]) -> T:
+    """Leader (or a rank alone): `ask()` the sidecar, and hand the other ranks
+    `share(its answer)` under `tag`, or None if it raised (then re-raised)."""
+    try:
+        got = ask()
+    except Exception:
+        if relay is not None:
+            relay.send(tag, None)
+        raise
+    if relay is not None:
+        relay.send(tag, share(got))
+    return got
+
+
+def plan_of(transfer: TransferHandle | LayeredTransfer) -> Any:
+    """What a save's followers get: the leader's plan."""
+    return transfer.plan
+
+
+def plan_and_tokens(transfer: TransferHandle | LayeredTransfer) -> tuple[Any, int]:
+    """What a load's followers get: the plan, and the tokens cached once it lands."""
+    return transfer.plan, transfer.num_tokens

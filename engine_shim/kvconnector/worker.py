@@ -42,10 +42,16 @@ import torch
 from engine_shim.channel import SidecarError, SidecarUnavailable
 from engine_shim.client import KVClient
 from engine_shim.kvconnector.geometry import KVGeometry
-from engine_shim.kvconnector.layered import LayerJob, StepSaves, load_stop, save_stop
+from engine_shim.kvconnector.layered import (
+    LayerJob,
+    StepSaves,
+    copy_layers,
+    finish_layered,
+    load_stop,
+)
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
 from engine_shim.kvconnector.parallel import Parallel
-from engine_shim.kvconnector.relay import RankRelay, Tag
+from engine_shim.kvconnector.relay import RankRelay, Tag, lead, plan_and_tokens, plan_of
 from engine_shim.kvconnector.settings import ConnectorSettings
 from engine_shim.transfer import TransferHandle
 
@@ -83,8 +89,6 @@ class WorkerSide:
         self._finals: list[Future[str]] = []
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._abandoned: set[Tag] = set()
-        """Follower: plans it gave up waiting for (cancelled if they come)."""
         self._saving: StepSaves | None = None
         """Layer-wise: the step's saves, once its first layer is computed."""
         self._layered_loads: list[LayerJob] = []
@@ -261,14 +265,12 @@ class WorkerSide:
                 return None, spec.skip_blocks
             plan, num_tokens = got
             return (None if plan is None else client.execute(plan)), num_tokens // self.block_size
-        try:
-            handle = client.load_keys(spec.keys, spec.block_ids, skip_tokens=skip)
-        except Exception:
-            if self._relay is not None:
-                self._relay.send(tag, None)
-            raise
-        if self._relay is not None:
-            self._relay.send(tag, (handle.plan, handle.num_tokens))
+        handle = lead(
+            self._relay,
+            tag,
+            lambda: client.load_keys(spec.keys, spec.block_ids, skip_tokens=skip),
+            plan_and_tokens,
+        )
         return handle, handle.num_tokens // self.block_size
 
     def _save(self, step: int, spec: SaveSpec, ready: Any) -> None:
@@ -282,15 +284,10 @@ class WorkerSide:
                     if plan is not None:
                         client.execute(plan).wait()
                     return
-                try:
-                    handle = client.save_keys(spec.keys, spec.block_ids)
-                except Exception:
-                    if self._relay is not None:
-                        self._relay.send(tag, None)
-                    raise
-                if self._relay is not None:
-                    self._relay.send(tag, handle.plan)
-                handle.wait()
+                save = lead(
+                    self._relay, tag, lambda: client.save_keys(spec.keys, spec.block_ids), plan_of
+                )
+                save.wait()
         except Exception as err:
             log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
 
@@ -329,14 +326,12 @@ class WorkerSide:
                     job.in_cache = num_tokens // self.block_size
                 return
             skip = spec.skip_blocks * self.block_size
-            try:
-                transfer = client.layered_load_keys(spec.keys, spec.block_ids, skip_tokens=skip)
-            except Exception:
-                if self._relay is not None:
-                    self._relay.send(tag, None)
-                raise
-            if self._relay is not None:
-                self._relay.send(tag, (transfer.plan, transfer.num_tokens))
+            transfer = lead(
+                self._relay,
+                tag,
+                lambda: client.layered_load_keys(spec.keys, spec.block_ids, skip_tokens=skip),
+                plan_and_tokens,
+            )
             job.transfer, job.in_cache = transfer, transfer.num_tokens // self.block_size
         except Exception as err:
             log.warning("kvsidecar: load of %s failed: %s", spec.req_id, err)
@@ -351,58 +346,20 @@ class WorkerSide:
                 plan = self._leader_plan(tag)
                 job.transfer = None if plan is None else client.execute_layered(plan)
                 return
-            try:
-                job.transfer = client.layered_save_keys(spec.keys, spec.block_ids)
-            except Exception:
-                if self._relay is not None:
-                    self._relay.send(tag, None)
-                raise
-            if self._relay is not None:
-                self._relay.send(tag, job.transfer.plan)
+            job.transfer = lead(
+                self._relay,
+                tag,
+                lambda: client.layered_save_keys(spec.keys, spec.block_ids),
+                plan_of,
+            )
         except Exception as err:
             log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
 
     def _copy_layers(self, jobs: list[LayerJob], layers: int, ready: Any, save: bool) -> None:
-        """Queue the copies of layers [.., layers) of every job (a save's
-        stop at the split before, a load's at the split past). A failure
-        drops the job: a save's blocks are a later miss, a load's are
-        recomputed. Never raises."""
-        with self._on_stream(ready):
-            for job in jobs:
-                transfer = job.transfer
-                if transfer is None:
-                    continue
-                stop = (save_stop if save else load_stop)(transfer.splits, layers)
-                if stop <= transfer.queued:
-                    continue
-                try:
-                    transfer.copy_layers(stop)
-                    if not save and stop == transfer.num_layers:
-                        job.handle = transfer.finish()  # reported once landed
-                except Exception as err:
-                    log.warning("kvsidecar: layer copy of %s failed: %s", job.spec.req_id, err)
-                    job.transfer = None
-                    if isinstance(job.spec, LoadSpec):
-                        job.in_cache = job.spec.skip_blocks
+        copy_layers(jobs, layers, save, self._on_stream(ready))
 
     def _finish_layered(self, job: LayerJob, ready: Any = None) -> int:
-        """Copy the layers left, then report the plan; blocks in the cache
-        (a load's; a failure: its skipped ones). Never raises."""
-        transfer, spec = job.transfer, job.spec
-        if transfer is None:
-            return job.in_cache
-        try:
-            with self._on_stream(ready):
-                handle = job.handle
-                if handle is None:
-                    if transfer.queued < transfer.num_layers:
-                        transfer.copy_layers(transfer.num_layers)
-                    handle = transfer.finish()
-                handle.wait()
-            return job.in_cache
-        except Exception as err:
-            log.warning("kvsidecar: transfer of %s failed: %s", spec.req_id, err)
-            return spec.skip_blocks if isinstance(spec, LoadSpec) else 0
+        return finish_layered(job, self._on_stream(ready))
 
     def _stream_point(self) -> Any:
         """CUDA KV: an event where the caller's current stream stands now; else None."""
@@ -419,17 +376,7 @@ class WorkerSide:
         may be another request's by then."""
         assert self._relay is not None
         client = self._require_client()
-        for late_tag, payload in self._relay.late(self._abandoned).items():
-            self._abandoned.discard(late_tag)
-            plan = payload[0] if late_tag[1] == "load" and payload is not None else payload
-            if plan is not None:
-                log.warning("kvsidecar: cancelling the leader's late plan for %s", late_tag)
-                client.cancel(plan)
-        try:
-            return self._relay.take(tag, RELAY_WAIT * self.settings.timeout)
-        except TimeoutError:
-            self._abandoned.add(tag)
-            raise
+        return self._relay.follow(tag, RELAY_WAIT * self.settings.timeout, client.cancel)
 
     @contextlib.contextmanager
     def _on_stream(self, ready: Any) -> Iterator[None]:
