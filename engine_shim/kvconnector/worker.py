@@ -53,7 +53,7 @@ from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec, SaveSpec
 from engine_shim.kvconnector.parallel import Parallel
 from engine_shim.kvconnector.relay import RankRelay, Tag, lead, plan_and_tokens, plan_of
 from engine_shim.kvconnector.settings import ConnectorSettings
-from engine_shim.transfer import TransferHandle
+from engine_shim.transfer import LayeredTransfer, TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -346,12 +346,14 @@ class WorkerSide:
                 plan = self._leader_plan(tag)
                 job.transfer = None if plan is None else client.execute_layered(plan)
                 return
-            job.transfer = lead(
-                self._relay,
-                tag,
-                lambda: client.layered_save_keys(spec.keys, spec.block_ids),
-                plan_of,
-            )
+
+            def ask() -> LayeredTransfer:
+                # Kept before the plan is relayed: a relay that fails then
+                # leaves this rank's copies to finish and be reported.
+                job.transfer = client.layered_save_keys(spec.keys, spec.block_ids)
+                return job.transfer
+
+            lead(self._relay, tag, ask, plan_of)
         except Exception as err:
             log.warning("kvsidecar: save of %s failed, a later miss: %s", spec.req_id, err)
 
