@@ -29,7 +29,8 @@ from sidecar.control.arc import ArcPolicy
 from sidecar.control.index import IndexConflict, RadixIndex
 from sidecar.control.node import RadixNode
 from sidecar.control.policies import POLICY_NAMES
-from sidecar.control.s3fifo import SHARE_BOUNDS, S3FifoPolicy
+from sidecar.control.s3fifo import S3FifoPolicy
+from sidecar.control.two_queues import SHARE_BOUNDS
 
 Prefix = tuple[int, ...]
 

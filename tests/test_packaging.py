@@ -71,25 +71,25 @@ def test_matplotlib_is_an_extra_not_a_dependency() -> None:
 
 
 def test_the_daemon_and_the_cli_do_not_import_matplotlib() -> None:
-    code = (
-        "import sys\n"
+    _imports_without(
+        "matplotlib",
         "import kvsidecar.cli, sidecar.server.server, cachesim.analyze\n"
-        "kvsidecar.cli.build_parser()\n"
-        "assert 'matplotlib' not in sys.modules, 'imported'\n"
+        "kvsidecar.cli.build_parser()\n",
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
 
 
 def test_the_daemon_starts_without_torch() -> None:
     """`kvsidecar serve` parses its command line and builds its server
     without importing torch (the benchmarks' modules, which do, are left out)."""
-    code = (
-        "import sys\n"
-        "import kvsidecar.cli, sidecar.server.server\n"
-        "kvsidecar.cli.build_parser('serve')\n"
-        "assert 'torch' not in sys.modules, 'imported'\n"
+    _imports_without(
+        "torch",
+        "import kvsidecar.cli, sidecar.server.server\nkvsidecar.cli.build_parser('serve')\n",
     )
+
+
+def _imports_without(module: str, code: str) -> None:
+    """`code`, run in a fresh interpreter, leaves `module` unimported."""
+    code = f"import sys\n{code}assert {module!r} not in sys.modules, 'imported'\n"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from helpers import FakeClock, key_ids, keys, make_index
 
-from sidecar.control.s3fifo import MAIN, SHARE_BOUNDS, SMALL, SMALL_SHARE
+from sidecar.control.s3fifo import MAIN, SMALL, SMALL_SHARE
+from sidecar.control.two_queues import SHARE_BOUNDS
 
 
 def leaves(index, ids) -> None:

@@ -5,7 +5,7 @@ node to the frequent queue T2, and so does coming back while a ghost
 remembers it. Eviction takes from T1 while T1 holds more than
 `recent_share` of the cached blocks, else from T2. ARC's adaptation sets the
 share: a node coming back from T1's ghost grows it, one from T2's ghost
-shrinks it (the step is `AdaptiveS3FifoPolicy`'s, within `SHARE_BOUNDS`).
+shrinks it (`TwoQueues._adapt`, within `SHARE_BOUNDS`).
 
 T2 evicts the node with the fewest *own* hits first (hits that ended a match
 at this node, so an ancestor of a long conversation is not made hot by every
@@ -29,12 +29,9 @@ namespaces like S3-FIFO's.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 
-from contract.ids import KEY_BYTES
 from sidecar.control.node import RadixNode
-from sidecar.control.policies import EvictionPolicy
-from sidecar.control.s3fifo import SHARE_BOUNDS
+from sidecar.control.two_queues import TwoQueues
 
 RECENT, FREQUENT = 0, 1
 RECENT_SHARE = 0.1
@@ -61,29 +58,24 @@ class _State:
         return _State(self.queue, self.freq, self.epoch)
 
 
-class ArcPolicy(EvictionPolicy):
+class ArcPolicy(TwoQueues):
     name = "arc"
 
     def __init__(self, min_ghost_entries: int = 1024) -> None:
+        super().__init__(min_ghost_entries, RECENT_SHARE)
         self._heaps: tuple[list[_Entry], list[_Entry]] = ([], [])
         """T1 by recency, T2 by (aged own hits, recency)."""
         self._candidates = [0, 0]
-        self._blocks = [0, 0]
         self._token = 0
-        self._num_nodes = 0
-        self._min_ghost = min_ghost_entries
-        self._ghosts: tuple[OrderedDict[bytes, int], OrderedDict[bytes, int]] = (
-            OrderedDict(),
-            OrderedDict(),
-        )
-        """First keys of what each queue evicted -> blocks evicted."""
         self._last_touch = -1
-        self._leaving: RadixNode | None = None
-        self._leaving_queue = RECENT
-        self.recent_share = RECENT_SHARE
         self.epoch = 0
         """Aging epochs so far: each halved every own-hit count."""
         self._hits_this_epoch = 0
+
+    @property
+    def recent_share(self) -> float:
+        """T1 is evicted from while it holds more than this share of the blocks."""
+        return self.share
 
     @staticmethod
     def _state(node: RadixNode) -> _State:
@@ -100,12 +92,8 @@ class ArcPolicy(EvictionPolicy):
     # --- the index's hooks -------------------------------------------------
 
     def on_insert(self, node: RadixNode) -> None:
-        queue, freq = RECENT, 0
-        for ghost in (RECENT, FREQUENT):
-            blocks = self._ghosts[ghost].pop(node.first_key, None)
-            if blocks is not None:
-                queue, freq = FREQUENT, 1  # coming back is a use
-                self._adapt(ghost, blocks)
+        back = self._back_from_ghosts(node)
+        queue, freq = (FREQUENT, 1) if back else (RECENT, 0)  # coming back is a use
         node.policy_state = _State(queue, freq, self.epoch)
         self._blocks[queue] += len(node)
         self._num_nodes += 1
@@ -124,24 +112,6 @@ class ArcPolicy(EvictionPolicy):
             self._blocks[RECENT] -= len(node)
             self._blocks[FREQUENT] += len(node)
             state.queue = FREQUENT
-
-    def on_split(self, upper: RadixNode, lower: RadixNode) -> None:
-        upper.policy_state = self._state(lower).copy()
-        self._num_nodes += 1
-
-    def on_remove(self, node: RadixNode) -> None:
-        self._blocks[self._state(node).queue] -= len(node)
-        self._num_nodes -= 1
-        if node is self._leaving:
-            self._leaving = None
-            self._remember(node.first_key, len(node))
-
-    def on_truncate(self, node: RadixNode, num_blocks: int) -> None:
-        self._blocks[self._state(node).queue] -= num_blocks
-        if node is self._leaving:  # the tail goes; the node keeps its first key
-            self._leaving = None
-            start = (len(node) - num_blocks) * KEY_BYTES
-            self._remember(node.key_bytes[start : start + KEY_BYTES], num_blocks)
 
     def add(self, node: RadixNode) -> None:
         state = self._state(node)
@@ -183,10 +153,8 @@ class ArcPolicy(EvictionPolicy):
         """Candidates in T1 and in T2."""
         return self._candidates[RECENT], self._candidates[FREQUENT]
 
-    @property
-    def queue_blocks(self) -> tuple[int, int]:
-        """Blocks of the nodes in T1 and in T2 (candidates or not)."""
-        return self._blocks[RECENT], self._blocks[FREQUENT]
+    def _on_ghost_hit(self, ghost: int, blocks: int) -> None:
+        self._adapt(ghost, blocks)
 
     def spawn(self) -> ArcPolicy:
         return ArcPolicy(self._min_ghost)
@@ -202,7 +170,7 @@ class ArcPolicy(EvictionPolicy):
 
     def _next_queue(self) -> int:
         total = self._blocks[RECENT] + self._blocks[FREQUENT]
-        recent_first = self._blocks[RECENT] > self.recent_share * total
+        recent_first = self._blocks[RECENT] > self.share * total
         queue = RECENT if recent_first and self._candidates[RECENT] else FREQUENT
         return queue if self._candidates[queue] else RECENT
 
@@ -224,21 +192,6 @@ class ArcPolicy(EvictionPolicy):
         return node
 
     # --- learning ----------------------------------------------------------
-
-    def _remember(self, key: bytes, blocks: int) -> None:
-        ghost = self._ghosts[self._leaving_queue]
-        ghost[key] = blocks
-        limit = max(self._min_ghost, self._num_nodes)
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
-
-    def _adapt(self, ghost: int, blocks: int) -> None:
-        """ARC's step: a return from T1's ghost grows T1's share, from T2's shrinks it."""
-        total = max(self._blocks[RECENT] + self._blocks[FREQUENT], 1)
-        this, other = len(self._ghosts[ghost]) + 1, len(self._ghosts[1 - ghost])
-        step = blocks / total * max(1.0, other / this)
-        share = self.recent_share + (step if ghost == RECENT else -step)
-        self.recent_share = min(max(share, SHARE_BOUNDS[0]), SHARE_BOUNDS[1])
 
     def _age(self, state: _State) -> None:
         if state.epoch != self.epoch:
