@@ -42,6 +42,7 @@ from bench.control_client import ControlClient
 from bench.fleet import Fleet, Timing
 from bench.peers import PEERS, WorkerResult, run_worker
 from bench.peers.calls import GEOMETRIES, LOOKUP_GEOMETRY, Spec, block_bytes
+from bench.targets import at_least, at_most
 from cachesim.report import write_json
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 
@@ -197,11 +198,6 @@ def ratios(rows: dict[str, dict[str, dict[str, float]]]) -> dict[str, dict[str, 
     return out
 
 
-def _target(value: float | None, limit: float, at_most: bool, rule: str) -> dict[str, Any]:
-    within = None if value is None else (value <= limit if at_most else value >= limit)
-    return {"value": value, "limit": limit, "within": within, "rule": rule}
-
-
 def targets(r: dict[str, Any], peers: bool) -> dict[str, dict[str, Any]]:
     vs, out = r["vs"], {}
     systems = r["systems"]
@@ -210,23 +206,23 @@ def targets(r: dict[str, Any], peers: bool) -> dict[str, dict[str, Any]]:
         aibrix_row = row in ("save.2MiB.1", "load.2MiB.1") or kind.startswith("lookup")
         if peers and aibrix_row:
             rule = f"kvsidecar p50 / AIBrix p50 <= {AIBRIX_LIMIT:g}"
-            out[f"calls.{row}.vs_aibrix"] = _target(by.get("aibrix"), AIBRIX_LIMIT, True, rule)
+            out[f"calls.{row}.vs_aibrix"] = at_most(by.get("aibrix"), AIBRIX_LIMIT, rule)
             if "aibrix" not in by:
                 out[f"calls.{row}.vs_aibrix"]["not_measured"] = systems["aibrix"]["error"]
         if peers:
             rule = f"kvsidecar p50 / LMCache MP server p50 <= {LMCACHE_LIMIT:g}"
-            out[f"calls.{row}.vs_lmcache"] = _target(by.get("lmcache"), LMCACHE_LIMIT, True, rule)
+            out[f"calls.{row}.vs_lmcache"] = at_most(by.get("lmcache"), LMCACHE_LIMIT, rule)
             if "lmcache" not in by:
                 out[f"calls.{row}.vs_lmcache"]["not_measured"] = systems["lmcache"]["error"]
         if rest.endswith(".2048") and "memcpy" in by:
             rule = f"memcpy p50 / kvsidecar p50 >= {MEMCPY_LIMIT:g} (speed vs the floor)"
-            out[f"calls.{row}.vs_memcpy"] = _target(by["memcpy"], MEMCPY_LIMIT, False, rule)
+            out[f"calls.{row}.vs_memcpy"] = at_least(by["memcpy"], MEMCPY_LIMIT, rule)
     four = r["lookup_rates_rps"]["4"]["lookup_vs_raw"]
     rule = (
         f">= 2 x {BEFORE_ISSUE_30:g} x the raw ping-pong's rate, 4 clients, {RATE_BLOCKS} "
         "blocks, side by side"
     )
-    out["calls.lookup_rate_4_clients_vs_raw"] = _target(four, RATE_TARGET, False, rule)
+    out["calls.lookup_rate_4_clients_vs_raw"] = at_least(four, RATE_TARGET, rule)
     return out
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import psutil
 
 from bench.keys import measure_hashing
+from bench.targets import Target, at_most, verdict
 from cachesim.report import positive_int_list, print_table, write_json
 from cachesim.trace import expand_ids
 from contract.ids import keys_from_ints
@@ -51,6 +52,14 @@ BLOCKS_PER_UNIT = 32  # 512-token units of 16-token blocks, as in the trace
 RAW_BYTES_PER_BLOCK = 16 + 8
 MATCH_BLOCKS = 2048
 EVICT_BATCH = 256
+BYTES_LIMIT, BYTES_LIMIT_FROM = 256.0, 5_000_000
+"""Traced bytes per cached block, at indexes of BYTES_LIMIT_FROM blocks or more."""
+MATCH_US_LIMIT = 200.0
+"""A 2,048-block match, µs."""
+EVICT_GROWTH_LIMIT = 2.0
+"""Eviction per block at the large size over the small one."""
+HASH_MS_LIMIT = 1.5
+"""Hashing 32,768 tokens into 2,048 chained keys, ms."""
 EVICT_FRACTION = 0.1  # each size evicts the same share of its blocks: its oldest leaves
 EVICT_MIN_ROUNDS = 9
 EVICT_MIN_BLOCKS = 200_000  # per size, over all rounds: small trees get more rounds
@@ -453,10 +462,27 @@ def run(args: argparse.Namespace) -> int:
     result.update(isolated(measure_namespaces, sizes[0], args.seed, label=label))
     print("bench index: hashing block keys ...", file=sys.stderr, flush=True)
     result.update(measure_hashing())
+    result["targets"] = targets(result)
     print_table(("figure", "value", "target", "note"), _rows(result))
+    print(verdict(result["targets"]))
     if args.json:
         write_json(args.json, result)
     return 0
+
+
+def targets(r: dict[str, Any]) -> dict[str, Target]:
+    out: dict[str, Target] = {}
+    for n, s in r["by_size"].items():
+        if int(n) >= BYTES_LIMIT_FROM:
+            rule = f"bytes per cached block (tracemalloc) <= {BYTES_LIMIT:g}"
+            out[f"bytes_per_block_{n}"] = at_most(s["traced_bytes_per_block"], BYTES_LIMIT, rule)
+    rule = f"median 2,048-block match, µs, <= {MATCH_US_LIMIT:g}"
+    out["match_us_2048"] = at_most(r["match_us_2048"], MATCH_US_LIMIT, rule)
+    rule = f"eviction per block at the large size / at the small one <= {EVICT_GROWTH_LIMIT:g}"
+    out["evict_ratio_large_small"] = at_most(r["evict_ratio_large_small"], EVICT_GROWTH_LIMIT, rule)
+    rule = f"hashing 32,768 tokens into 2,048 chained keys (the one used), ms, <= {HASH_MS_LIMIT:g}"
+    out["hash_ms_2048_keys"] = at_most(r["hash_ms_blake2b"], HASH_MS_LIMIT, rule)
+    return out
 
 
 def _rows(r: dict[str, Any]) -> list[tuple]:
@@ -464,7 +490,7 @@ def _rows(r: dict[str, Any]) -> list[tuple]:
     rows = []
     for n in (small, large):
         s = r["by_size"][str(n)]
-        target = 256.0 if n >= 5_000_000 else None
+        target = BYTES_LIMIT if n >= BYTES_LIMIT_FROM else None
         traced = s["traced_bytes_per_block"]
         note = f"{traced / RAW_BYTES_PER_BLOCK:.1f}x raw 24 B; {s['num_nodes']:,} nodes"
         rows.append((f"bytes/block at {n:,} (tracemalloc)", traced, target, note))
@@ -475,7 +501,7 @@ def _rows(r: dict[str, Any]) -> list[tuple]:
         (
             "match 2,048 blocks (us)",
             r["match_us_2048"],
-            200.0,
+            MATCH_US_LIMIT,
             f"{r['match_2048_path_nodes']} nodes on path; "
             f"{r['match_us_2048'] / r['floor_us_dict_2048']:.2f}x a per-key dict walk",
         ),
@@ -494,7 +520,7 @@ def _rows(r: dict[str, Any]) -> list[tuple]:
         (
             "evict ratio large/small",
             r["evict_ratio_large_small"],
-            2.0,
+            EVICT_GROWTH_LIMIT,
             f"per node {r['evict_node_ratio_large_small']:.2f}; a bare heapq pop+push "
             f"({r['evict_candidates_small']:,} vs {r['evict_candidates_large']:,} "
             f"entries) {r['heap_floor_ratio_large_small']:.2f}",
@@ -523,11 +549,16 @@ def _rows(r: dict[str, Any]) -> list[tuple]:
         (
             "hash 32,768 tokens, blake2b (ms)",
             r["hash_ms_blake2b"],
-            1.5,
+            HASH_MS_LIMIT,
             f"{r['blake2b_impl']}; {r['blake2b_vs_floor']:.2f}x the floor: {floor}",
         ),
-        ("hash 32,768 tokens, blake2b python (ms)", r["hash_ms_blake2b_python"], 1.5, "hashlib"),
-        ("hash 32,768 tokens, xxh3_128 (ms)", r["hash_ms_xxh3_128"], 1.5, ""),
+        (
+            "hash 32,768 tokens, blake2b python (ms)",
+            r["hash_ms_blake2b_python"],
+            HASH_MS_LIMIT,
+            "hashlib",
+        ),
+        ("hash 32,768 tokens, xxh3_128 (ms)", r["hash_ms_xxh3_128"], HASH_MS_LIMIT, ""),
     ]
     return [
         (name, value, "" if target is None else f"<= {target:g}", _note(value, target, note))

@@ -26,7 +26,8 @@ times, on the same server and interleaved round by round:
   and the block's checksum.
 
 GB/s = 1e9 B/s of block bytes; medians over --repeats; ratio = tier /
-floor. Without --url a private `redis-server` (no persistence) is started
+floor. Target: every ratio >= 0.8 (`targets` in the JSON:
+`write.<block>`, `read.<block>`). Without --url a private `redis-server` (no persistence) is started
 on a free loopback port and stopped afterwards.
 """
 
@@ -51,6 +52,7 @@ import numpy as np
 import redis
 from redis.connection import Encoder, PythonRespSerializer
 
+from bench.targets import Target, at_least, verdict
 from cachesim.report import print_table, time_interleaved, write_json
 from shm.pool import ShmPool
 from sidecar.config import Config
@@ -326,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
         f"redis {version}, {args.threads} tier threads, writes on {streams} stream(s); "
         f"target >= {TARGET_VS_FLOOR} x floor"
     )
+    goals = targets(cases)
+    print(verdict(goals))
     if args.json:
         result = {
             "redis_version": version,
@@ -340,6 +344,16 @@ def run(args: argparse.Namespace) -> int:
             "read_vs_redis_py": {k: c["read_vs_redis_py"] for k, c in cases.items()},
             "quick": bool(args.quick),
             "cases": cases,
+            "targets": goals,
         }
         write_json(args.json, result)
     return 0
+
+
+def targets(cases: dict[str, dict[str, Any]]) -> dict[str, Target]:
+    out: dict[str, Target] = {}
+    for phase, verb in (("write", "SET"), ("read", "GET")):
+        rule = f"tier {phase} GB/s / the fastest raw {verb} client's >= {TARGET_VS_FLOOR:g}"
+        for name, c in cases.items():
+            out[f"{phase}.{name}"] = at_least(c[f"{phase}_vs_floor"], TARGET_VS_FLOOR, rule)
+    return out

@@ -30,7 +30,7 @@ virtio disk, O_DIRECT into 4 KiB pages slows down as it grows.
 - fio's sequential O_DIRECT figures (psync, one job per thread, its own
   buffers) when fio is on PATH.
 GB/s are 1e9 bytes per second, medians over --repeats. Target: every
-figure >= 0.8 of its floor.
+figure >= 0.8 of its floor (`targets` in the JSON, one per figure).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import numpy as np
 from bench.hugepages import HugePagesUnavailable, physical_runs, thp_tmpfs
 from bench.ssd_e2e import check_block_bytes, measure_get
 from bench.ssd_io import Floor, Tier, drop_page_cache, fio_rates, key, run_batch
-from bench.ssd_report import TARGET_VS_FLOOR, case_name, figures, print_report
+from bench.ssd_report import TARGET_VS_FLOOR, case_name, figures, print_report, targets
 from cachesim.report import positive_int_list, write_json
 from shm.pages import statfs
 from shm.pool import ShmPool
@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result.update(threads=threads, repeats=repeats, quick=bool(args.quick), dir=parent)
+    result["targets"] = targets(result)
     print_report(result)
     if args.json:
         write_json(args.json, result)
@@ -217,13 +218,13 @@ def _measure_io(
     times: dict[tuple, list[float]] = {}
     dropped = []
     io = IoPool("bench", threads)
-    targets = {
+    stores = {
         kib: {
             "tier": Tier(base / f"tier-{kib}k", kib << 10, nmax),
         }
         for kib in kibs
     }
-    for pair in targets.values():
+    for pair in stores.values():
         pair["floor"] = Floor(pair["tier"].data_path, pair["tier"].slot_bytes, nmax)
     try:
         with _slots(pools, kibs, nmax) as slots:
@@ -238,7 +239,7 @@ def _measure_io(
                         src, dst = slots[kind][kib]
                         for j in range(_samples(n, kib)):
                             for who in order if j % 2 == 0 else order[::-1]:
-                                t = targets[kib][who]
+                                t = stores[kib][who]
                                 job = t.writer(src) if phase == "write" else t.reader(dst)
                                 start = time.perf_counter()
                                 run_batch(io, n, job)
@@ -249,13 +250,13 @@ def _measure_io(
             sums = {kib: _checksum_gbps(slots["4k"][kib][0]) for kib in kibs}
     finally:
         io.close()
-        for pair in targets.values():
+        for pair in stores.values():
             for t in pair.values():
                 t.close()
     out = figures(times, pools, cases)
     out.update(
         page_cache_dropped=all(dropped),
-        direct_io=all(t["tier"].direct for t in targets.values()),
+        direct_io=all(t["tier"].direct for t in stores.values()),
         checksum_gbps={f"{kib}k": v for kib, v in sums.items()},
         cases={case_name(n, kib): {"blocks": n, "block_bytes": kib << 10} for n, kib in cases},
     )

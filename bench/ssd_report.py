@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench.targets import Target, at_least, verdict
 from cachesim.report import print_table
 
 TARGET_VS_FLOOR = 0.8
@@ -66,6 +67,21 @@ def _note(ratios: dict[str, float]) -> str:
     return "within target" if not below else "below target: " + ", ".join(below)
 
 
+def targets(r: dict[str, Any]) -> dict[str, Target]:
+    """`write.<pool pages>.<case>`, `read...` and `e2e_get.<case>`: each >=
+    TARGET_VS_FLOOR x its floor of the same run."""
+    out: dict[str, Target] = {}
+    for phase in ("write", "read"):
+        rule = f"tier {phase} GB/s / raw O_DIRECT {phase} of the same slots >= {TARGET_VS_FLOOR:g}"
+        for kind, by_case in r[f"{phase}_vs_floor"].items():
+            for case, ratio in by_case.items():
+                out[f"{phase}.{kind}.{case}"] = at_least(ratio, TARGET_VS_FLOOR, rule)
+    rule = f"GET through a sidecar / raw O_DIRECT into its CPU-tier slots >= {TARGET_VS_FLOOR:g}"
+    for case, e in r["e2e"].items():
+        out[f"e2e_get.{case}"] = at_least(e["vs_floor"], TARGET_VS_FLOOR, rule)
+    return out
+
+
 def print_report(r: dict[str, Any]) -> None:
     rows = []
     for kind in r["write_gbps"]:
@@ -109,6 +125,7 @@ def print_report(r: dict[str, Any]) -> None:
         f"on one thread"
     )
     print("fio (psync, one job per thread, its own buffers): " + _fio(r["fio"]))
+    print(verdict(r["targets"]))
 
 
 def _fio(fio: dict[str, dict[str, Any]]) -> str:

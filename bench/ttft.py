@@ -241,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from bench.ttft_measure import break_even, fidelity, summarize
+        from bench.ttft_measure import break_even, fidelity, load_target, summarize
+        from engine_shim.hf import kv_block_bytes
     except ImportError:
         print("bench ttft needs torch and transformers: pip install -e '.[hf]'", file=sys.stderr)
         return 2
@@ -268,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
         if any(r["target_tokens"] == t for r in trace_rows)
     ]
     checks = fidelity(rows, tolerance_required=s.device == "cpu")
+    block_bytes = kv_block_bytes(model, TOKENS_PER_BLOCK)
+    floor, target = load_target(sweep_rows, block_bytes, s.device, TOKENS_PER_BLOCK)
     result: dict[str, Any] = {
         "lengths": by_length,
         "sweep": sweep_rows,
@@ -275,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
         "all_from_cpu": all(r["all_from_cpu"] for r in rows),
         "all_from_ssd": all(r["all_from_ssd"] for r in rows),
         "fidelity": checks,
+        "load_floor": floor,
+        "targets": {"lookup_load_32_blocks_ms": target},
         "model": args.model,
         "model_about": MODELS[args.model].about,
         "device": s.device,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from bench.targets import at_most
 from bench.ttft_workload import Case
 from engine_shim.client import KVClient, TierTokens
 from engine_shim.hf import CachedLM, PrefillInfo
@@ -255,3 +256,54 @@ def break_even(sweep: list[dict[str, Any]], tier: str) -> int | None:
 
 def _prompt_tokens(row: dict[str, Any]) -> int:
     return int(row["prompt_tokens"])
+
+
+LOAD_TARGET_BLOCKS = 32
+"""Issue 30's load target: lookup + load of a 32-block cached prefix (512
+tokens; 64 MiB for Llama-3-8B) <= LOAD_TARGET_TIMES x the floor's copy of
+the same bytes + LOAD_TARGET_SLACK_MS."""
+LOAD_TARGET_TIMES, LOAD_TARGET_SLACK_MS = 1.5, 0.3
+
+
+def copy_floor_ms(nbytes: int, device: str, repeats: int = 20) -> float:
+    """The floor of a load of `nbytes`: one copy of that many contiguous
+    bytes into the device, from pinned host memory on cuda (a
+    cudaMemcpyAsync, waited for), host to host on the CPU; the median of
+    `repeats` after two untimed ones, in ms."""
+    cuda = device == "cuda"
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeats + 2):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3
+
+
+def load_target(
+    sweep: list[dict[str, Any]], block_bytes: int, device: str, tokens_per_block: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the floor measured now, the target) for the sweep row whose cached
+    prefix is LOAD_TARGET_BLOCKS blocks; value None when the sweep has none."""
+    nbytes = LOAD_TARGET_BLOCKS * block_bytes
+    floor = {
+        "blocks": LOAD_TARGET_BLOCKS,
+        "bytes": nbytes,
+        "copy_ms": copy_floor_ms(nbytes, device),
+        "copy": "pinned host -> GPU, one cudaMemcpyAsync" if device == "cuda" else "host memcpy",
+    }
+    cached = LOAD_TARGET_BLOCKS * tokens_per_block
+    row = next((r for r in sweep if r["cached_tokens"] == cached), None)
+    limit = LOAD_TARGET_TIMES * floor["copy_ms"] + LOAD_TARGET_SLACK_MS
+    rule = (
+        f"CPU-tier lookup + load of a {LOAD_TARGET_BLOCKS}-block prefix, ms, <= "
+        f"{LOAD_TARGET_TIMES:g} x the floor's copy of its bytes + {LOAD_TARGET_SLACK_MS:g} "
+        "(issue 30: Llama-3-8B on a GPU)"
+    )
+    target = at_most(None if row is None else row["cpu_lookup_load_ms"], limit, rule)
+    return floor, target

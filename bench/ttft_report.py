@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.targets import verdict
 from cachesim.report import print_table
 
 
@@ -59,6 +60,12 @@ def print_report(r: dict[str, Any]) -> None:
         f"torch threads {r['torch_threads']}; sidecar exits {r['sidecar_exit_codes']}, "
         f"{len(r['shm_leftovers'])} shm leftovers"
     )
+    fl = r["load_floor"]
+    print(
+        f"load floor: {fl['blocks']} blocks, {fl['bytes'] / 2**20:.3g} MiB, {fl['copy']}: "
+        f"{fl['copy_ms']:.3g} ms"
+    )
+    print(verdict(r["targets"]))
 
 
 def _pair(row: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ def test_gpu_bench_runs_or_says_why_not(tmp_path, capsys):
         ):
             assert math.isfinite(case[key]) and case[key] > 0, key
         assert case["auto_path"] in ("sm", "dma")
+    assert data["targets"] == {}  # held at 1,024 blocks; --quick runs 8 and 64
 
 
 def test_gpu_bench_rejects_unknown_models(capsys):

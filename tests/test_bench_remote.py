@@ -35,6 +35,13 @@ def test_remote_cli_quick_writes_figures_and_cleans_up(tmp_path):
     assert case["floor_read_gbps"] == case[f"{case['floor_read_kind']}_gbps"]
     assert case["read_vs_floor"] == case["tier_read_gbps"] / case["floor_read_gbps"]
     assert case["read_vs_redis_py"] == case["tier_read_gbps"] / case["floor_read_redis_py_gbps"]
+    targets = {name: (t["value"], t["limit"]) for name, t in data["targets"].items()}
+    assert targets == {
+        f"{phase}.{case}": (data[f"{phase}_vs_floor"][case], 0.8)
+        for phase in ("write", "read")
+        for case in ("2048KiB", "256KiB")
+    }
+    assert all(t["within"] is (t["value"] >= 0.8) for t in data["targets"].values())
     assert shm_entries(f"kvsbench.{os.getpid()}.") == []
 
 

@@ -113,6 +113,14 @@ def test_index_cli_quick(tmp_path):
     ):
         assert np.isfinite(data[key]) and data[key] > 0, key
     assert data["match_2048_path_nodes"] >= 64
+    t = data["targets"]  # quick sizes are below the 5M blocks the memory target is for
+    assert sorted(t) == ["evict_ratio_large_small", "hash_ms_2048_keys", "match_us_2048"]
+    assert (t["match_us_2048"]["value"], t["match_us_2048"]["limit"]) == (
+        data["match_us_2048"],
+        200,
+    )
+    assert t["hash_ms_2048_keys"]["value"] == data["hash_ms_blake2b"]
+    assert all(x["within"] is (x["value"] <= x["limit"]) for x in t.values())
 
 
 def test_report_helpers(tmp_path):

@@ -38,6 +38,13 @@ def test_shm_cli_quick_writes_figures_and_cleans_up(tmp_path):
             assert floors[data[f"floor_{d}_kind"][case]] == max(floors.values())
             ratio = data[f"{d}_gbps"][case] / data[f"floor_{d}_gbps"][case]
             assert data[f"{d}_vs_floor"][case] == ratio
+    # The target holds 2 MiB blocks only (2048x32 and 2048x1), each way.
+    targets = {name: t["value"] for name, t in data["targets"].items()}
+    two_mib = ("2048x32", "2048x1")
+    assert targets == {
+        f"{d}.{c}": data[f"{d}_vs_floor"][c] for d in ("save", "load") for c in two_mib
+    }
+    assert all(t["within"] is (t["value"] >= 0.8) for t in data["targets"].values())
     assert shm_entries(f"kvsbench.{os.getpid()}.") == []
 
 

@@ -45,6 +45,17 @@ def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
         assert positive(get[key]), key
     assert get["blocks"] == 16 and get["block_bytes"] == 256 << 10
     assert data["target_vs_floor"] == 0.8 and data["threads"] == 4
+    # One target per figure: its ratio to the floor, held to 0.8.
+    figures = {
+        f"{phase}.{kind}.{case}": data[f"{phase}_vs_floor"][kind][case]
+        for phase in ("write", "read")
+        for kind in kinds
+        for case in CASES
+    }
+    figures["e2e_get.16x256k"] = get["vs_floor"]
+    assert {name: t["value"] for name, t in data["targets"].items()} == figures
+    for t in data["targets"].values():
+        assert t["limit"] == 0.8 and t["within"] is (t["value"] >= 0.8) and t["rule"]
     assert isinstance(data["page_cache_dropped"], bool) and data["direct_io"] is True
     assert all("available" in v for v in data["fio"].values())
     assert sorted(data["checksum_gbps"]) == ["2048k", "256k"]
