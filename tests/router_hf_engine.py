@@ -36,7 +36,7 @@ async def _main(args: argparse.Namespace) -> None:
     prompts = PromptTokenizer(args.tokenizer)
     client = KVClient.connect(args.sidecar, timeout=30.0)
     lm = CachedLM(tiny_llama(seed=0), client, model_name="tiny")
-    registered = client._registered
+    registered = client._link.registered
     assert registered is not None
     namespace = dataclasses.asdict(registered.hasher.namespace)
     Path(args.namespace_out).write_text(json.dumps(namespace))

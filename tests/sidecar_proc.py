@@ -297,7 +297,7 @@ def shorten_timeout(client, timeout: float) -> None:
     """From now on the client's calls wait only `timeout` for a reply: for a
     test of a sidecar that stops answering, after a set-up whose calls must
     not time out on a loaded machine. (Its heartbeat keeps its own channel.)"""
-    client.timeout = client._channel.timeout = timeout
+    client.timeout = client._link.channel.timeout = timeout
 
 
 # ---- engine processes (run under multiprocessing "spawn") ---------------------------

@@ -53,7 +53,7 @@ def test_the_pool_is_in_gpu_memory_and_cached_turns_equal_a_recompute(sidecar):
     lm = cuda_lm(sidecar, torch.float32, "cuda-fp32", chunk_tokens=TPB)
     try:
         assert all(layer.is_cuda for layer in lm.pool.layers)
-        assert type(lm.client._copier).__name__ == "GpuBlockCopier"
+        assert type(lm.client._link.copier).__name__ == "GpuBlockCopier"
         history = tokens(1, 150)
         for turn in range(3):
             cached = lm.generate(history, 6)

@@ -197,8 +197,8 @@ def test_hot_path_false_asks_for_everything(sidecar, open_client):
 
 def granted(client) -> int:
     """Slots granted to `client` now (reading a Grant's answer if it came)."""
-    client._hot.grants_usable(client._hot.index)
-    return len(client._hot.index.granted)
+    client._link.hot.grants_usable(client._link.hot.index)
+    return len(client._link.hot.index.granted)
 
 
 def cpu_tier(s: Sidecar) -> tuple[int, int]:
@@ -277,8 +277,8 @@ def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, o
     c = open_client(sidecar.endpoint, make_kv(12))
     c.save(tokens(1, start=8000), np.arange(1)).wait()
     wait_for(lambda: granted(c) > 1)
-    mine = c._hot.index.granted[:2]
-    other = next(s for s in range(1 << 20) if s not in c._hot.index.granted)
+    mine = c._link.hot.index.granted[:2]
+    other = next(s for s in range(1 << 20) if s not in c._link.hot.index.granted)
     before = cpu_tier(sidecar)
     channel = Channel(sidecar.endpoint, 10.0)
     try:

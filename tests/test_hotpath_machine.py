@@ -201,12 +201,12 @@ class GrantMachine(RuleBasedStateMachine):
         engine = self.engines[0]
         if not engine._hot_flags():  # a restart it has not met yet
             return
-        assert engine._hot.index is not None
+        assert engine._link.hot.index is not None
         with self.racer_paused():
             for p in range(PROMPTS):
                 keys = engine.block_keys(tokens(8, start=1000 * p))
                 asked = engine._ask_lookup(keys).cpu // sp.TOKENS_PER_BLOCK
-                assert engine._hot.index.view.count(key_bytes(keys)) == asked, p
+                assert engine._link.hot.index.view.count(key_bytes(keys)) == asked, p
 
     @invariant()
     def slots_conserved(self) -> None:

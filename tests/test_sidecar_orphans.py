@@ -107,13 +107,13 @@ def pair_save(pair: list, start: int, n: int) -> None:
 
 def raw_save(client, n: int):
     """A save plan this client asked for and has not copied for yet."""
-    from engine_shim.client import _plan_ops
+    from engine_shim.link import plan_ops
 
     keys = client.block_keys(tokens(n))
-    reply, arrays = client._call(
-        client._req(p.Save), [p.keys_frame(keys), p.ids_frame(np.arange(n))]
+    reply, arrays = client._link.call(
+        client._link.req(p.Save), [p.keys_frame(keys), p.ids_frame(np.arange(n))]
     )
-    return _plan_ops(reply, arrays, "save")
+    return plan_ops(reply, arrays, "save")
 
 
 @pytest.mark.parametrize("report", ["fail", "cancel"])
@@ -130,9 +130,9 @@ def test_a_tp_rank_failing_a_save_leaves_its_slots_to_the_ranks_still_copying(re
         assert stats_of(s)["tiers"]["cpu"]["capacity_blocks"] == 8
         plan = raw_save(leader, 4)  # rank 0 has not copied yet
         if report == "fail":
-            follower._fail(plan, RuntimeError("rank 1's copy failed"))
+            follower._link.fail(plan, RuntimeError("rank 1's copy failed"))
         else:
-            follower._give_back(plan.plan_id)
+            follower._link.give_back(plan.plan_id)
         wait_for(lambda: stats_of(s)["orphaned_plans"] == 1)
         cpu = stats_of(s)["tiers"]["cpu"]
         assert cpu["used_blocks"] == 4 and cpu["cached_blocks"] == 0
@@ -184,7 +184,7 @@ def test_an_orphan_holds_its_slots_while_the_plans_own_ssd_write_runs(tmp_path, 
         assert ssd["cached_blocks"] == 8 and others[0].lookup(tokens(8)) == 8 * sp.TOKENS_PER_BLOCK
         plan = raw_save(leader, 16)  # K[0:16]: K[0:8] goes to SSD now, 8 new blocks
         if give_up == "fail":
-            follower._fail(plan, RuntimeError("rank 1's copy failed"))
+            follower._link.fail(plan, RuntimeError("rank 1's copy failed"))
         else:
             follower.close()
         wait_for(lambda: stats_of(s)["plans_in_flight"] == 0)  # the SSD write returned
@@ -215,9 +215,9 @@ def test_a_requester_giving_up_before_its_copy_frees_the_slots_at_once(give_up):
     try:
         plan = raw_save(leader, 4)
         if give_up == "fail":
-            leader._fail(plan, RuntimeError("rank 0's copy failed"))
+            leader._link.fail(plan, RuntimeError("rank 0's copy failed"))
         else:
-            leader._give_back(plan.plan_id)
+            leader._link.give_back(plan.plan_id)
         wait_for(lambda: stats_of(s)["plans_in_flight"] == 0)
         st = stats_of(s)
         assert st["orphaned_plans"] == 0 and st["tiers"]["cpu"]["used_blocks"] == 0
@@ -263,7 +263,7 @@ def test_a_load_parked_for_a_cpu_slot_is_retried_when_a_save_becomes_an_orphan(t
         waiter.start()
         # parked once handled: no CPU slot to stage X into
         wait_for(lambda: stats_of(s)["requests"].get("load", 0) > loads)
-        follower._fail(plan, RuntimeError("rank 1's copy failed"))
+        follower._link.fail(plan, RuntimeError("rank 1's copy failed"))
         failed = time.monotonic()
         waiter.join(sp.DEADLINE)  # its load gives up after 20 s (others' timeout)
         # Rank 0 reports only below; its lease (10 s) is renewed all along.

@@ -117,7 +117,7 @@ def test_a_plan_from_before_a_sidecar_restart_is_refused(sidecar):
         sidecar.start()
         wait_for(lambda: [e["ranks"] for e in stats_of(sidecar)["engines"]] == [[0, 1]])
         # ... and the follower's heartbeat has read the new sidecar's reply
-        wait_for(lambda: follower._live_boot == stats_of(sidecar)["boot_id"])
+        wait_for(lambda: follower._link.live_boot == stats_of(sidecar)["boot_id"])
         fresh = leader.save(tokens(4, start=500), np.arange(4, 8))
         fresh.wait()
         # Plan ids start anywhere on each boot, so the stale id names no plan here either.
@@ -156,7 +156,7 @@ def test_an_engine_making_only_lookups_unmaps_a_restarted_sidecars_old_pool(open
         s.kill()
         s.start()
         wait_for(lambda: len(stats_of(s)["engines"]) == 1)  # the heartbeat re-registered
-        wait_for(lambda: client._live_boot == stats_of(s)["boot_id"])  # and read the reply
+        wait_for(lambda: client._link.live_boot == stats_of(s)["boot_id"])  # and read the reply
         assert client.lookup(tokens(2)) == 0
         now = _mapped_segments(s.shm_prefix)
         assert not any("(deleted)" in m for m in now) and now != old
@@ -172,7 +172,7 @@ def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_er
     to a sidecar that never made it."""
     with connect(sidecar.endpoint, make_kv(13), timeout=0.5) as client:
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
-        client._hot.close()  # a GPU load asks for a plan; a CPU one would not
+        client._link.hot.close()  # a GPU load asks for a plan; a CPU one would not
         handle = client.load(tokens(2), np.arange(2, 4))
         assert handle.plan is not None
         handle._ack, handle._copies = None, [_Landed()]  # as a GPU load before its wait
@@ -181,7 +181,7 @@ def test_a_load_whose_sidecar_restarted_before_its_wait_is_unavailable_not_an_er
         wait_for(lambda: len(stats_of(sidecar)["engines"]) == 1)
         # The heartbeat met the new sidecar once it has read its reply, not
         # when the sidecar has registered it (a loaded machine sees the gap).
-        wait_for(lambda: client._live_boot == stats_of(sidecar)["boot_id"])
+        wait_for(lambda: client._link.live_boot == stats_of(sidecar)["boot_id"])
         with pytest.raises(SidecarUnavailable, match="restarted since"):
             handle.wait()
         assert "unknown_plan" not in stats_of(sidecar)["errors"]
@@ -206,7 +206,7 @@ def test_shm_gone_between_a_register_reply_and_its_mapping_is_unavailable(sideca
             lease_seconds=10.0,
         )
         with pytest.raises(SidecarUnavailable, match="shared memory"):
-            client._attach(gone)  # a restarted sidecar's reply, its segments already unlinked
+            client._link._attach(gone)  # a restarted sidecar's reply, its segments already unlinked
         # The next call maps the live sidecar's segments again and goes on.
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
 

@@ -80,7 +80,7 @@ def test_a_closed_client_says_so_and_registers_nothing(sidecar):
             call()
     with pytest.raises(RuntimeError, match="closed"):
         client.register(make_kv(14), **sp.MODEL)
-    assert client._register_args is None and stats_of(sidecar)["engines"] == []
+    assert client._link.register_args is None and stats_of(sidecar)["engines"] == []
 
 
 def test_a_negative_pid_is_refused_and_the_sidecar_lives_on(sidecar):
@@ -93,9 +93,9 @@ def test_a_negative_pid_is_refused_and_the_sidecar_lives_on(sidecar):
             id=0,
             session="neg",
             engine_id="neg",
-            kv=probe._register_args["kv"],
+            kv=probe._link.register_args["kv"],
             pid=-1,
-            pid_ns=probe._register_args["pid_ns"],
+            pid_ns=probe._link.register_args["pid_ns"],
         )
         with pytest.raises(SidecarError) as info:
             channel.call(request)
@@ -245,10 +245,10 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
     channel = Channel(server.endpoint, 30.0)
     client = connect(server.endpoint, make_kv(4))
     try:
-        heartbeat = client._heartbeat
+        heartbeat = client._link.heartbeat
         heartbeat.stop()  # this test sends the engine's heartbeat itself
         heartbeat._thread.join()  # no beat of its own still on the way
-        channel.call(client._req(p.Heartbeat))
+        channel.call(client._link.req(p.Heartbeat))
         seen = server.handlers.engines.sessions[client.session].last_seen
         # The stall starts late in the lease (a lease check just before it
         # must still find the engine within it: 2.4 s to spare) ...
@@ -258,7 +258,7 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
         stalled = time.monotonic()
         queued = [
             channel.send(p.Stats(v=p.PROTOCOL_VERSION, id=0)),
-            channel.send(client._req(p.Heartbeat)),
+            channel.send(client._link.req(p.Heartbeat)),
         ]
         # ... lasts over a quarter lease (about half), and ends past the lease.
         time.sleep(

@@ -438,8 +438,8 @@ def test_halves_made_before_the_sidecar_starts_work_once_it_is_up():
             assert time.monotonic() < deadline
             time.sleep(0.1)
         # Registered late, the leases are renewed all the same (not only by traffic).
-        assert sched._client._heartbeat is not None
-        assert worker._client is not None and worker._client._heartbeat is not None
+        assert sched._client._link.heartbeat is not None
+        assert worker._client is not None and worker._client._link.heartbeat is not None
         sched.close()
         worker.close()
         assert late.stop() == 0
