@@ -10,6 +10,7 @@ from helpers import FakeClock, chain, key_ids, keys, make_index
 
 from sidecar.control.policies import POLICY_NAMES, make_policy
 from sidecar.control.s3fifo import MAIN
+from sidecar.control.shadows import CANDIDATES
 
 LEAVES = "ABCDE"
 
@@ -61,6 +62,8 @@ TRUTH = {
     # then recency, as lfu.
     "arc": "CEDAB",
 }
+# Before it has seen a request, auto follows its first candidate.
+TRUTH["auto"] = TRUTH[CANDIDATES[0]]
 
 
 def test_truth_table_covers_every_policy():

@@ -52,7 +52,6 @@ class _State:
 class S3FifoPolicy(TwoQueues):
     name = "s3fifo"
     ghost_queues: tuple[int, ...] = (SMALL,)
-    """The queues whose victims a ghost remembers."""
 
     def __init__(self, min_ghost_entries: int = 1024) -> None:
         super().__init__(min_ghost_entries, SMALL_SHARE)

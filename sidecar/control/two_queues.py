@@ -31,6 +31,9 @@ class QueueState(Protocol):
 
 
 class TwoQueues(EvictionPolicy):
+    ghost_queues: tuple[int, ...] = (0, 1)
+    """The queues whose victims a ghost remembers."""
+
     def __init__(self, min_ghost_entries: int, share: float) -> None:
         self._blocks = [0, 0]
         """Blocks of the nodes in each queue (candidates or not)."""
@@ -69,6 +72,13 @@ class TwoQueues(EvictionPolicy):
 
     def _on_ghost_hit(self, ghost: int, blocks: int) -> None:
         """A node comes back whose first key `ghost`'s ghost remembered."""
+
+    def evicted_elsewhere(self, node: RadixNode) -> None:
+        """The index is about to evict `node` (all or its tail) on another
+        policy's choice (`auto`): remember it as a victim of its queue."""
+        queue = self._state(node).queue
+        self._leaving = node if queue in self.ghost_queues else None
+        self._leaving_queue = queue
 
     # --- the index's hooks shared by both ---------------------------------
 
