@@ -181,17 +181,19 @@ def test_the_cache_engine_tells_auto_of_counted_lookups_only():
         assert make_policy(name).observer is None
 
 
-def test_a_big_tier_is_simulated_on_a_sample_of_its_trees(monkeypatch):
+def test_a_big_tier_is_simulated_on_a_sample_of_its_requests(monkeypatch):
     monkeypatch.setattr(shadows, "FULL_SHADOW_BLOCKS", 1000)
+    monkeypatch.setattr(shadows, "SAMPLE_DEPTH", 2)
     selector = Selector(("lru",))
-    for i in range(4000):
-        selector.observe(keys(i + 1, i + 100_000), capacity=4000)
+    for i in range(4000):  # one shared first key, as a system prompt
+        selector.observe(keys(1, i + 100_000), capacity=4000)
     assert selector.rate == pytest.approx(0.25)
     assert 800 <= selector.observed <= 1200
-    # A sampled request's whole tree is sampled: its continuation is seen too.
+    # Sampled by the key at SAMPLE_DEPTH: a sampled request's continuations
+    # are sampled too, the others' are not.
     seen = selector.observed
     for i in range(4000):
-        selector.observe(keys(i + 1, i + 100_000, i + 200_000), capacity=4000)
+        selector.observe(keys(1, i + 100_000, i + 200_000), capacity=4000)
     assert selector.observed - seen == seen
 
 

@@ -7,22 +7,26 @@ handles them: the leading run of cached blocks is a hit and is touched, the
 rest is inserted, evicting in the candidate's order down to the shadow's
 capacity. Each shadow's hits decay with a half-life of `HALF_LIFE_REQUESTS`
 observed requests; the chosen candidate changes only when another one's
-decayed hits exceed its own by `SWITCH_MARGIN` (relative), checked every
-`CHECK_EVERY` requests after the first `WARMUP_REQUESTS` (empty shadows
-say little, and a policy whose order is built from counts, lfu, loses
-what it would have kept if it is left early), so switching is rare and a
-tie never flips it.
+decayed hits exceed its own by `SWITCH_MARGIN` of the decayed lookups
+(0.3 hit-ratio points: a relative margin is too wide at high hit ratios and
+too narrow at low ones), checked every `CHECK_EVERY` requests after the
+first `WARMUP_REQUESTS` (empty shadows say little, and a policy whose order
+is built from counts, lfu, loses what it would have kept if it is left
+early), so switching is rare and a tie never flips it.
 
 Miniature simulation (SHARDS, Waldspurger et al., ATC '17): a tier larger
-than `FULL_SHADOW_BLOCKS` blocks is simulated on a sample of its trees
-only, at rate R = FULL_SHADOW_BLOCKS / capacity: a request is observed when
-a hash of its first key falls under R, and each shadow holds R x capacity
-blocks. Sampling by the first key keeps whole trees, so a sampled request
-finds its sampled prefix. Below that size there is no sampling (R = 1): a
-hit ratio gap of a point needs thousands of observed requests to show, and
-trees sharing one system prompt (one first key) would be sampled all or
-nothing. A shadow's cost is thus bounded by FULL_SHADOW_BLOCKS blocks of
-keys per candidate.
+than `FULL_SHADOW_BLOCKS` blocks is simulated on a sample of its requests,
+at rate R = FULL_SHADOW_BLOCKS / capacity, each shadow holding R x capacity
+blocks. A request is observed when a hash of its key at depth
+`SAMPLE_DEPTH` (its last key if shorter) falls under R, so requests that
+share their first SAMPLE_DEPTH blocks are sampled together: a conversation
+past that depth is sampled whole. Not the first key: every request of the Mooncake trace,
+and of the rag and sessions shapes, starts with one shared system prompt,
+so sampling by the first key takes all or nothing. Below that size there is
+no sampling (R = 1): a gap of a point needs thousands of observed requests
+to show. The shadows' cost is thus bounded: at most FULL_SHADOW_BLOCKS
+blocks of keys per candidate, and R index operations per candidate per
+request.
 """
 
 from __future__ import annotations
@@ -36,20 +40,21 @@ from sidecar.control.policies import make_policy
 CANDIDATES: tuple[str, ...] = ("arc", "lru", "s3fifo", "lfu")
 """Followed candidates, the first being the initial choice; each wins
 somewhere in `bench replay` (docs/control-plane.md)."""
-HALF_LIFE_REQUESTS = 500
+HALF_LIFE_REQUESTS = 2000
 WARMUP_REQUESTS = 500
-SWITCH_MARGIN = 0.01
+SWITCH_MARGIN = 0.003
 CHECK_EVERY = 50
-MIN_DWELL_REQUESTS = 0
 FULL_SHADOW_BLOCKS = 1 << 20
+SAMPLE_DEPTH = 128
 
 _HASH_RANGE = 1 << 32
 
 
-def _tree_hash(keys: BlockKeys) -> int:
-    """32 well-mixed bits of the first key (Fibonacci hashing: trace keys
-    may be small integers)."""
-    low = int.from_bytes(keys[:1].tobytes()[:8], "little")
+def _sample_hash(keys: BlockKeys) -> int:
+    """32 well-mixed bits of the key at depth SAMPLE_DEPTH (Fibonacci
+    hashing: trace keys may be small integers)."""
+    depth = min(SAMPLE_DEPTH, keys.size)
+    low = int.from_bytes(keys[depth - 1 : depth].tobytes()[:8], "little")
     return ((low * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> 32
 
 
@@ -69,9 +74,10 @@ class Selector:
         """Index in `names` of the candidate the real cache follows."""
         self.scores = [0.0] * len(names)
         """Each shadow's hit blocks, decayed per observed request."""
+        self.lookups = 0.0
+        """Blocks looked up, decayed as the scores are."""
         self.switches = 0
         self.observed = 0
-        self._last_switch = 0
         self.rate = 1.0
         self._shadows: list[RadixIndex] = []
         self._capacity = 0
@@ -89,11 +95,12 @@ class Selector:
             self._start(capacity)
         if keys.size == 0:
             return
-        if self.rate < 1.0 and _tree_hash(keys) >= self._threshold:
+        if self.rate < 1.0 and _sample_hash(keys) >= self._threshold:
             return
         self._capacity = max(1, round(self.rate * capacity))
         decay = self._decay
         scores = self.scores
+        self.lookups = self.lookups * decay + keys.size
         for i, shadow in enumerate(self._shadows):
             scores[i] = scores[i] * decay + self._access(shadow, keys)
         self.observed += 1
@@ -133,11 +140,9 @@ class Selector:
         return hits
 
     def _decide(self) -> None:
-        best = max(range(len(self.scores)), key=self.scores.__getitem__)
-        if self.observed - self._last_switch < MIN_DWELL_REQUESTS:
-            return
         scores = self.scores
-        if best != self.chosen and scores[best] > (1 + SWITCH_MARGIN) * scores[self.chosen]:
+        best = max(range(len(scores)), key=scores.__getitem__)
+        lead = scores[best] - scores[self.chosen]
+        if best != self.chosen and lead > SWITCH_MARGIN * self.lookups:
             self.chosen = best
-            self._last_switch = self.observed
             self.switches += 1
