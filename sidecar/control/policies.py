@@ -237,7 +237,8 @@ DEFAULT_POLICY = "lru"
 
 
 def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
-    """The policy registered as `name`; `hit_reward_seconds` applies to lru only."""
+    """The policy registered as `name`; `hit_reward_seconds` applies to lru
+    only (not to `auto`'s lru candidate)."""
     if hit_reward_seconds < 0:
         raise ValueError(f"hit_reward_seconds must be >= 0, got {hit_reward_seconds}")
     if name == "s3fifo":
