@@ -16,6 +16,7 @@ Names and semantics follow FlexKV, so its configs carry over:
 | filo            | newest inserted                                       |
 | s3fifo          | S3-FIFO: small / main FIFO queues with a ghost        |
 | s3fifo_adaptive | S3-FIFO, the small queue's share learned from ghosts  |
+| s3fifo_blocks   | S3-FIFO, its ghost bounded in blocks (as the paper's) |
 | arc             | ARC; its frequent queue by aged own-hit counts        |
 | auto            | whichever of lru, s3fifo, lfu, arc does best lately   |
 """
@@ -231,7 +232,14 @@ _ORDERINGS: dict[str, Callable[[float], Priority]] = {
     "filo": lambda _: lambda n: (0.0, 0.0, -n.birth),
 }
 
-POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo", "s3fifo_adaptive", "arc", "auto")
+POLICY_NAMES: tuple[str, ...] = (
+    *_ORDERINGS,
+    "s3fifo",
+    "s3fifo_adaptive",
+    "s3fifo_blocks",
+    "arc",
+    "auto",
+)
 DEFAULT_POLICY = "lru"
 """The default of the `eviction_policy` setting (see docs/control-plane.md for why)."""
 
@@ -249,6 +257,10 @@ def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
         from sidecar.control.s3fifo import AdaptiveS3FifoPolicy
 
         return AdaptiveS3FifoPolicy()
+    if name == "s3fifo_blocks":
+        from sidecar.control.s3fifo import S3FifoBlocksPolicy
+
+        return S3FifoBlocksPolicy()
     if name == "arc":
         from sidecar.control.arc import ArcPolicy
 

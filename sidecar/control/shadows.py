@@ -8,7 +8,7 @@ rest is inserted, evicting in the candidate's order down to the shadow's
 capacity. Each shadow's hits decay with a half-life of `HALF_LIFE_REQUESTS`
 observed requests; the chosen candidate changes only when another one's
 decayed hits exceed its own by `SWITCH_MARGIN` of the decayed lookups
-(0.3 hit-ratio points: a relative margin is too wide at high hit ratios and
+(0.5 hit-ratio points: a relative margin is too wide at high hit ratios and
 too narrow at low ones), checked every `CHECK_EVERY` requests after the
 first `WARMUP_REQUESTS` (empty shadows say little, and a policy whose order
 is built from counts, lfu, loses what it would have kept if it is left
@@ -37,12 +37,12 @@ from contract.ids import SLOT_DTYPE, BlockKeys, SlotIds
 from sidecar.control.index import RadixIndex
 from sidecar.control.policies import make_policy
 
-CANDIDATES: tuple[str, ...] = ("arc", "lru", "s3fifo", "lfu")
+CANDIDATES: tuple[str, ...] = ("s3fifo_blocks", "arc", "lru", "s3fifo", "lfu")
 """Followed candidates, the first being the initial choice; each wins
 somewhere in `bench replay` (docs/control-plane.md)."""
 HALF_LIFE_REQUESTS = 2000
 WARMUP_REQUESTS = 500
-SWITCH_MARGIN = 0.003
+SWITCH_MARGIN = 0.005
 CHECK_EVERY = 50
 FULL_SHADOW_BLOCKS = 1 << 20
 SAMPLE_DEPTH = 128
@@ -81,6 +81,8 @@ class Selector:
         self.rate = 1.0
         self._shadows: list[RadixIndex] = []
         self._capacity = 0
+        """The shadows' capacity: rate x the tier's."""
+        self._tier_capacity = -1
         self._threshold = _HASH_RANGE
         self._decay = 0.5 ** (1.0 / HALF_LIFE_REQUESTS)
         self._zeros = SlotIds(np.zeros(0, dtype=SLOT_DTYPE))
@@ -92,7 +94,11 @@ class Selector:
     def observe(self, keys: BlockKeys, capacity: int) -> None:
         """A request's keys, looked up in a tier of `capacity` blocks."""
         if not self._shadows:
-            self._start(capacity)
+            self._start()
+        if capacity != self._tier_capacity:  # a tier in an arena grows and shrinks
+            self._tier_capacity = capacity
+            self.rate = min(1.0, FULL_SHADOW_BLOCKS / max(capacity, 1))
+            self._threshold = int(self.rate * _HASH_RANGE)
         if keys.size == 0:
             return
         if self.rate < 1.0 and _sample_hash(keys) >= self._threshold:
@@ -107,9 +113,7 @@ class Selector:
         if self.observed >= WARMUP_REQUESTS and self.observed % CHECK_EVERY == 0:
             self._decide()
 
-    def _start(self, capacity: int) -> None:
-        self.rate = min(1.0, FULL_SHADOW_BLOCKS / max(capacity, 1))
-        self._threshold = int(self.rate * _HASH_RANGE)
+    def _start(self) -> None:
         counter = [0.0]
 
         def clock() -> float:
