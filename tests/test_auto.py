@@ -198,6 +198,19 @@ def test_a_big_tier_is_simulated_on_a_sample_of_its_requests(monkeypatch):
     assert selector.observed - seen == seen
 
 
+def test_the_sampling_rate_follows_the_tiers_capacity(monkeypatch):
+    """A tier in an arena grows and shrinks: the rate is set from its
+    capacity as it is now, so the shadows stay bounded."""
+    monkeypatch.setattr(shadows, "FULL_SHADOW_BLOCKS", 1000)
+    selector = Selector(("lru",))
+    selector.observe(keys(1, 2), capacity=500)
+    assert selector.rate == 1.0
+    selector.observe(keys(1, 3), capacity=8000)
+    assert selector.rate == pytest.approx(0.125)
+    selector.observe(keys(1, 4), capacity=800)
+    assert selector.rate == 1.0
+
+
 def test_a_selector_needs_a_candidate():
     with pytest.raises(ValueError, match="at least one candidate"):
         Selector(())
