@@ -27,6 +27,12 @@ no sampling (R = 1): a gap of a point needs thousands of observed requests
 to show. The shadows' cost is thus bounded: at most FULL_SHADOW_BLOCKS
 blocks of keys per candidate, and R index operations per candidate per
 request.
+
+What it is fed: replay and the GET path give each request's whole keys
+once. Engines on the hot path look up in their own mapping and send only
+their loads' keys (`touch`), so there the shadows would not see the misses;
+that is why `auto` is not the default (docs/control-plane.md). The
+constants were chosen by a sweep over the committed traces.
 """
 
 from __future__ import annotations
