@@ -244,7 +244,8 @@ ERROR_CASES = {
         {"eviction_policy": "lfx"},
         [
             "eviction_policy: 'lfx' is not a valid choice (did you mean 'lfu'?)",
-            "allowed: one of lru, lfu, fifo, mru, filo, s3fifo, s3fifo_adaptive, arc",
+            "allowed: one of lru, lfu, fifo, mru, filo, s3fifo, s3fifo_adaptive, s3fifo_blocks, "
+            "arc, auto",
         ],
     ),
     "bad enum, no suggestion": (

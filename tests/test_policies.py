@@ -9,7 +9,8 @@ import pytest
 from helpers import FakeClock, chain, key_ids, keys, make_index
 
 from sidecar.control.policies import POLICY_NAMES, make_policy
-from sidecar.control.s3fifo import MAIN
+from sidecar.control.s3fifo import MAIN, SMALL
+from sidecar.control.shadows import CANDIDATES
 
 LEAVES = "ABCDE"
 
@@ -57,10 +58,13 @@ TRUTH = {
     # moves to M; E evicted; then M in order A, B, D.
     "s3fifo": "CEABD",
     "s3fifo_adaptive": "CEABD",  # no ghost hits yet: the share is still 10%
+    "s3fifo_blocks": "CEABD",  # no ghost hits yet: as s3fifo
     # T1 (never hit): C, E by recency; then T2 (A, B, D: hit) by own hits,
     # then recency, as lfu.
     "arc": "CEDAB",
 }
+# Before it has seen a request, auto follows its first candidate.
+TRUTH["auto"] = TRUTH[CANDIDATES[0]]
 
 
 def test_truth_table_covers_every_policy():
@@ -123,6 +127,39 @@ def test_s3fifo_ghost_remembers_the_tail_a_partial_eviction_took():
     node = index.insert(chain(4), np.array([4, 5]), ready=True).node  # 3..4 come back
     assert key_ids(node.key_bytes) == [3, 4]
     assert node.policy_state.queue == MAIN  # a ghost hit: 3 was remembered, not 1
+
+
+def test_s3fifo_blocks_bounds_its_ghost_by_blocks_not_nodes():
+    # 10 cached blocks: the ghost keeps at most 9 blocks' worth of first keys.
+    # s3fifo's would keep 1,024 entries, however many blocks each stands for.
+    index = make_index("s3fifo_blocks", FakeClock())
+    policy = index.policy
+    for i in range(10):  # ten 1-block nodes
+        index.insert(keys(100 + i), np.array([i]), ready=True)
+    for i in range(10):  # then 3-block nodes: each evicts 3 blocks to the ghost
+        index.evict(3)
+        index.insert(chain(3, start=1000 + 10 * i), np.arange(10 + 3 * i, 13 + 3 * i), ready=True)
+    assert sum(policy._ghosts[0].values()) <= 0.9 * index.num_blocks
+    assert len(policy._ghosts[0]) < 10
+
+
+def test_s3fifo_blocks_sends_a_returning_nodes_unused_tail_back_to_s():
+    index = make_index("s3fifo_blocks", FakeClock())
+    index.insert(keys(1), np.array([0]), ready=True)  # A, in S
+    for i in range(10):  # ten more 1-block leaves, so the ghost may hold 9 blocks
+        index.insert(keys(50 + i), np.array([10 + i]), ready=True)
+    index.evict(1)  # A -> ghost
+    node = index.insert(chain(3, start=1), np.array([0, 2, 3]), ready=True).node  # A 2 3
+    assert node.policy_state.queue == MAIN  # back from the ghost, whole
+    assert index.policy.queue_blocks == (10, 3)
+    index.match(keys(1), touch=True)  # a match of A alone splits off "2 3", unused
+    tail = index.match(chain(3, start=1)).node
+    assert key_ids(tail.key_bytes) == [2, 3] and tail.policy_state.queue == SMALL
+    head = tail.parent
+    assert key_ids(head.key_bytes) == [1] and head.policy_state.queue == MAIN
+    assert index.policy.queue_blocks == (12, 1)
+    assert tail.heap_token is not None  # still a candidate, now in S's heap
+    assert index.evict(13).num_blocks == 13 and index.num_blocks == 0
 
 
 def test_s3fifo_main_node_is_reinserted_while_it_has_hits():

@@ -49,6 +49,7 @@ class CacheEngine:
             raise ValueError(f"evict_ratio must be in [0, 1], got {evict_ratio}")
         self.name = name
         self.index = RadixIndex(make_policy(policy, hit_reward_seconds), clock, record_events)
+        self._observer = self.index.policy.observer
         self.mempool = Mempool(num_slots)
         self.evict_start_threshold = evict_start_threshold
         self.evict_ratio = evict_ratio
@@ -74,6 +75,10 @@ class CacheEngine:
         return self.mempool.num_used / self.capacity if self.capacity else 1.0
 
     def match(self, keys: BlockKeys, *, touch: bool = False) -> MatchResult:
+        """The index's match; a lookup that counts a hit (`touch`) is also
+        told to a policy that learns from requests (`auto`)."""
+        if touch and self._observer is not None:
+            self._observer.observe(keys, self.capacity)
         return self.index.match(keys, touch=touch)
 
     def allocate(self, n: int, ns: int = 0) -> SlotIds:

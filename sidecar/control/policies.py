@@ -16,7 +16,9 @@ Names and semantics follow FlexKV, so its configs carry over:
 | filo            | newest inserted                                       |
 | s3fifo          | S3-FIFO: small / main FIFO queues with a ghost        |
 | s3fifo_adaptive | S3-FIFO, the small queue's share learned from ghosts  |
+| s3fifo_blocks   | S3-FIFO, its ghost bounded in blocks (as the paper's) |
 | arc             | ARC; its frequent queue by aged own-hit counts        |
+| auto            | whichever of lru, s3fifo, lfu, arc does best lately   |
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
 
+from contract.ids import BlockKeys
 from sidecar.control.node import RadixNode
+
+
+class RequestObserver(Protocol):
+    """What a policy that learns from whole requests (`auto`) is told."""
+
+    def observe(self, keys: BlockKeys, capacity: int) -> None:
+        """A request's keys, looked up with a hit counted in a tier of
+        `capacity` blocks (`CacheEngine.match(touch=True)`)."""
 
 
 class EvictionPolicy(ABC):
@@ -52,6 +63,9 @@ class EvictionPolicy(ABC):
     """
 
     name: str = ""
+    observer: RequestObserver | None = None
+    """Set by a policy that must see whole requests; its tier's
+    `CacheEngine` then passes every counted lookup to it."""
 
     def on_insert(self, node: RadixNode) -> None:  # noqa: B027 - optional hook
         pass
@@ -218,13 +232,21 @@ _ORDERINGS: dict[str, Callable[[float], Priority]] = {
     "filo": lambda _: lambda n: (0.0, 0.0, -n.birth),
 }
 
-POLICY_NAMES: tuple[str, ...] = (*_ORDERINGS, "s3fifo", "s3fifo_adaptive", "arc")
+POLICY_NAMES: tuple[str, ...] = (
+    *_ORDERINGS,
+    "s3fifo",
+    "s3fifo_adaptive",
+    "s3fifo_blocks",
+    "arc",
+    "auto",
+)
 DEFAULT_POLICY = "lru"
 """The default of the `eviction_policy` setting (see docs/control-plane.md for why)."""
 
 
 def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
-    """The policy registered as `name`; `hit_reward_seconds` applies to lru only."""
+    """The policy registered as `name`; `hit_reward_seconds` applies to lru
+    only (not to `auto`'s lru candidate)."""
     if hit_reward_seconds < 0:
         raise ValueError(f"hit_reward_seconds must be >= 0, got {hit_reward_seconds}")
     if name == "s3fifo":
@@ -235,10 +257,18 @@ def make_policy(name: str, hit_reward_seconds: float = 0.0) -> EvictionPolicy:
         from sidecar.control.s3fifo import AdaptiveS3FifoPolicy
 
         return AdaptiveS3FifoPolicy()
+    if name == "s3fifo_blocks":
+        from sidecar.control.s3fifo import S3FifoBlocksPolicy
+
+        return S3FifoBlocksPolicy()
     if name == "arc":
         from sidecar.control.arc import ArcPolicy
 
         return ArcPolicy()
+    if name == "auto":
+        from sidecar.control.auto import AutoPolicy
+
+        return AutoPolicy()
     if name not in _ORDERINGS:
         raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
     return PriorityPolicy(_ORDERINGS[name](float(hit_reward_seconds)), name)

@@ -36,23 +36,26 @@ SMALL_SHARE = 0.1
 
 
 class _State:
-    __slots__ = ("freq", "qseq", "queue")
+    __slots__ = ("freq", "qseq", "queue", "returned")
 
     def __init__(self, queue: int, qseq: int) -> None:
         self.queue = queue
         self.freq = 0
         self.qseq = qseq
+        self.returned = False
+        """In M because its first key came back from the ghost, and not hit
+        since (`s3fifo_blocks` only)."""
 
     def copy(self) -> _State:
         other = _State(self.queue, self.qseq)
         other.freq = self.freq
+        other.returned = self.returned
         return other
 
 
 class S3FifoPolicy(TwoQueues):
     name = "s3fifo"
     ghost_queues: tuple[int, ...] = (SMALL,)
-    """The queues whose victims a ghost remembers."""
 
     def __init__(self, min_ghost_entries: int = 1024) -> None:
         super().__init__(min_ghost_entries, SMALL_SHARE)
@@ -149,3 +152,46 @@ class AdaptiveS3FifoPolicy(S3FifoPolicy):
 
     def _on_ghost_hit(self, ghost: int, blocks: int) -> None:
         self._adapt(ghost, blocks)
+
+
+GHOST_BLOCKS_SHARE = 0.9
+
+
+class S3FifoBlocksPolicy(S3FifoPolicy):
+    """S3-FIFO with the paper's ghost and without a returning node's tail in M.
+
+    The ghost is bounded by the blocks it remembers, 90% of the cached
+    blocks (the paper bounds it by M's size in objects), not by the number
+    of cached nodes (at least 1,024), which over big nodes remembers many
+    times the cache and lets every returning node into M. A node that
+    enters M because its first key came back from the ghost brings the new
+    request's tail with it; when a later match splits off that tail before
+    it was used, the tail goes back to S (a per-block S3-FIFO would have
+    put only the returning blocks in M).
+    """
+
+    name = "s3fifo_blocks"
+    ghost_blocks_share = GHOST_BLOCKS_SHARE
+
+    def on_insert(self, node: RadixNode) -> None:
+        super().on_insert(node)
+        state = self._state(node)
+        state.returned = state.queue == MAIN
+
+    def on_hit(self, node: RadixNode) -> None:
+        super().on_hit(node)
+        self._state(node).returned = False
+
+    def on_split(self, upper: RadixNode, lower: RadixNode) -> None:
+        super().on_split(upper, lower)
+        state = self._state(lower)
+        if state.returned and state.queue == MAIN:
+            candidate = lower.heap_token is not None
+            if candidate:
+                self.discard(lower)
+            self._blocks[MAIN] -= len(lower)
+            self._blocks[SMALL] += len(lower)
+            state.queue, state.freq, state.returned = SMALL, 0, False
+            state.qseq = self._next_seq()
+            if candidate:
+                self.add(lower)

@@ -31,6 +31,14 @@ class QueueState(Protocol):
 
 
 class TwoQueues(EvictionPolicy):
+    ghost_queues: tuple[int, ...] = (0, 1)
+    """The queues whose victims a ghost remembers."""
+
+    ghost_blocks_share: float | None = None
+    """When set, each ghost is bounded by the blocks it remembers (this
+    share of the cached blocks, as S3-FIFO's paper bounds it in objects)
+    instead of by its entries."""
+
     def __init__(self, min_ghost_entries: int, share: float) -> None:
         self._blocks = [0, 0]
         """Blocks of the nodes in each queue (candidates or not)."""
@@ -41,6 +49,8 @@ class TwoQueues(EvictionPolicy):
             OrderedDict(),
         )
         """First keys of what each queue evicted -> blocks evicted."""
+        self._ghost_blocks = [0, 0]
+        """Blocks each ghost remembers."""
         self._leaving: RadixNode | None = None
         """The victim `pop` just gave from a ghosted queue: its ghost
         remembers the first key of what the index then evicts of it."""
@@ -63,12 +73,20 @@ class TwoQueues(EvictionPolicy):
         for ghost in (0, 1):
             blocks = self._ghosts[ghost].pop(node.first_key, None)
             if blocks is not None:
+                self._ghost_blocks[ghost] -= blocks
                 back = True
                 self._on_ghost_hit(ghost, blocks)
         return back
 
     def _on_ghost_hit(self, ghost: int, blocks: int) -> None:
         """A node comes back whose first key `ghost`'s ghost remembered."""
+
+    def evicted_elsewhere(self, node: RadixNode) -> None:
+        """The index is about to evict `node` (all or its tail) on another
+        policy's choice (`auto`): remember it as a victim of its queue."""
+        queue = self._state(node).queue
+        self._leaving = node if queue in self.ghost_queues else None
+        self._leaving_queue = queue
 
     # --- the index's hooks shared by both ---------------------------------
 
@@ -93,11 +111,18 @@ class TwoQueues(EvictionPolicy):
     # --- learning ----------------------------------------------------------
 
     def _remember(self, key: bytes, blocks: int) -> None:
-        ghost = self._ghosts[self._leaving_queue]
+        queue = self._leaving_queue
+        ghost = self._ghosts[queue]
+        self._ghost_blocks[queue] += blocks - ghost.get(key, 0)
         ghost[key] = blocks
-        limit = max(self._min_ghost, self._num_nodes)
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
+        if self.ghost_blocks_share is None:
+            limit = max(self._min_ghost, self._num_nodes)
+            while len(ghost) > limit:
+                self._ghost_blocks[queue] -= ghost.popitem(last=False)[1]
+            return
+        limit_blocks = self.ghost_blocks_share * (self._blocks[0] + self._blocks[1])
+        while self._ghost_blocks[queue] > limit_blocks and ghost:
+            self._ghost_blocks[queue] -= ghost.popitem(last=False)[1]
 
     def _adapt(self, ghost: int, blocks: int) -> None:
         """ARC's step: a return from queue 0's ghost grows its share, one
