@@ -208,6 +208,13 @@ def copy_located(
     slot_starts = bases[segments]
     slot_starts += offsets.astype(np.uint64)
     if save:  # layer-major: each layer's blocks read in address order
+        if ids.size > 1 and not bool((ids[1:] >= ids[:-1]).all()):
+            # Engine block ids come in any order (vLLM's free list): read them
+            # in increasing order, slots following. 512 blocks of 32 x 64 KiB,
+            # ids and slots random permutations: 0.91-0.98x the floor sorted,
+            # 0.86-0.94x not (alternated, one process); ~40 us for 2,048 ids.
+            order = np.argsort(ids, kind="stable")
+            ids, slot_starts = ids[order], slot_starts[order]
         engine = strides[:, None] * ids[None, :]
         engine += starts[:, None]
         shm = per_layer[:, None] + slot_starts[None, :]
