@@ -15,6 +15,19 @@ from router.index import default_index
 from router.subscriber import Source
 
 
+def add_choice_args(p: argparse.ArgumentParser) -> None:
+    """The index and worker-choice options `kvsidecar router` and the proxy share."""
+    p.add_argument(
+        "--index",
+        choices=("native", "radix", "flat"),
+        default=default_index(),
+        help="the index: native (C, the default where built), radix or flat (Python)",
+    )
+    p.add_argument("--overlap-weight", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
+    p.add_argument("--seed", type=int, default=0, help="seed of the temperature draws")
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     router = sub.add_parser("router", help="the cluster KV-aware router")
     router_sub = router.add_subparsers(dest="router_command", metavar="COMMAND")
@@ -41,15 +54,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         metavar="PUB=WORKER_ID",
         help="a vLLM engine's KV events endpoint and the worker id to give it (repeatable)",
     )
-    p.add_argument(
-        "--index",
-        choices=("native", "radix", "flat"),
-        default=default_index(),
-        help="the index: native (C, the default where built), radix or flat (Python)",
-    )
-    p.add_argument("--overlap-weight", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
-    p.add_argument("--seed", type=int, default=0, help="seed of the temperature draws")
+    add_choice_args(p)
     p.add_argument("--window", type=int, default=1000, help="requests in the hit-ratio window")
     p.add_argument(
         "--namespace",

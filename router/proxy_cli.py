@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from contract.blocks import KeyHasher, Namespace
-from router.index import default_index
+from router.cli import add_choice_args
 from router.upstreams import WorkerSpec, parse_workers
 
 if TYPE_CHECKING:
@@ -62,15 +62,7 @@ def add_parser(router_sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--key-hash", default="blake2b", choices=("blake2b", "xxh3_128"))
     p.add_argument("--secret-file", type=Path, metavar="FILE", help="the engines' secret")
-    p.add_argument(
-        "--index",
-        choices=("native", "radix", "flat"),
-        default=default_index(),
-        help="the index: native (C, the default where built), radix or flat (Python)",
-    )
-    p.add_argument("--overlap-weight", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = always the lowest cost")
-    p.add_argument("--seed", type=int, default=0)
+    add_choice_args(p)
     p.add_argument(
         "--down-seconds",
         type=float,
