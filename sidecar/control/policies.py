@@ -18,7 +18,7 @@ Names and semantics follow FlexKV, so its configs carry over:
 | s3fifo_adaptive | S3-FIFO, the small queue's share learned from ghosts  |
 | s3fifo_blocks   | S3-FIFO, its ghost bounded in blocks (as the paper's) |
 | arc             | ARC; its frequent queue by aged own-hit counts        |
-| auto            | whichever of lru, s3fifo, lfu, arc does best lately   |
+| auto            | whichever of its five candidates does best lately     |
 """
 
 from __future__ import annotations
