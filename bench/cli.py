@@ -9,7 +9,7 @@ import importlib
 # and sets `func` on the parsed namespace.
 BENCH_MODULES = (
     "bench.index",
-    "cachesim.replay",
+    "bench.replay_live",  # cachesim.replay's subcommand, with --live
     "bench.shm",
     "bench.control",
     "bench.gpu",

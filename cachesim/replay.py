@@ -15,6 +15,11 @@ is within 1 point of the best of all of them (`targets` in the JSON).
 `--synthetic SHAPE` replays a generated trace instead (cachesim/generate.py).
 A trace whose hash ids are not prefix-consistent (an id under two parents)
 is refused.
+
+`--live` replays each policy at each capacity once more through a running
+sidecar and a KVClient (bench/replay_live.py), and adds the target that the
+default policy there is within 1 point of the best replayed. Every block is
+copied (4 KiB each): with the committed trace, use `--tokens-per-block 512`.
 """
 
 from __future__ import annotations
@@ -25,13 +30,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from cachesim import peers
 from cachesim.belady import opt_hits
-from cachesim.compare import TARGET, comparison_rows, default_target
+from cachesim.compare import LIVE_TARGET, TARGET, comparison_rows, default_target
 from cachesim.generate import DEFAULT_SEED, SHAPES, generate
 from cachesim.report import Progress, positive_int_list, print_table, write_json
 from cachesim.trace import (
@@ -54,7 +59,34 @@ DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversat
 DEFAULT_FRACTIONS = (0.005, 0.01, 0.02, 0.04, 0.1, 0.25)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+class LivePass(NamedTuple):
+    """One pass through a running sidecar (bench/replay_live.py)."""
+
+    hits: int
+    seconds: float
+    capacity: int
+    """The CPU tier's blocks as the sidecar reported them."""
+    policy: dict[str, Any]
+    """The tier's policy figures at the end (`auto`: what it follows, switches, chains seen)."""
+
+
+class LiveReplay(Protocol):
+    def __call__(
+        self,
+        trace: Trace,
+        keys: BlockKeys,
+        policy: str,
+        capacity: int,
+        *,
+        evict_start_threshold: float,
+        evict_ratio: float,
+        on_request: Callable[[], None] | None = None,
+    ) -> LivePass: ...
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The `replay` subcommand, returned so that `bench` can add `--live`
+    (it needs a sidecar and a client, which this package does not import)."""
     p = subparsers.add_parser(
         "replay",
         help="replay a Mooncake trace through every eviction policy",
@@ -109,6 +141,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.set_defaults(func=run)
+    return p
 
 
 def _capacities(text: str) -> list[int]:
@@ -155,6 +188,7 @@ def replay(
         now[0] = float(r)
         request = BlockKeys(keys[offsets[r] : offsets[r + 1]])
         gpu_blocks = gpu[: request.size]
+        cpu.observe(request)  # the request's lookup, as an engine's comes first
         plan = engine.get(request, gpu_blocks)
         hits += plan.hit_blocks.total
         _finish(engine, plan)
@@ -190,7 +224,8 @@ def _load(args: argparse.Namespace) -> tuple[Trace, str] | None:
     return trace, args.trace.name
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, live: LiveReplay | None = None) -> int:
+    """The replay; with `live` and `args.live`, the live passes too."""
     loaded = _load(args)
     if loaded is None:
         return 2
@@ -225,14 +260,28 @@ def run(args: argparse.Namespace) -> int:
     opt = {int(c): v for c, v in result["opt_hit_ratio"].items()}
     result["default_policy"] = DEFAULT_POLICY
     result["targets"] = {TARGET: default_target(DEFAULT_POLICY, ours, peer_ratio, capacities)}
+    live = live if getattr(args, "live", False) else None
+    if live is not None:
+        try:
+            result.update(_replay_live(args, trace, capacities, policies, live))
+        except (ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        measured = {int(c): v for c, v in result["live_hit_ratio"][DEFAULT_POLICY].items()}
+        result["targets"][LIVE_TARGET] = default_target(
+            DEFAULT_POLICY, ours, peer_ratio, capacities, measured
+        )
     _print(result, capacities, policies, unique)
     print()
     print_table(*comparison_rows(DEFAULT_POLICY, ours, peer_ratio, opt, capacities, unique))
-    target = result["targets"][TARGET]
-    print(
-        f"target {TARGET}: largest gap {target['value']:.2f} points "
-        f"(limit {target['limit']:g}): {'met' if target['within'] else 'NOT met'}"
-    )
+    if live is not None:
+        print()
+        _print_live(result, capacities, policies)
+    for name, target in result["targets"].items():
+        print(
+            f"target {name}: largest gap {target['value']:.2f} points "
+            f"(limit {target['limit']:g}): {'met' if target['within'] else 'NOT met'}"
+        )
     if args.json:
         write_json(args.json, result)
     return 0
@@ -294,6 +343,56 @@ def _replay_all(
         "evict_ratio": args.evict_ratio,
         "hit_reward_requests": args.hit_reward,
     }
+
+
+def _replay_live(
+    args: argparse.Namespace,
+    trace: Trace,
+    capacities: list[int],
+    policies: tuple[str, ...],
+    live_pass: LiveReplay,
+) -> dict[str, Any]:
+    """Every policy at every capacity through a running sidecar."""
+    keys = keys_from_ints(trace.block_ids)
+    lookups = max(trace.num_lookups, 1)
+    ratio: dict[str, dict[int, float]] = {p: {} for p in policies}
+    seconds: dict[str, dict[int, float]] = {p: {} for p in policies}
+    figures: dict[str, dict[int, Any]] = {p: {} for p in policies}
+    passes = len(policies) * len(capacities)
+    with Progress(passes * trace.num_requests, "live", force=args.progress) as bar:
+        for policy in policies:
+            for c in capacities:
+                bar.label = f"live {policy:>6} @ {c:,}"
+                done = live_pass(
+                    trace,
+                    keys,
+                    policy,
+                    c,
+                    evict_start_threshold=args.evict_start_threshold,
+                    evict_ratio=args.evict_ratio,
+                    on_request=bar.update,
+                )
+                if done.capacity != c:
+                    raise RuntimeError(f"the live sidecar holds {done.capacity} blocks, not {c}")
+                ratio[policy][c] = done.hits / lookups
+                seconds[policy][c] = done.seconds
+                figures[policy][c] = done.policy
+    return {
+        "live_hit_ratio": _by_str(ratio),
+        "live_pass_seconds": _by_str(seconds),
+        "live_policy_figures": _by_str(figures),
+    }
+
+
+def _print_live(result: dict[str, Any], capacities: list[int], policies: tuple[str, ...]) -> None:
+    """Each policy's hit ratio replayed and in a running sidecar, side by side."""
+    rows = []
+    for c in capacities:
+        row: list[Any] = [c]
+        for p in policies:
+            row += [result["hit_ratio"][p][str(c)], result["live_hit_ratio"][p][str(c)]]
+        rows.append(row)
+    print_table(["capacity", *(f"{p} {how}" for p in policies for how in ("replay", "live"))], rows)
 
 
 def _print(result: dict[str, Any], capacities: list[int], policies: tuple[str, ...], unique: int):

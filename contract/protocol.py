@@ -152,12 +152,17 @@ class Cancel(_SessionRequest, tag="cancel"):
 class Touch(_SessionRequest, tag="touch"):
     """What an engine did without asking (lookups and loads through the hot
     index, engine_shim/hotpath.py), sent in batches and never awaited: the
-    hit ratios count the lookups, the eviction policy the loads' hits.
+    hit ratios count the lookups, the eviction policy the loads' hits, and
+    a policy that learns from requests (hot index flag OBSERVED) each
+    lookup's whole key chain.
     Frames: [lookups: int64 pairs (blocks asked, CPU hit blocks)],
-    [keys: each load's prefix, back to back]."""
+    [keys: each load's prefix, back to back],
+    [keys: each observed lookup's whole chain, back to back]."""
 
     load_blocks: list[int]
     """Blocks of each load, in the order of the keys frame."""
+    seen_blocks: list[int]
+    """Blocks of each observed lookup, in the order of the last frame."""
 
 
 class Grant(_SessionRequest, tag="grant"):
@@ -225,7 +230,7 @@ ARRAY_FRAMES: dict[type, int] = {
     Delete: 1,
     Load: 2,
     Save: 2,
-    Touch: 2,
+    Touch: 3,
     Commit: 2,
 }
 """Array frames each request op carries; the others carry none."""

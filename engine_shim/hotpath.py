@@ -13,7 +13,10 @@ table: shm/hotindex.py).
   and no byte of another block is ever used as this one's.
 - What they did reaches the sidecar in batches, never awaited (`Touch`):
   lookups for its hit ratios, loaded prefixes for the eviction policy's
-  recency.
+  recency, and, for a policy that learns from requests (flag OBSERVED:
+  `auto`), each lookup's whole key chain. A lookup that stopped at a miss
+  leaves the rest of its prompt to a thread of the client's (`Tails`), which
+  hashes it off the lookup's path.
 - A save copies the blocks the CPU tier lacks into slots granted ahead
   (`Grant`) and commits them in one message (`Commit`).
 
@@ -25,6 +28,7 @@ the client's timeout: a stopped or killed sidecar's table serves nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -55,6 +59,52 @@ GRANT_WANT = 64
 """Slots one Grant asks for."""
 TOUCH_SECONDS = 0.05
 """A Touch goes with the next call once its oldest entry is this old."""
+MAX_TAILS = 256
+"""Lookups' tails waiting to be hashed at most; later ones are not observed."""
+
+
+class Tails:
+    """The thread that hashes what lookups left unhashed past their first
+    miss, for the sidecar's `auto` policy (whose shadows need every lookup's
+    whole chain); each finished chain goes to `done`. Started with the first
+    tail. The C key chain releases the GIL while it hashes."""
+
+    def __init__(self, done: Callable[[bytes], None]) -> None:
+        self._done = done
+        self._queue: collections.deque[tuple[bytes, np.ndarray, KeyHasher]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+        """Tails not observed: the queue was full."""
+
+    def add(self, head: bytes, tokens: np.ndarray, hasher: KeyHasher) -> None:
+        """Hash `tokens` (a copy the thread owns) as the blocks after the
+        keys `head`, then hand over the whole chain."""
+        if len(self._queue) >= MAX_TAILS or self._stopped:
+            self.dropped += 1
+            return
+        self._queue.append((head, tokens, hasher))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvsidecar-tails", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        queue = self._queue
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            while queue and not self._stopped:
+                head, tokens, hasher = queue.popleft()
+                parent = head[-KEY_BYTES:] if head else None
+                self._done(head + key_bytes(hasher.hash_tokens(tokens, parent)))
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
 
 
 class HotPath:
@@ -67,6 +117,9 @@ class HotPath:
         self._lookups: list[int] = []
         """(blocks asked, CPU hit blocks) per lookup, flat."""
         self._loads: list[bytes] = []
+        self._seen: list[bytes] = []
+        """Observed lookups' whole chains (flag OBSERVED)."""
+        self.tails = Tails(self.note_seen)
         self._since = 0.0
         self._lock = threading.Lock()
         """The batch is taken by the heartbeat's thread too."""
@@ -83,20 +136,35 @@ class HotPath:
             return 0
         return state.flags
 
-    def count(self, hasher: KeyHasher, tokens: np.ndarray) -> tuple[int, int]:
+    def count(
+        self, hasher: KeyHasher, tokens: np.ndarray, observe: bool = False, tails: bool = False
+    ) -> tuple[int, int]:
         """(leading blocks ready in the CPU tier, full blocks of `tokens`),
-        hashing no further than the first block that is not."""
+        hashing no further than the first block that is not. With `observe`
+        the whole chain of a lookup that hit every block is noted for the
+        sidecar; with `tails` too, that of one that missed, its rest hashed
+        by `tails`."""
         tpb = hasher.tokens_per_block
         total = tokens.size // tpb
         done, chunk, parent = 0, FIRST_CHUNK, None
+        hashed: list[bytes] = []
         while done < total:
             n = min(chunk, total - done)
             kb = key_bytes(hasher.hash_tokens(tokens[done * tpb : (done + n) * tpb], parent))
+            hashed.append(kb)
             found = self.view.count(kb)
-            done += found
             if found < n:
-                break
+                if tails:
+                    rest = tokens[(done + n) * tpb : total * tpb]
+                    if rest.size >= tpb:
+                        self.tails.add(b"".join(hashed), rest.copy(), hasher)
+                    else:
+                        self.note_seen(b"".join(hashed))
+                return done + found, total
+            done += n
             parent, chunk = kb[-KEY_BYTES:], chunk * 8
+        if observe and total:
+            self.note_seen(b"".join(hashed))
         return done, total
 
     def load(
@@ -129,19 +197,29 @@ class HotPath:
 
     def note_lookup(self, asked: int, hit: int) -> None:
         with self._lock:
-            if not self._lookups and not self._loads:
+            if self._empty():
                 self._since = time.monotonic()
             self._lookups += (asked, hit)
 
     def note_load(self, keys: bytes) -> None:
         with self._lock:
-            if not self._lookups and not self._loads:
+            if self._empty():
                 self._since = time.monotonic()
             self._loads.append(keys)
 
+    def note_seen(self, chain: bytes) -> None:
+        """An observed lookup's whole key chain (from any thread)."""
+        with self._lock:
+            if self._empty():
+                self._since = time.monotonic()
+            self._seen.append(chain)
+
+    def _empty(self) -> bool:
+        return not self._lookups and not self._loads and not self._seen
+
     def due(self) -> bool:
         """Whether the batch should go now."""
-        pending = len(self._lookups) // 2 + len(self._loads)
+        pending = len(self._lookups) // 2 + len(self._loads) + len(self._seen)
         return pending >= TOUCH_BATCH or (
             pending > 0 and time.monotonic() - self._since >= TOUCH_SECONDS
         )
@@ -150,19 +228,22 @@ class HotPath:
         """The batch as a Touch request and its frames (None: nothing to
         send); the batch starts again empty."""
         with self._lock:
-            if not self._lookups and not self._loads:
+            if self._empty():
                 return None
-            lookups, loads = self._lookups, self._loads
-            self._lookups, self._loads = [], []
+            lookups, loads, seen = self._lookups, self._loads, self._seen
+            self._lookups, self._loads, self._seen = [], [], []
         request = p.Touch(
             v=p.PROTOCOL_VERSION,
             id=0,
             session=session,
             load_blocks=[len(k) // KEY_BYTES for k in loads],
+            seen_blocks=[len(k) // KEY_BYTES for k in seen],
         )
-        return request, [np.asarray(lookups, dtype=p.ID_DTYPE).tobytes(), b"".join(loads)]
+        frames = [np.asarray(lookups, dtype=p.ID_DTYPE).tobytes(), b"".join(loads), b"".join(seen)]
+        return request, frames
 
     def close(self) -> None:
+        self.tails.stop()
         self.view.close()
 
 
@@ -256,16 +337,21 @@ class HotLane:
     def lookup_tokens(self, hasher: KeyHasher, tokens: np.ndarray, flags: int) -> int | None:
         """Leading blocks of `tokens` in the CPU tier; None: ask (the rest may be below)."""
         assert self.index is not None
-        cpu, total = self.index.count(hasher, tokens)
-        if cpu < total and flags & hotindex.LOWER_TIERS:
+        observe = bool(flags & hotindex.OBSERVED)
+        lower = bool(flags & hotindex.LOWER_TIERS)  # then a miss is asked, and observed there
+        cpu, total = self.index.count(hasher, tokens, observe, tails=observe and not lower)
+        if cpu < total and lower:
             return None
         return self._looked_up(total, cpu)
 
     def lookup_keys(self, keys: BlockKeys, flags: int) -> int | None:
         """`lookup_tokens` for precomputed keys."""
         assert self.index is not None
-        cpu = self.index.view.count(key_bytes(keys))
+        kb = key_bytes(keys)
+        cpu = self.index.view.count(kb)
         if cpu == len(keys) or not flags & hotindex.LOWER_TIERS:
+            if flags & hotindex.OBSERVED and kb:
+                self.index.note_seen(kb)
             return self._looked_up(len(keys), cpu)
         return None
 

@@ -47,6 +47,9 @@ LOWER_TIERS = 4
 a hit there: ask the sidecar)."""
 SAVES = 8
 """Flag: engines may save into slots granted ahead (Grant, Commit)."""
+OBSERVED = 16
+"""Flag: the CPU tier's policy learns from requests (`auto`): engines send
+each lookup's whole key chain in their Touch batches."""
 
 
 def _lib() -> ModuleType:

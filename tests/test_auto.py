@@ -3,6 +3,8 @@ requests seen, and the real cache evicts in that candidate's order."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from helpers import FakeClock, assert_engine_clean, keys, make_engine, walk
@@ -170,16 +172,47 @@ def test_namespaces_share_one_selector_and_evict_across():
     _check_candidates(tier.index)
 
 
-def test_the_cache_engine_tells_auto_of_counted_lookups_only():
+def test_the_cache_engine_tells_auto_of_observed_lookups_only():
     engine = make_engine("cpu", 16, "auto")
     policy = engine.index.policy
-    assert isinstance(policy, AutoPolicy)
-    engine.match(keys(1, 2), touch=False)
+    assert isinstance(policy, AutoPolicy) and engine.observes
+    engine.match(keys(1, 2), touch=True)  # a load: the lookup's sequel, not a request
     assert policy.selector.observed == 0
-    engine.match(keys(1, 2), touch=True)
+    engine.observe(keys(1, 2))
     assert policy.selector.observed == 1
     for name in ("lru", "s3fifo", "arc"):
         assert make_policy(name).observer is None
+        plain = make_engine("cpu", 16, name)
+        assert not plain.observes
+        plain.observe(keys(1, 2))  # nothing to tell
+        assert not plain.observe_pending(time.perf_counter() + 1)
+
+
+def test_deferred_chains_wait_for_work_and_a_full_queue_drops_new_ones(monkeypatch):
+    monkeypatch.setattr(shadows, "MAX_PENDING", 3)
+    engine = make_engine("cpu", 16, "auto")
+    selector = engine.index.policy.selector
+    for i in range(5):
+        engine.observe(keys(1, i + 10), defer=True)
+    assert (selector.observed, selector.pending, selector.dropped) == (0, 3, 2)
+    assert not engine.observe_pending(time.perf_counter() + 60)
+    assert (selector.observed, selector.pending) == (3, 0)
+    # A deadline already past still observes one chain per call: work always moves.
+    for i in range(3):
+        engine.observe(keys(2, i + 10), defer=True)
+    assert engine.observe_pending(time.perf_counter() - 1)
+    assert (selector.observed, selector.pending) == (4, 2)
+    figures = engine.policy_figures()
+    assert figures == {
+        "name": "auto",
+        "following": selector.chosen_name,
+        "switches": 0,
+        "observed": 4,
+        "observed_blocks": 8,
+        "pending": 2,
+        "dropped": 2,
+    }
+    assert make_engine("cpu", 16, "lru").policy_figures() == {"name": "lru"}
 
 
 def test_a_big_tier_is_simulated_on_a_sample_of_its_requests(monkeypatch):
@@ -217,7 +250,7 @@ def test_a_selector_needs_a_candidate():
 
 
 def test_a_cache_engine_under_auto_follows_the_winner_through_its_lookups(monkeypatch):
-    """End to end through the hook: `CacheEngine.match(touch=True)` feeds the
+    """End to end through the hook: `CacheEngine.observe` feeds the
     selector, and the tier's own hits follow the candidate it picks."""
     monkeypatch.setattr(shadows, "CANDIDATES", ("lru", "mru"))
     engine = make_engine("cpu", 50, "auto")
@@ -227,6 +260,7 @@ def test_a_cache_engine_under_auto_follows_the_winner_through_its_lookups(monkey
     for _ in range(12):
         for i in range(100):  # a cyclic scan twice the tier's size
             req = keys(i + 1)
+            engine.observe(req)
             m = engine.match(req, touch=True)
             hits.append(m.num_blocks)
             if not m.num_blocks:

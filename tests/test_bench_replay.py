@@ -139,3 +139,43 @@ def test_report_helpers(tmp_path):
     with Progress(10, "p", stream=stream, force=True) as bar:
         bar.update(10)
     assert "100.0%" in stream.getvalue()
+
+
+def test_replay_live_drives_running_sidecars_and_auto_sees_every_lookup(tmp_path):
+    """`--live`: every policy at every capacity once more through a private
+    sidecar and a KVClient; a tier with no eviction pressure hits exactly as
+    replayed, and `auto` in the sidecar is told every request's whole chain."""
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, 300, seed=3)
+    out = tmp_path / "live.json"
+    args = ["bench", "replay", "--trace", str(path), "--tokens-per-block", "512"]
+    args += ["--capacities", "256,4096"]
+    code = main([*args, "--policies", "lru,auto", "--no-peers", "--live", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    ratios, live = data["hit_ratio"], data["live_hit_ratio"]
+    lookups = data["block_lookups"]
+    for policy in ("lru", "auto"):
+        # 4,096 blocks hold the whole trace: nothing is evicted, so the hits are the trace's.
+        assert live[policy]["4096"] == ratios[policy]["4096"] == data["infinite_hit_ratio"]
+        assert 0 < live[policy]["256"] < live[policy]["4096"]
+    for capacity in ("256", "4096"):
+        figures = data["live_policy_figures"]["auto"][capacity]
+        assert figures["name"] == "auto" and figures["pending"] == 0
+        assert figures["observed"] == data["requests"]
+        assert figures["observed_blocks"] == lookups
+        assert data["live_policy_figures"]["lru"][capacity] == {"name": "lru"}
+    target = data["targets"]["live_default_within_1pt_of_best"]
+    assert set(target) >= {"value", "limit", "within"}
+    assert target["value"] == pytest.approx(  # live at the default, against the best replayed
+        100
+        * max(
+            max(ratios[p][c] for p in ratios) - live[data["default_policy"]][c] for c in live["lru"]
+        )
+    )
+
+
+def test_replay_live_refuses_a_tier_below_a_sidecars_minimum(tmp_path, trace_path, capsys):
+    args = ["bench", "replay", "--trace", str(trace_path), "--capacities", "100"]
+    assert main([*args, "--policies", "lru", "--no-peers", "--live"]) == 2
+    assert "--live needs capacities of at least 256 blocks" in capsys.readouterr().err

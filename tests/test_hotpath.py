@@ -148,10 +148,15 @@ def test_a_malformed_touch_is_refused_and_changes_nothing(sidecar, open_client):
             ([1, 1, 2], [], b""),  # not pairs
             ([2, 1], [2], bytes(16)),  # load_blocks do not sum to the keys
             ([2, 1], [0], b""),  # an empty load
+            ([2, 1], [], b"", [2], bytes(16)),  # seen_blocks do not sum to the keys
+            ([2, 1], [], b"", [0], b""),  # an empty observed lookup
         ]
-        for pairs, sizes, keys in bad:
-            request = p.Touch(v=1, id=0, session=c.session, load_blocks=sizes)
-            frames = [np.asarray(pairs, dtype=np.int64).tobytes(), keys]
+        for pairs, sizes, keys, *seen in bad:
+            seen_blocks, seen_keys = seen or ([], b"")
+            request = p.Touch(
+                v=1, id=0, session=c.session, load_blocks=sizes, seen_blocks=seen_blocks
+            )
+            frames = [np.asarray(pairs, dtype=np.int64).tobytes(), keys, seen_keys]
             with pytest.raises(SidecarError):
                 channel.call(request, frames)
     finally:

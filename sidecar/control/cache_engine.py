@@ -75,11 +75,36 @@ class CacheEngine:
         return self.mempool.num_used / self.capacity if self.capacity else 1.0
 
     def match(self, keys: BlockKeys, *, touch: bool = False) -> MatchResult:
-        """The index's match; a lookup that counts a hit (`touch`) is also
-        told to a policy that learns from requests (`auto`)."""
-        if touch and self._observer is not None:
-            self._observer.observe(keys, self.capacity)
         return self.index.match(keys, touch=touch)
+
+    @property
+    def observes(self) -> bool:
+        """Whether the policy learns from requests (`auto`): then every
+        lookup's whole key chain should reach `observe`."""
+        return self._observer is not None
+
+    def observe(self, keys: BlockKeys, *, defer: bool = False) -> None:
+        """A request looked up in this tier: its whole key chain, misses
+        included, told to a policy that learns from requests (nothing for
+        the others). With `defer` it is queued for `observe_pending`, which
+        the sidecar's loop runs between requests."""
+        observer = self._observer
+        if observer is not None:
+            if defer:
+                observer.submit(keys, self.capacity)
+            else:
+                observer.observe(keys, self.capacity)
+
+    def observe_pending(self, deadline: float) -> bool:
+        """Work off deferred chains until `time.perf_counter()` passes
+        `deadline`; whether any are left."""
+        return self._observer is not None and self._observer.work(deadline)
+
+    def policy_figures(self) -> dict[str, object]:
+        figures: dict[str, object] = {"name": self.index.policy.name}
+        if self._observer is not None:
+            figures.update(self._observer.figures())
+        return figures
 
     def allocate(self, n: int, ns: int = 0) -> SlotIds:
         """Up to n free slots for blocks of namespace `ns`, evicting as the

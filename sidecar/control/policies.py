@@ -36,8 +36,18 @@ class RequestObserver(Protocol):
     """What a policy that learns from whole requests (`auto`) is told."""
 
     def observe(self, keys: BlockKeys, capacity: int) -> None:
-        """A request's keys, looked up with a hit counted in a tier of
-        `capacity` blocks (`CacheEngine.match(touch=True)`)."""
+        """A request's whole key chain, looked up in a tier of `capacity`
+        blocks (`CacheEngine.observe`)."""
+
+    def submit(self, keys: BlockKeys, capacity: int) -> None:
+        """`observe`, queued until `work` runs."""
+
+    def work(self, deadline: float) -> bool:
+        """Observe queued requests until `time.perf_counter()` passes
+        `deadline`; whether any are left."""
+
+    def figures(self) -> dict[str, object]:
+        """What it follows and how much it has seen, for the stats."""
 
 
 class EvictionPolicy(ABC):
@@ -65,7 +75,7 @@ class EvictionPolicy(ABC):
     name: str = ""
     observer: RequestObserver | None = None
     """Set by a policy that must see whole requests; its tier's
-    `CacheEngine` then passes every counted lookup to it."""
+    `CacheEngine.observe` then passes every lookup's key chain to it."""
 
     def on_insert(self, node: RadixNode) -> None:  # noqa: B027 - optional hook
         pass

@@ -28,14 +28,22 @@ to show. The shadows' cost is thus bounded: at most FULL_SHADOW_BLOCKS
 blocks of keys per candidate, and R index operations per candidate per
 request.
 
-What it is fed: replay and the GET path give each request's whole keys
-once. Engines on the hot path look up in their own mapping and send only
-their loads' keys (`touch`), so there the shadows would not see the misses;
-that is why `auto` is not the default (docs/control-plane.md). The
-constants were chosen by a sweep over the committed traces.
+What it is fed: every lookup's whole key chain, misses included, once
+(`CacheEngine.observe`): the sidecar's Lookup handler gives it; engines
+that look up in their own mapping of the hot index hash the rest of the
+prompt past the first miss on a thread of their own and send the chains in
+their Touch batches (engine_shim/hotpath.py). A load or a save is not a
+request: it is the lookup's sequel. In the sidecar the chains wait in a
+queue (`submit`) that the loop works off between requests (`work`), so no
+request waits for a shadow; a queue longer than `MAX_PENDING` drops new
+chains (counted), which only makes the sample smaller. The constants were
+chosen by a sweep over the committed traces.
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
 
 import numpy as np
 
@@ -52,6 +60,8 @@ SWITCH_MARGIN = 0.005
 CHECK_EVERY = 50
 FULL_SHADOW_BLOCKS = 1 << 20
 SAMPLE_DEPTH = 128
+MAX_PENDING = 4096
+"""Chains queued for the shadows at most; later ones are dropped."""
 
 _HASH_RANGE = 1 << 32
 
@@ -84,6 +94,12 @@ class Selector:
         """Blocks looked up, decayed as the scores are."""
         self.switches = 0
         self.observed = 0
+        """Requests the shadows simulated (sampled ones only)..."""
+        self.observed_blocks = 0
+        """... and their blocks."""
+        self.dropped = 0
+        """Chains dropped because the queue was full."""
+        self._pending: deque[tuple[BlockKeys, int]] = deque()
         self.rate = 1.0
         self._shadows: list[RadixIndex] = []
         self._capacity = 0
@@ -96,6 +112,39 @@ class Selector:
     @property
     def chosen_name(self) -> str:
         return self.names[self.chosen]
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, keys: BlockKeys, capacity: int) -> None:
+        """`observe` later, when `work` runs (a full queue drops it)."""
+        if len(self._pending) < MAX_PENDING:
+            self._pending.append((keys, capacity))
+        else:
+            self.dropped += 1
+
+    def work(self, deadline: float) -> bool:
+        """Observe queued chains, oldest first, until none is left or
+        `time.perf_counter()` passes `deadline` (checked between chains);
+        whether any is left."""
+        pending = self._pending
+        while pending:
+            keys, capacity = pending.popleft()
+            self.observe(keys, capacity)
+            if time.perf_counter() >= deadline:
+                break
+        return bool(pending)
+
+    def figures(self) -> dict[str, object]:
+        return {
+            "following": self.chosen_name,
+            "switches": self.switches,
+            "observed": self.observed,
+            "observed_blocks": self.observed_blocks,
+            "pending": len(self._pending),
+            "dropped": self.dropped,
+        }
 
     def observe(self, keys: BlockKeys, capacity: int) -> None:
         """A request's keys, looked up in a tier of `capacity` blocks."""
@@ -116,6 +165,7 @@ class Selector:
         for i, shadow in enumerate(self._shadows):
             scores[i] = scores[i] * decay + self._access(shadow, keys)
         self.observed += 1
+        self.observed_blocks += keys.size
         if self.observed >= WARMUP_REQUESTS and self.observed % CHECK_EVERY == 0:
             self._decide()
 

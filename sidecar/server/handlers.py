@@ -249,6 +249,8 @@ class Handlers:
         frame = arrays[0]
         num = p.num_keys(frame)
         cache = tiers.cache
+        if cache.cpu.observes and not probed:  # for `auto`'s shadows, between requests
+            cache.cpu.observe(p.parse_keys(frame), defer=True)
         if not cache.lower:  # a CPU-only cache: counted from the frame's bytes
             hits = TierCounts(cache.cpu.index.ready_blocks(frame))
         else:
@@ -504,13 +506,15 @@ class Handlers:
     def _touch(self, req: p.Touch, arrays: list[bytes]) -> Answer:
         """An engine's batch of lookups and loads done through the hot index."""
         group = self._session(req).group
-        lookups, loads = parse_touch(req, arrays)  # checked whole first
+        lookups, loads, chains = parse_touch(req, arrays)  # checked whole first
         ns = group.ns_id
         for asked, hit in lookups:
             self.hits.record(asked, TierCounts(hit))
             self.namespaces.lookups[ns] += asked
             self.namespaces.hits[ns] += hit
         cpu = self._realm(self._session(req)).cache.cpu
+        for keys in chains:  # for `auto`'s shadows, worked off between requests
+            cpu.observe(keys, defer=True)
         for keys in loads:  # recency and hit counts, as a load's GET gives them
             cpu.match(keys, touch=True)
             self.transfers["loaded_blocks"] += len(keys)

@@ -56,6 +56,8 @@ class HotIndexes:
         if not (cache.lower and self._write_policy == "write_through_selective"):
             flags |= hotindex.LOADS
         flags |= hotindex.SAVES  # a commit plans the writes down (write_down_ready)
+        if cache.cpu.observes:  # `auto` learns from every lookup's whole chain
+            flags |= hotindex.OBSERVED
         name = hotindex.index_name(self._prefix, len(self._by_layout))
         index = HotIndex(name, num_slots, flags, mode=self._mode, gid=self._gid)
         self._by_layout[layout] = index
@@ -86,23 +88,31 @@ class HotIndexes:
             index.close()
 
 
-def parse_touch(req: p.Touch, arrays: list[bytes]) -> tuple[list[tuple[int, int]], list[BlockKeys]]:
-    """A Touch's lookups ((blocks asked, CPU hit blocks) each) and loads
-    (their keys); ProtocolError for a malformed one."""
-    pairs, keys = arrays
+def parse_touch(
+    req: p.Touch, arrays: list[bytes]
+) -> tuple[list[tuple[int, int]], list[BlockKeys], list[BlockKeys]]:
+    """A Touch's lookups ((blocks asked, CPU hit blocks) each), loads (their
+    keys) and observed lookups (their chains); ProtocolError for a malformed one."""
+    pairs, keys, seen = arrays
     if len(pairs) % 16:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "lookups frame is not int64 pairs")
     counts = np.frombuffer(pairs, dtype=p.ID_DTYPE).reshape(-1, 2)
     asked, hit = counts[:, 0], counts[:, 1]
     if ((hit < 0) | (hit > asked) | (asked > p.MAX_BLOCKS_PER_REQUEST)).any():
         raise ProtocolError(ErrorCode.BAD_VALUE, "a lookup's hits must be in [0, blocks asked]")
-    all_keys = p.parse_keys(keys)
-    sizes = req.load_blocks
+    loads = _split_keys(keys, req.load_blocks, "load_blocks")
+    chains = _split_keys(seen, req.seen_blocks, "seen_blocks")
+    if any(len(c) > p.MAX_BLOCKS_PER_REQUEST for c in chains):
+        raise ProtocolError(ErrorCode.BAD_VALUE, "an observed lookup is longer than a request")
+    return list(zip(asked.tolist(), hit.tolist(), strict=True)), loads, chains
+
+
+def _split_keys(frame: bytes, sizes: list[int], field: str) -> list[BlockKeys]:
+    all_keys = p.parse_keys(frame)
     if any(n <= 0 for n in sizes) or sum(sizes) != len(all_keys):
-        raise ProtocolError(ErrorCode.BAD_VALUE, "load_blocks must be positive and sum to the keys")
+        raise ProtocolError(ErrorCode.BAD_VALUE, f"{field} must be positive and sum to the keys")
     bounds = np.cumsum([0, *sizes]).tolist()
-    loads = [BlockKeys(all_keys[a:b]) for a, b in itertools.pairwise(bounds)]
-    return list(zip(asked.tolist(), hit.tolist(), strict=True)), loads
+    return [BlockKeys(all_keys[a:b]) for a, b in itertools.pairwise(bounds)]
 
 
 MAX_GRANT = 256

@@ -129,4 +129,5 @@ def tier_figures(tier: CacheEngine) -> dict[str, Any]:
         "used_blocks": tier.mempool.num_used,
         "cached_blocks": tier.index.num_blocks,
         "evicted_blocks": tier.num_evicted_blocks,
+        "policy": tier.policy_figures(),
     }
