@@ -37,7 +37,7 @@ def test_defaults() -> None:
     config = load_config(env={})
     assert config == Config()
     assert config.ssd_io_threads == 4
-    assert config.eviction_policy == "lru"
+    assert config.eviction_policy == "auto"
     assert config.evict_start_threshold == 0.95
     assert config.evict_ratio == 0.01
     assert config.hit_reward_seconds == 0.0

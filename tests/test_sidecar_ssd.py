@@ -93,6 +93,18 @@ def write_back(tmp_path):
     inst.cleanup()
 
 
+@pytest.fixture
+def write_back_lru(tmp_path):
+    """`write_back` evicting least recently used first: a prefix loaded
+    again and again still leaves the tier once enough is saved after it (a
+    scan-resistant policy, such as the default's first candidate, keeps it)."""
+    inst = Instance(
+        str(tmp_path / "ssd"), "--set", "write_policy=write_back", "--set", "eviction_policy=lru"
+    )
+    yield inst
+    inst.cleanup()
+
+
 def fill_cpu(c: KVClient, n: int = 10) -> None:
     """Save n unrelated blocks, pushing older blocks out of the 8-block CPU tier."""
     for i in range(n):
@@ -199,11 +211,11 @@ def load_at_once(k: int, engine: KVClient, barrier: threading.Barrier, got: list
     got[k] = engine.load(tokens(2), np.arange(2)).wait()
 
 
-def test_two_engines_loading_one_prefix_into_a_full_write_back_tier_both_get_it(write_back):
+def test_two_engines_loading_one_prefix_into_a_full_write_back_tier_both_get_it(write_back_lru):
     """Both stagings evict blocks whose write-backs hold the slots; the load
     that finds the other one staging its blocks waits for that staging, not
     for tries that unrelated write-backs use up."""
-    s = write_back.start()
+    s = write_back_lru.start()
     src = kv(3)
     with client(s.endpoint, src) as c:
         c.save(tokens(2), np.arange(2)).wait()

@@ -250,7 +250,7 @@ POLICY_NAMES: tuple[str, ...] = (
     "arc",
     "auto",
 )
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "auto"
 """The default of the `eviction_policy` setting (see docs/control-plane.md for why)."""
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import time
@@ -46,6 +47,7 @@ from sidecar.runtime import (
 from sidecar.sd_notify import SdNotifier
 from sidecar.server.curve import CurveFiles
 from sidecar.server.handlers import Handlers
+from sidecar.server.pacer import Pacer
 from sidecar.server.publisher import EventPublisher
 from sidecar.server.transport import Transport
 from sidecar.tiers.checks import check_tiers
@@ -55,8 +57,6 @@ start_log = logging.getLogger("kvsidecar.start")
 """Start-up progress (INFO): `kvsidecar serve` shows it without -v."""
 
 POLL_MS = 100
-OBSERVE_SLICE_SECONDS = 0.001
-"""Time one loop round gives the `auto` policy's shadows, past the requests."""
 LAPSE_LEASES = 0.25
 """A round of the control loop that takes this many leases beyond its wait
 for requests renews every engine's lease: heartbeats sent meanwhile may sit
@@ -158,8 +158,9 @@ class Server:
         """The clock reading of the last round, taken before its periodic work
         (monotonic seconds; 0: none yet), so that work counts in the next
         round's lapse."""
-        self._observing = False
-        """Chains queued for an `auto` policy are left: the next round does not wait."""
+        self._pacer = Pacer()
+        self._observe_wait_ms = POLL_MS
+        """The longest wait before `auto`'s queued chains get their next slice."""
         self.num_lapses = 0
         self._busy_poll = min(config.busy_poll_us / 1e6, config.lease_seconds / 8)
 
@@ -309,7 +310,7 @@ class Server:
         snapshot)."""
         parts = self.parts
         handlers = parts.handlers
-        timeout_ms = 0 if self._observing else min(timeout_ms, self._max_wait_ms)
+        timeout_ms = min(timeout_ms, self._max_wait_ms, self._observe_wait_ms)
         parts.transport.wait(timeout_ms, self._collect)
         handlers.geometries.hot.stamp()  # engines trust the hot indexes while this is fresh
         handlers.retry_parked()
@@ -337,10 +338,10 @@ class Server:
             handlers.expire()  # blocks past their namespace's TTL (none set: nothing)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
-        # Requests an `auto` policy learns from, between requests: at most
-        # one slice (and one chain) per round, the next round not waiting.
-        deadline = time.perf_counter() + OBSERVE_SLICE_SECONDS
-        self._observing = any([r.cache.cpu.observe_pending(deadline) for r in handlers.geometries])
+        # Requests an `auto` policy learns from, between requests, paced.
+        realms = list(handlers.geometries)
+        wait = self._pacer.run(lambda end: any([r.cache.cpu.observe_pending(end) for r in realms]))
+        self._observe_wait_ms = POLL_MS if wait is None else math.ceil(wait * 1000)
         self._loop_mark = now  # this round's periodic work counts in the next round's lapse
 
     def _serve(self, frames: list[bytes]) -> None:
