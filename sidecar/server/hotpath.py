@@ -127,9 +127,10 @@ slot granted ahead is a block evicted ahead, which under a policy with a
 small probationary queue (S3-FIFO's) costs hits. Through a running sidecar
 (`bench replay --live`, the Mooncake trace at 1% of its blocks) the 1/16
 share cost s3fifo 0.9 points against replay, 1/64 0.1..."""
-GRANT_EVICT_MIN = 8
-"""... but never fewer than this many (within the first share): a small
-tier's saves of a few blocks still go through grants."""
+GRANT_EVICT_MIN = 16
+"""... but never fewer than this many (within the first share): a tier of
+up to 1,024 slots grants as before, so its saves of a few blocks still go
+through grants."""
 
 
 def grant(session: Session, cpu: CacheEngine, want: int) -> np.ndarray:
