@@ -76,7 +76,8 @@ class Tails:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.dropped = 0
-        """Tails not observed: the queue was full."""
+        """Tails not observed: the queue was full, or a token id in one was
+        out of range (the lookup stopped before it, so nobody was told)."""
 
     def add(self, head: bytes, tokens: np.ndarray, hasher: KeyHasher) -> None:
         """Hash `tokens` (a copy the thread owns) as the blocks after the
@@ -98,7 +99,12 @@ class Tails:
             while queue and not self._stopped:
                 head, tokens, hasher = queue.popleft()
                 parent = head[-KEY_BYTES:] if head else None
-                self._done(head + key_bytes(hasher.hash_tokens(tokens, parent)))
+                try:
+                    rest = hasher.hash_tokens(tokens, parent)
+                except ValueError:  # an id the lookup never read is out of range
+                    self.dropped += 1
+                    continue
+                self._done(head + key_bytes(rest))
 
     def stop(self) -> None:
         self._stopped = True

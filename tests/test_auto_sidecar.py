@@ -53,6 +53,25 @@ def test_hot_lookups_send_their_whole_chains_misses_included(open_client):
         s.cleanup()
 
 
+def test_a_bad_token_past_the_first_miss_drops_that_chain_only(open_client):
+    """The lookup reads no id past its first miss, so it answers; the tail's
+    thread meets the bad id, drops that chain and goes on with the next."""
+    s = Sidecar(*AUTO).start()
+    try:
+        c = open_client(s.endpoint, make_kv(4))
+        bad = tokens(20, start=5)
+        bad[-1] = -1
+        assert c.lookup(bad) == 0  # the first block misses
+        assert c.lookup(tokens(12, start=9)) == 0
+        wait_for(lambda: policy(s)["observed"] == 1)
+        assert policy(s)["observed_blocks"] == 12
+        index = c._link.hot.index
+        assert index is not None and index.tails.dropped == 1
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
 def test_a_lookup_asked_of_the_sidecar_is_observed_there_once(open_client):
     ssd = tmp_dir("ssd")
     s = Sidecar(*AUTO, "--set", f"ssd_dirs={ssd}", "--set", "ssd_capacity_per_dir=8MiB").start()
