@@ -15,6 +15,19 @@ def case_name(n: int, kib: int) -> str:
     return f"{n}x{kib}k"
 
 
+def paired_ratio(floor: list[float], tier: list[float]) -> float:
+    """The tier's rate as a share of the floor's: the median, over the timed
+    samples, of floor time / tier time of a sample pair (the k-th of each,
+    taken one right after the other). This disk's rate drifts by 10-20%
+    over seconds; a pair sees the same moment, so the drift cancels. An A/A
+    test (the floor against itself, as this benchmark times it) gave
+    0.98-1.02 this way, against 0.90-1.13 for a ratio of the two medians
+    when a case had one sample a round (docs/measurements.md#ssd)."""
+    if len(floor) != len(tier) or not floor:
+        raise ValueError(f"{len(floor)} floor and {len(tier)} tier samples: not pairs")
+    return statistics.median(f / t for f, t in zip(floor, tier, strict=True))
+
+
 def figures(times: dict, pools: dict, cases: list[tuple[int, int]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for who, prefix in (("tier", ""), ("floor", "floor_")):
@@ -31,8 +44,13 @@ def figures(times: dict, pools: dict, cases: list[tuple[int, int]]) -> dict[str,
             }
     for phase in ("write", "read"):
         out[f"{phase}_vs_floor"] = {
-            kind: {case: v / out[f"floor_{phase}_gbps"][kind][case] for case, v in by_case.items()}
-            for kind, by_case in out[f"{phase}_gbps"].items()
+            kind: {
+                case_name(n, kib): paired_ratio(
+                    times[(kind, n, kib, "floor", phase)], times[(kind, n, kib, "tier", phase)]
+                )
+                for n, kib in cases
+            }
+            for kind in pools
         }
     out["seconds"] = {
         kind: {

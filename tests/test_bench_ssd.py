@@ -10,6 +10,7 @@ import os
 import pytest
 from shm_helpers import shm_entries
 
+from bench.ssd_report import paired_ratio
 from kvsidecar.cli import main
 from shm.pages import PAGE_KINDS
 
@@ -73,3 +74,16 @@ def test_ssd_cli_rejects_bad_arguments(capsys):
     assert "multiple of 16384" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "ssd", "--counts", "0"])
+
+
+def test_a_ratio_to_the_floor_pairs_samples_taken_together():
+    # The disk slowed down for the second pair: each pair still says 0.5.
+    floor, tier = [1.0, 4.0, 1.0], [2.0, 8.0, 2.0]
+    assert paired_ratio(floor, tier) == 0.5
+    # One slow tier sample moves a ratio of medians (1/2), not the median
+    # of the pairs' ratios (1, 1/2, 1).
+    assert paired_ratio([1.0, 1.0, 3.0], [1.0, 2.0, 3.0]) == 1.0
+    with pytest.raises(ValueError, match="not pairs"):
+        paired_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="not pairs"):
+        paired_ratio([], [])
