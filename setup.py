@@ -92,6 +92,12 @@ setup(
             optional=True,
         ),
         Extension(
+            "sidecar.tiers.ssd._aio",
+            sources=["sidecar/tiers/ssd/_aio.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
             "shm._hotindex",
             sources=["shm/_hotindex.c"],
             extra_compile_args=["-O3"],

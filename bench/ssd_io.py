@@ -5,9 +5,9 @@ directory. A batch is split as `DataPlane._jobs` splits an op: parts of
 ceil(n / threads) consecutive blocks, one job each on an `IoPool` of
 `threads` threads, the caller waiting on the pool's eventfd as the sidecar's
 loop does. Only what a job does differs:
-- tier: `SsdStore.write` / `read`, as the sidecar calls them (a journal
+- tier: `SsdStore.write` / `read_run`, as the sidecar calls them (a journal
   record before and after each write; a key check and an xxh3 checksum of
-  each block read);
+  each block read, the next block's read in flight meanwhile);
 - floor: one `os.pwritev` / `os.preadv` per block, O_DIRECT, on the tier's
   own data file (block i at i * slot_bytes, as the tier puts it).
 """
@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.tiers.io_pool import IoPool
-from sidecar.tiers.ssd.store import MAGIC, RECORD, RECORD_BYTES, VALID, SsdStore, read_header
+from sidecar.tiers.ssd.store import (
+    MAGIC,
+    RECORD,
+    RECORD_BYTES,
+    VALID,
+    ReadBlock,
+    SsdStore,
+    read_header,
+)
 
 Job = Callable[[int, int], None]
 """Moves blocks lo..hi-1 of a batch."""
@@ -72,9 +80,10 @@ class Tier:
 
     def reader(self, dst: list[memoryview]) -> Job:
         def read(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                if not self.store.read(i, dst[i], key(i)):
-                    raise RuntimeError(f"block {i} failed its checksum: the benchmark is broken")
+            ok = self.store.read_run([ReadBlock(i, dst[i], key(i)) for i in range(lo, hi)])
+            if not all(ok):
+                bad = lo + ok.index(False)
+                raise RuntimeError(f"block {bad} failed its checksum: the benchmark is broken")
 
         return read
 

@@ -1,8 +1,10 @@
 """DISK2H and H2DISK: SSD reads and writes of plans, run on the SSD I/O pool.
 
 Positional I/O releases the GIL, so an op split across `ssd_io_threads`
-threads keeps them all busy. Bytes move straight between the file and the
-shm slot (O_DIRECT where the filesystem has it).
+threads keeps them all busy; a reading thread has the next block's read in
+flight while it checks this one (`SsdStore.read_run`). Bytes move
+straight between the file and the shm slot (O_DIRECT where the filesystem
+has it).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sidecar.control.node import RadixNode
 from sidecar.metrics.latency import SharedLatencyHistogram, timed
 from sidecar.tiers.dataplane import BadBlocks, Job, drop_blocks, staged_keys
 from sidecar.tiers.io_pool import IoPool
-from sidecar.tiers.ssd.store import SsdStore
+from sidecar.tiers.ssd.store import ReadBlock, SsdStore
 
 log = logging.getLogger("kvsidecar")
 
@@ -59,11 +61,10 @@ class SsdOps:
         targets = [self.shm.slot_view(int(c), stride) for c in op.dst]
 
         def read(lo: int, hi: int) -> None:
-            failed = [
-                paths[i]
-                for i in range(lo, hi)
-                if not self.store.read(int(op.src[i]), memoryview(targets[i]), keys[i])
-            ]
+            ok = self.store.read_run(
+                [ReadBlock(int(op.src[i]), memoryview(targets[i]), keys[i]) for i in range(lo, hi)]
+            )
+            failed = [paths[lo + k] for k, good in enumerate(ok) if not good]
             if failed:
                 raise BadBlocks(failed, corrupt=len(failed))
 

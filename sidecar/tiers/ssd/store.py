@@ -51,12 +51,19 @@ import logging
 import mmap
 import os
 import struct
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
 import xxhash
+
+try:
+    from sidecar.tiers.ssd import _aio
+except ImportError:  # not built: one transfer at a time, as before
+    _aio = None  # type: ignore[assignment]
 
 log = logging.getLogger("kvsidecar")
 
@@ -259,6 +266,39 @@ class SsdStore:
         self.checksums[slot] = digest
         self.keys[slot] = np.frombuffer(key, dtype=np.uint8)
 
+    def read_run(self, blocks: Sequence[ReadBlock]) -> list[bool]:
+        """`read` each block, the next one's read in flight while this one
+        is checked (Linux AIO, where the files are O_DIRECT; else one `read`
+        after another): 256 KiB blocks 0.97x the raw reads' rate against
+        0.95x (docs/measurements.md#ssd). A block whose key its slot does
+        not hold is not read. Whether each read back intact.
+
+        Writes stay one `os.pwritev` after another: the same pipelining
+        made them slower here (0.89-0.96x the raw writes against
+        0.91-1.03x), the AIO write path costing more than the hash it hid."""
+        ok = [self.keys[b.slot].tobytes() == b.key for b in blocks]
+        todo = [i for i, good in enumerate(ok) if good]
+        queue = _queue() if self.direct else None
+        if queue is None:
+            return [good and self.read(*b) for b, good in zip(blocks, ok, strict=True)]
+        try:
+            if todo:
+                queue.submit(*self._read_at(blocks[todo[0]]), False)
+            for k, i in enumerate(todo):
+                b = blocks[i]
+                fd, _, offset = self._read_at(b)
+                _finish(queue, fd, b.block, offset)
+                if k + 1 < len(todo):
+                    queue.submit(*self._read_at(blocks[todo[k + 1]]), False)
+                ok[i] = checksum(b.block[: self.block_bytes], b.key) == int(self.checksums[b.slot])
+        finally:
+            _settle(queue)
+        return ok
+
+    def _read_at(self, b: ReadBlock) -> tuple[int, memoryview, int]:
+        d, offset = self._where(b.slot)
+        return d.fd, b.block, offset
+
     def read(self, slot: int, block: memoryview, key: bytes) -> bool:
         """Read the block into `block`; False if it fails its key or checksum
         (the caller must then treat it as a miss and drop the slot)."""
@@ -434,6 +474,49 @@ def _read_meta(path: Path) -> object:
         return None
     except (OSError, ValueError):
         return "unreadable"
+
+
+class ReadBlock(NamedTuple):
+    """A block for `SsdStore.read_run`: as `SsdStore.read` takes it."""
+
+    slot: int
+    block: memoryview
+    key: bytes
+
+
+_local = threading.local()
+
+
+def _queue() -> Any:
+    """This thread's AIO queue of one slot for reads, made on first use; None where
+    Linux AIO is not there (not built, or io_setup refused: a container's
+    seccomp profile, fs.aio-max-nr reached), and then for good."""
+    queue = getattr(_local, "queue", False)
+    if queue is False:
+        queue = None
+        if _aio is not None:
+            try:
+                queue = _aio.Queue(1)
+            except OSError as err:
+                log.info("SSD: Linux AIO unavailable (%s): one read or write at a time", err)
+        _local.queue = queue
+    return queue
+
+
+def _finish(queue: Any, fd: int, view: memoryview, offset: int) -> None:
+    """Reap the one read in flight; a short one is completed in place."""
+    ((_, done),) = queue.wait(1)
+    if done < 0:
+        raise OSError(-done, os.strerror(-done))
+    if done < len(view):
+        _pread_all(fd, view[done:], offset + done)
+
+
+def _settle(queue: Any) -> None:
+    """Wait out a transfer left in flight by an error: its buffer is held
+    until then, and the queue's next user must not reap it."""
+    if queue is not None and queue.pending:
+        queue.wait(queue.pending)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

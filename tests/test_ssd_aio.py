@@ -1,0 +1,121 @@
+"""The SSD tier's pipelined reads (`SsdStore.read_run`, Linux AIO): the same
+verdicts and bytes as one `read` after another, errors that leave nothing in
+flight, and a queue that refuses bad use without changing state."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+import pytest
+from test_ssd import SLOT, aligned, block, key, store
+
+from sidecar.tiers.ssd import store as ssd_store
+from sidecar.tiers.ssd.store import ReadBlock
+
+aio = pytest.importorskip("sidecar.tiers.ssd._aio")
+
+
+def aio_or_skip(s: ssd_store.SsdStore) -> None:
+    if not s.direct or ssd_store._queue() is None:
+        pytest.skip("no O_DIRECT here, or Linux AIO refused")
+
+
+@pytest.mark.parametrize("path", ["aio", "one_by_one"])
+def test_a_run_of_reads_gives_what_reads_one_by_one_give(tmp_path, monkeypatch, path):
+    s = store(tmp_path, capacity=4 * SLOT)
+    if path == "aio":
+        aio_or_skip(s)
+    else:
+        monkeypatch.setattr(ssd_store._local, "queue", None, raising=False)
+    for slot in range(8):
+        s.write(slot, block(slot), key(slot + 1), key(slot), slot == 0)
+    # Slot 5's bytes rot on disk (directory 1, its third slot).
+    with open(tmp_path / "d1" / "t.data", "r+b") as f:
+        f.seek(2 * SLOT + 7)
+        f.write(b"\xff\x00")
+    # (slot, key): slot 6 asked under a wrong key
+    wanted = [(0, 1), (3, 4), (5, 6), (6, 99), (7, 8), (2, 3)]
+    run = [ReadBlock(slot, aligned(), key(k)) for slot, k in wanted]
+    got = s.read_run(run)
+    assert got == [True, True, False, False, True, True]
+    assert got == [s.read(slot, aligned(), key(k)) for slot, k in wanted]
+    for (slot, _), b, ok in zip(wanted, run, got, strict=True):
+        if ok:
+            assert bytes(b.block) == bytes(block(slot))
+    assert bytes(run[3].block) == bytes(SLOT)  # a wrong key: not read at all
+    assert s.read_run([]) == []
+    s.close()
+
+
+def test_a_failure_mid_run_leaves_no_read_in_flight(tmp_path, monkeypatch):
+    s = store(tmp_path, dirs=1)
+    aio_or_skip(s)
+    for slot in range(3):
+        s.write(slot, block(slot), key(slot + 1), key(slot), slot == 0)
+    real, calls = ssd_store.checksum, []
+
+    def failing(data, k):  # the second check fails while the third read is in flight
+        calls.append(k)
+        if len(calls) == 2:
+            raise MemoryError("checksum failed")
+        return real(data, k)
+
+    monkeypatch.setattr(ssd_store, "checksum", failing)
+    with pytest.raises(MemoryError):
+        s.read_run([ReadBlock(slot, aligned(), key(slot + 1)) for slot in range(3)])
+    assert ssd_store._queue().pending == 0
+    monkeypatch.setattr(ssd_store, "checksum", real)
+    again = [ReadBlock(slot, aligned(), key(slot + 1)) for slot in range(3)]
+    assert s.read_run(again) == [True] * 3
+    s.close()
+
+
+def test_a_short_read_is_finished_in_place_and_a_file_that_ends_is_an_error(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4096))
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    queue = aio.Queue(1)
+    try:
+        view = aligned(2 * 4096)
+        queue.submit(fd, view, 0, False)
+        with pytest.raises(OSError) as err:
+            ssd_store._finish(queue, fd, view, 0)
+        assert err.value.errno == errno.EIO and queue.pending == 0
+    finally:
+        queue.close()
+        os.close(fd)
+
+
+def test_the_queue_refuses_bad_use_and_changes_nothing(tmp_path):
+    for depth in (0, 65):
+        with pytest.raises(ValueError, match="depth"):
+            aio.Queue(depth)
+    path = tmp_path / "f"
+    path.write_bytes(bytes(SLOT))
+    fd = os.open(path, os.O_RDWR)
+    queue = aio.Queue(1)
+    try:
+        with pytest.raises(BufferError):  # a read into bytes it may not write
+            queue.submit(fd, memoryview(bytes(SLOT)), 0, False)
+        with pytest.raises(ValueError, match="offset"):
+            queue.submit(fd, aligned(), -1, False)
+        with pytest.raises(OSError) as bad:
+            queue.submit(10_000, aligned(), 0, False)
+        assert bad.value.errno == errno.EBADF and queue.pending == 0
+        with pytest.raises(ValueError, match="1 completions asked, 0 in flight"):
+            queue.wait(1)
+        buf = memoryview(mmap.mmap(-1, SLOT))
+        assert queue.submit(fd, buf, 0, False) == 0
+        with pytest.raises(RuntimeError, match="full"):
+            queue.submit(fd, aligned(), 0, False)
+        assert queue.pending == 1 and queue.wait(1) == [(0, SLOT)]
+        queue.submit(fd, buf, 0, False)
+        queue.close()  # waits for the read in flight, then lets go of its buffer
+        assert queue.pending == 0
+        with pytest.raises(ValueError, match="closed"):
+            queue.submit(fd, buf, 0, False)
+    finally:
+        queue.close()
+        os.close(fd)
