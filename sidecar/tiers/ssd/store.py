@@ -256,7 +256,10 @@ class SsdStore:
         The block is hashed before it is written: the hash leaves it in the
         cache, where the write reads it (256 KiB blocks: 0.92-0.94x the raw
         O_DIRECT write hashing after, 0.98-1.01x before; docs/measurements.md).
-        Its bytes cannot change in between: a slot being written down is pinned."""
+        Its bytes cannot change in between: a slot being written down is pinned.
+        Writes are not pipelined as `read_run` is: with the next block hashed
+        while this one's write was in flight (Linux AIO) they ran slower here
+        (0.89-0.96x the raw writes against 0.91-1.03x)."""
         d, offset = self._where(slot)
         digest = checksum(block[: self.block_bytes], key)
         self._write_record(d, slot, b"\0" * RECORD_BYTES)  # invalid while the data changes
@@ -271,11 +274,7 @@ class SsdStore:
         is checked (Linux AIO, where the files are O_DIRECT; else one `read`
         after another): 256 KiB blocks 0.97x the raw reads' rate against
         0.95x (docs/measurements.md#ssd). A block whose key its slot does
-        not hold is not read. Whether each read back intact.
-
-        Writes stay one `os.pwritev` after another: the same pipelining
-        made them slower here (0.89-0.96x the raw writes against
-        0.91-1.03x), the AIO write path costing more than the hash it hid."""
+        not hold is not read. Whether each read back intact."""
         ok = [self.keys[b.slot].tobytes() == b.key for b in blocks]
         todo = [i for i, good in enumerate(ok) if good]
         queue = _queue() if self.direct else None
@@ -488,9 +487,9 @@ _local = threading.local()
 
 
 def _queue() -> Any:
-    """This thread's AIO queue of one slot for reads, made on first use; None where
-    Linux AIO is not there (not built, or io_setup refused: a container's
-    seccomp profile, fs.aio-max-nr reached), and then for good."""
+    """This thread's AIO queue of one slot for reads, made on first use;
+    None where Linux AIO is not there (not built, or io_setup refused: a
+    container's seccomp profile, fs.aio-max-nr reached), and then for good."""
     queue = getattr(_local, "queue", False)
     if queue is False:
         queue = None
@@ -498,7 +497,7 @@ def _queue() -> Any:
             try:
                 queue = _aio.Queue(1)
             except OSError as err:
-                log.info("SSD: Linux AIO unavailable (%s): one read or write at a time", err)
+                log.info("SSD: Linux AIO unavailable (%s): one read at a time", err)
         _local.queue = queue
     return queue
 
