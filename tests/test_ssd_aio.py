@@ -119,3 +119,17 @@ def test_the_queue_refuses_bad_use_and_changes_nothing(tmp_path):
     finally:
         queue.close()
         os.close(fd)
+
+
+def test_a_read_the_device_fails_raises_and_leaves_nothing_in_flight(tmp_path):
+    s = store(tmp_path, dirs=1)
+    aio_or_skip(s)
+    s.write(0, block(0), key(1), key(0), True)
+    # O_DIRECT into a buffer off alignment: submitted, then failed (EINVAL)
+    # by the kernel in the completion, as an I/O error comes back.
+    off = memoryview(mmap.mmap(-1, 2 * SLOT))[1 : SLOT + 1]
+    with pytest.raises(OSError) as err:
+        s.read_run([ReadBlock(0, off, key(1))])
+    assert err.value.errno == errno.EINVAL and ssd_store._queue().pending == 0
+    assert s.read_run([ReadBlock(0, aligned(), key(1))]) == [True]
+    s.close()
