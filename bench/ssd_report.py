@@ -21,7 +21,7 @@ def paired_ratio(floor: list[float], tier: list[float]) -> float:
     taken one right after the other). This disk's rate drifts by 10-20%
     over seconds; a pair sees the same moment, so the drift cancels. An A/A
     test (the floor against itself, as this benchmark times it) gave
-    0.98-1.02 this way, against 0.90-1.13 for a ratio of the two medians
+    0.98-1.03 this way, against 0.90-1.13 for a ratio of the two medians
     when a case had one sample a round (docs/measurements.md#ssd)."""
     if len(floor) != len(tier) or not floor:
         raise ValueError(f"{len(floor)} floor and {len(tier)} tier samples: not pairs")

@@ -72,7 +72,7 @@ def test_a_failure_mid_run_leaves_no_read_in_flight(tmp_path, monkeypatch):
     s.close()
 
 
-def test_a_short_read_is_finished_in_place_and_a_file_that_ends_is_an_error(tmp_path):
+def test_a_read_cut_short_by_the_end_of_the_file_is_an_error(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(bytes(4096))
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)

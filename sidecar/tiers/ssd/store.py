@@ -289,7 +289,7 @@ class SsdStore:
                 _finish(queue, fd, b.block, offset)
                 if k + 1 < len(todo):
                     queue.submit(*self._read_at(blocks[todo[k + 1]]), False)
-                ok[i] = checksum(b.block[: self.block_bytes], b.key) == int(self.checksums[b.slot])
+                ok[i] = self._intact(b.slot, b.block, b.key)
         finally:
             _settle(queue)
         return ok
@@ -305,6 +305,10 @@ class SsdStore:
         if self.keys[slot].tobytes() != key:
             return False
         _pread_all(d.fd, block, offset)
+        return self._intact(slot, block, key)
+
+    def _intact(self, slot: int, block: memoryview, key: bytes) -> bool:
+        """Whether the bytes read into `block` are the ones written to `slot`."""
         return checksum(block[: self.block_bytes], key) == int(self.checksums[slot])
 
     def drop(self, slot: int) -> None:
