@@ -308,3 +308,28 @@ def test_a_layer_range_copies_those_layers_only_at_their_offsets(pool, impl):
     for bad in [(0, 0), (2, 4), (-1, 1), [0, 1], (0, True)]:
         with pytest.raises(ValueError, match="layer_range"):
             shm_copy.save_blocks(src, blocks, pool, slots, layout, 0, layer_range=bad)
+
+
+@NEEDS_C
+@pytest.mark.parametrize("layer_range", [None, (1, 3)])
+def test_a_save_in_bands_writes_what_the_torch_loop_writes(monkeypatch, layer_range):
+    """Bands of 3 blocks over 10 (three whole bands and one of 1), block ids
+    and slots shuffled: every byte where the torch loop puts it."""
+    src = random_layers(4, (10, 3, 8), torch.float16, seed=11)
+    layout = BlockLayout.for_tensors(src)
+    monkeypatch.setattr(shm_copy, "BAND_BYTES", 3 * layout.layer_block_bytes)
+    rng = np.random.default_rng(5)
+    blocks, slots = rng.permutation(10), rng.permutation(10)
+    images = []
+    for impl in ("c", "torch"):
+        with (
+            checked_prefix("band") as prefix,
+            ShmPool.create(prefix, 10 * layout.slot_stride) as pool,
+        ):
+            pool.segment_view(0)[:] = SENTINEL
+            shm_copy.save_blocks(
+                src, blocks, pool, slots, layout, 0, impl=impl, layer_range=layer_range
+            )
+            images.append(pool.segment_view(0).copy())
+    assert np.array_equal(images[0], images[1])
+    assert (images[0] != SENTINEL).any()
