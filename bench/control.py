@@ -57,7 +57,12 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   16,384 tokens, beside a memcpy of the same bytes, AIBrix's in-process L1
   cache and LMCache's multiprocess server (each installed on first use into
   a side environment; `--no-peers` skips them); 4- and 16-client lookup
-  rates. `--calls-only` runs only these, `--no-calls` skips them.
+  rates. `--calls-only` runs only these, `--no-calls` skips them. Speed
+  against memcpy of the 2,048-block saves and loads is the median over
+  calls each paired back to back with the memcpy of the same row in
+  kvsidecar's worker (memory speed here moves by up to 2x between phases);
+  the 2 MiB rows need ~17 GiB for that, and run unpaired where it is not
+  available.
 
 Latencies are µs, p50 and p99 over every call of every client of a case;
 with 4 clients they all run for the same seconds at once. `vs_floor` holds

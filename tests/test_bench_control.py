@@ -168,8 +168,16 @@ def test_control_calls_quick_without_peers_writes_every_row_and_cleans_up(tmp_pa
     check_rows(c["rows_us"]["memcpy"], QUICK_TRANSFERS, "memcpy")  # the floor has no lookup
     check_rows(c["rows_us"]["kvsidecar"], QUICK_TRANSFERS + QUICK_LOOKUPS, "kvsidecar")
     for row in QUICK_TRANSFERS:
-        memcpy, ours = c["rows_us"]["memcpy"][row]["p50"], c["rows_us"]["kvsidecar"][row]["p50"]
-        assert c["vs"][row] == {"memcpy": memcpy / ours}, row
+        memcpy, ours = c["rows_us"]["memcpy"][row], c["rows_us"]["kvsidecar"][row]
+        separate = memcpy["p50"] / ours["p50"]
+        if row.endswith(".4"):  # the largest transfer: paired with the floor in kvsidecar's worker
+            assert positive(ours["vs_floor"]) and positive(ours["floor_p50"]), row
+            assert ours["samples"] >= 11, row  # paired_min_samples
+            assert c["vs"][row] == {"memcpy": ours["vs_floor"], "memcpy_separate": separate}
+        else:
+            assert "vs_floor" not in ours, row
+            assert c["vs"][row] == {"memcpy": separate, "memcpy_separate": separate}, row
+    assert c["systems"]["kvsidecar"]["notes"] == ""  # nothing left unpaired for want of memory
     assert all(c["vs"][row] == {} for row in QUICK_LOOKUPS)
     assert all(not s["error"] and s["version"] for s in c["systems"].values())
     assert c["geometries"]["2MiB"]["block_bytes"] == 2 << 20
@@ -190,6 +198,67 @@ def test_control_calls_quick_without_peers_writes_every_row_and_cleans_up(tmp_pa
 
 def summary(p50: float) -> dict:
     return {"p50": p50, "p99": p50, "mean": p50, "samples": 3}
+
+
+class ClockedSystem:
+    """A System whose save takes `cost` ns of a shared fake clock, in order."""
+
+    def __init__(self, clock: list[int], costs: list[int], log: list[str], name: str) -> None:
+        self.clock, self.costs, self.log, self.name = clock, costs, log, name
+
+    def save(self, tokens, block_ids) -> int:
+        self.clock[0] += self.costs[len(self.log) % len(self.costs)]
+        self.log.append(self.name)
+        return len(tokens)
+
+
+def test_timed_pairs_each_call_with_the_floor_in_alternating_order(monkeypatch):
+    from bench.peers import calls
+    from bench.peers.calls import Spec, timed
+
+    now, ours_log, floor_log = [0], [], []
+    monkeypatch.setattr(calls.time, "perf_counter_ns", lambda: now[0])
+    # Calls alternate between a fast and a slow machine: ours 4 or 8 ms, the floor 2 or 8.
+    ours = ClockedSystem(now, [4_000_000, 8_000_000], ours_log, "ours")
+    floor = ClockedSystem(now, [2_000_000, 8_000_000], floor_log, "floor")
+    order: list[str] = []
+
+    def step(system: ClockedSystem) -> int:
+        order.append(system.name)
+        return system.save([1], None)
+
+    spec = Spec(seconds=0.0, min_samples=2, warmup=1, paired_min_samples=6)
+    row = timed(lambda: step(ours), 1, "save", spec, floor=lambda: step(floor))
+    assert order[2:] == ["floor", "ours", "ours", "floor"] * 3  # after one warm-up each
+    assert row["samples"] == 6  # paired_min_samples, not min_samples
+    order.clear()
+    assert timed(lambda: step(ours), 1, "save", spec)["samples"] == 2  # unpaired
+    # Each pair ran on one machine: ratios 1.0 (slow) and 0.5 (fast), median 0.75;
+    # the ratio of the two p50s (5 / 6 ms) would say 0.83.
+    assert row["vs_floor"] == pytest.approx(0.75)
+    assert row["p50"] == pytest.approx(6000.0) and row["floor_p50"] == pytest.approx(5000.0)
+
+
+def test_the_floor_is_paired_only_where_its_buffers_fit():
+    from bench.peers.calls import floor_fits
+
+    assert floor_fits(1 << 20)
+    assert not floor_fits(1 << 50)  # a petabyte
+
+
+def test_merge_keeps_the_paired_figures_only_where_every_round_has_them():
+    from bench.control_calls import merge
+    from bench.peers import WorkerResult
+
+    paired = {**summary(10.0), "vs_floor": 0.8, "floor_p50": 8.0}
+    rounds = [
+        WorkerResult("v", {"a": paired, "b": paired}, "x"),
+        WorkerResult("v", {"a": {**paired, "vs_floor": 1.0}, "b": summary(12.0)}, "x"),
+    ]
+    rows = merge(rounds).rows
+    assert rows["a"]["vs_floor"] == pytest.approx(0.9) and rows["a"]["floor_p50"] == 8.0
+    assert "vs_floor" not in rows["b"] and rows["b"]["p50"] == 11.0
+    assert merge(rounds).notes == "x"
 
 
 def test_calls_targets_follow_the_issue_rules_and_say_what_was_not_measured():
@@ -220,6 +289,13 @@ def test_calls_targets_follow_the_issue_rules_and_say_what_was_not_measured():
 
     assert t["calls.save.2MiB.2048.vs_memcpy"]["value"] == pytest.approx(0.9)  # speed share
     assert t["calls.save.2MiB.2048.vs_memcpy"]["within"] is True
+    assert "could not be paired" in t["calls.save.2MiB.2048.vs_memcpy"]["rule"]
+    # Paired calls, where the worker had them, decide instead of the separate p50s.
+    rows["kvsidecar"]["save.2MiB.2048"]["vs_floor"] = 0.85
+    paired = targets({**r, "vs": ratios(rows)}, peers=True)["calls.save.2MiB.2048.vs_memcpy"]
+    assert paired["value"] == pytest.approx(0.85) and paired["within"] is False
+    assert "paired back to back" in paired["rule"]
+    assert ratios(rows)["save.2MiB.2048"]["memcpy_separate"] == pytest.approx(0.9)
     assert t["calls.save.2MiB.1.vs_aibrix"]["value"] == pytest.approx(0.8)
     assert t["calls.save.2MiB.1.vs_aibrix"]["within"] is True
     assert t["calls.lookup_hit.256.vs_aibrix"]["within"] is False  # 1.5x AIBrix's

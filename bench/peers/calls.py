@@ -22,6 +22,17 @@ blocks of 16 tokens = 2 MiB, and of 1 token = 128 KiB):
   misses): the call an engine makes for every arriving request.
 Every call is checked once (warm-up) for the tokens it should give, so a
 row never silently times a miss.
+
+Paired floor (`Spec.paired_floor`, kvsidecar's worker): the memcpy floor
+also runs inside the worker, and every timed save or load of the largest
+transfer (the rows the floor's target judges) is paired with the floor's
+call of the same row right before or after it (alternating).
+The row then carries `vs_floor`, the median over the pairs of the floor's
+time over the system's, and `floor_p50`. Memory speed on these VMs moves
+by up to 2x between phases a few seconds apart, so p50s taken in separate
+phases can give either side the fast memory; pairs cannot. Where the
+floor's buffers do not fit beside the system's (`floor_fits`), the
+geometry's rows are left unpaired and say so in the worker's notes.
 """
 
 from __future__ import annotations
@@ -77,6 +88,11 @@ class Spec:
     warmup: int = 2
     workdir: str = "/tmp"
     """Where a worker may put sockets and scratch files."""
+    paired_floor: bool = False
+    """Pair every save and load with the memcpy floor's (module docstring)."""
+    paired_min_samples: int = 11
+    """Pairs a paired row times at least: its figure is their median, and a
+    2,048 x 2 MiB row gets only ~2 pairs a second."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -139,10 +155,14 @@ def timed(
     spec: Spec,
     after: Callable[[], None] | None = None,
     before: Callable[[], None] | None = None,
+    floor: Callable[[], int] | None = None,
 ) -> dict[str, float]:
     """Warm up (checking each call gives `want` tokens), then time calls for
     spec.seconds and at least spec.min_samples; `before` and `after` run
-    untimed around each call."""
+    untimed around each call. `floor`: the floor's call of the same row,
+    timed right before the step in even samples and right after it in odd
+    ones, at least spec.paired_min_samples pairs (module docstring: paired
+    floor)."""
     for _ in range(max(1, spec.warmup)):
         if before is not None:
             before()
@@ -151,10 +171,23 @@ def timed(
             raise RuntimeError(f"{what} gave {got} tokens, expected {want}")
         if after is not None:
             after()
+        if floor is not None:
+            floor()
     clock = time.perf_counter_ns
     latencies: list[int] = []
+    floors: list[int] = []
+
+    def floor_call() -> None:
+        assert floor is not None
+        t0 = clock()
+        floor()
+        floors.append(clock() - t0)
+
+    least = spec.min_samples if floor is None else max(spec.min_samples, spec.paired_min_samples)
     end = clock() + int(spec.seconds * 1e9)
     while True:
+        if floor is not None and len(latencies) % 2 == 0:
+            floor_call()
         if before is not None:
             before()
         t0 = clock()
@@ -163,19 +196,92 @@ def timed(
         latencies.append(t1 - t0)
         if after is not None:
             after()
-        if t1 >= end and len(latencies) >= spec.min_samples:
+        if floor is not None and len(floors) < len(latencies):
+            floor_call()
+        if clock() >= end and len(latencies) >= least:
             break
-    return summarize(latencies)
+    row = summarize(latencies)
+    if floor is not None:
+        row["floor_p50"] = summarize(floors)["p50"]
+        row["vs_floor"] = float(np.median(np.asarray(floors) / np.asarray(latencies)))
+    return row
 
 
-def run_cases(system: System, spec: Spec, name: str) -> dict[str, dict[str, float]]:
-    """Every row of `spec` for one system: {row name: latency summary (µs)}."""
+def floor_fits(floor_bytes: int, margin: int = 2 << 30) -> bool:
+    """Whether the paired floor's buffers fit in the memory available now,
+    with `margin` to spare (MemAvailable). Asked once the system is open:
+    kvsidecar's sidecar allocates its whole CPU tier at start."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return False
+    return floor_bytes + margin <= available
+
+
+class PairedFloor:
+    """The memcpy floor a worker pairs its largest saves and loads with, in
+    one geometry (module docstring: paired floor). Opened at the first such
+    row, so that no other row runs right after its buffers are faulted in;
+    not at all where spec.paired_floor is off or its buffers do not fit
+    (then a line in `notes` says so)."""
+
+    def __init__(
+        self, make: Callable[[], System] | None, spec: Spec, gname: str, notes: list[str]
+    ) -> None:
+        self._make, self._spec, self._gname, self._notes = make, spec, gname, notes
+        self._largest = max(spec.transfer_blocks)
+        self._refused = not spec.paired_floor or make is None
+        self.system: System | None = None
+
+    def call(self, kind: str, tokens: np.ndarray, ids: np.ndarray) -> Callable[[], int] | None:
+        """The floor's call to pair a `kind` ("save" or "load") of `ids` with, or None."""
+        floor = self._for_row(len(ids))
+        if floor is None:
+            return None
+        step = floor.save if kind == "save" else floor.load
+        return lambda: step(tokens, ids)
+
+    def _for_row(self, blocks: int) -> System | None:
+        if self._refused or blocks != self._largest:
+            return None
+        if self.system is None:
+            assert self._make is not None
+            spec, gname, geometry = self._spec, self._gname, GEOMETRIES[self._gname]
+            if not floor_fits(2 * spec.kv_blocks(gname) * block_bytes(geometry)):
+                self._refused = True
+                self._notes.append(f"{gname}: not paired with the floor (too little memory)")
+                return None
+            floor = self._make()
+            floor.open(geometry, spec.kv_blocks(gname), spec.cache_blocks(gname))
+            self.system = floor
+        return self.system
+
+    def close(self) -> None:
+        if self.system is not None:
+            self.system.close()
+            self.system = None
+
+
+def run_cases(
+    system: System,
+    spec: Spec,
+    name: str,
+    make_floor: Callable[[], System] | None = None,
+    notes: list[str] | None = None,
+) -> dict[str, dict[str, float]]:
+    """Every row of `spec` for one system: {row name: latency summary (µs)}.
+    `make_floor`: the memcpy floor, paired with the largest saves and loads
+    where spec.paired_floor (PairedFloor; `notes` gets what it has to say)."""
     rows: dict[str, dict[str, float]] = {}
+    said = notes if notes is not None else []
     for gname in spec.geometries:
         geometry = GEOMETRIES[gname]
         tpb = geometry["tokens_per_block"]
         log(f"{name}: {gname} blocks ...")
         system.open(geometry, spec.kv_blocks(gname), spec.cache_blocks(gname))
+        floor = PairedFloor(make_floor, spec, gname, said)
         try:
             for n in spec.transfer_blocks:
                 tokens, ids = token_ids(n * tpb, SAVE_SET), np.arange(n)
@@ -185,6 +291,7 @@ def run_cases(system: System, spec: Spec, name: str) -> dict[str, dict[str, floa
                     f"{name} save of {n} blocks",
                     spec,
                     after=lambda t=tokens: system.forget(t),
+                    floor=floor.call("save", tokens, ids),
                 )
             presave(system, spec.kv_blocks(gname), tpb)
             for n in spec.transfer_blocks:
@@ -196,7 +303,9 @@ def run_cases(system: System, spec: Spec, name: str) -> dict[str, dict[str, floa
                     spec,
                     after=system.tidy,
                     before=lambda t=tokens: system.prepare_load(t),
+                    floor=floor.call("load", tokens, ids),
                 )
+            floor.close()
             for t in spec.lookups(gname):
                 hit, miss = token_ids(t, LOOKUP_SET), token_ids(t, MISS_SET)
                 rows[f"lookup_hit.{t}"] = timed(
@@ -206,6 +315,7 @@ def run_cases(system: System, spec: Spec, name: str) -> dict[str, dict[str, floa
                     lambda x=miss: system.lookup(x), 0, f"{name} lookup miss", spec, system.tidy
                 )
         finally:
+            floor.close()
             system.close()
     return rows
 
@@ -221,10 +331,18 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def worker_main(make: Callable[[Spec], System], version: str, name: str, notes: str = "") -> int:
-    """A worker's main: a Spec on stdin, {"version", "rows", "notes"} on stdout."""
+def worker_main(
+    make: Callable[[Spec], System],
+    version: str,
+    name: str,
+    notes: str = "",
+    make_floor: Callable[[], System] | None = None,
+) -> int:
+    """A worker's main: a Spec on stdin, {"version", "rows", "notes"} on
+    stdout. `make_floor`: the memcpy floor, for spec.paired_floor."""
     spec = Spec.from_json(sys.stdin.read())
-    rows = run_cases(make(spec), spec, name)
-    json.dump({"version": version, "rows": rows, "notes": notes}, sys.stdout)
+    said: list[str] = [notes] if notes else []
+    rows = run_cases(make(spec), spec, name, make_floor, said)
+    json.dump({"version": version, "rows": rows, "notes": "; ".join(said)}, sys.stdout)
     sys.stdout.flush()
     return 0

@@ -5,7 +5,9 @@ delete), so a faster client or sidecar shows here with no change.
 
 The CPU tier is sized to the spec's `cache_blocks` (the pre-saved set plus
 one save in flight); the engine's KV cache is one fp16 tensor per layer,
-[blocks, K/V, tokens, heads, head_dim] ("paged").
+[blocks, K/V, tokens, heads, head_dim] ("paged"). With spec.paired_floor,
+every save and load is paired with the memcpy floor's in this process
+(bench/peers/calls.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from bench.peers.calls import block_bytes, worker_main
+from bench.peers.memcpy_worker import MemcpyFloor
 from engine_shim.client import KVClient
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from shm.layout import BlockLayout
@@ -102,7 +105,9 @@ def main() -> int:
     from importlib.metadata import version
 
     system = KvsidecarSystem()
-    code = worker_main(lambda _: system, "kvsidecar " + version("kvsidecar"), "kvsidecar")
+    code = worker_main(
+        lambda _: system, "kvsidecar " + version("kvsidecar"), "kvsidecar", make_floor=MemcpyFloor
+    )
     for problem in system.problems:
         print(problem, file=sys.stderr)
     return 1 if system.problems else code
