@@ -33,8 +33,8 @@ blocks: the rows the target judges) with the floor's call of the same row,
 back to back in its process (bench/peers/calls.py, "paired floor"); the
 figure is the median of the pairs' ratios, the mean over the rounds. The
 memcpy worker's own rows (the table's memcpy column) are timed in a phase
-of their own: on these VMs memory ran at ~20 or ~38 GB/s from
-one phase to the next, so the ratio of p50s from separate phases
+of their own: on these VMs memory ran at ~20 or ~38 GB/s from one phase to
+the next, so the ratio of p50s from separate phases
 (`vs[row]["memcpy_separate"]`, kept for comparison) could read 0.57x or
 1.01x for the same code (docs/measurements.md, "Saves in bands"). Rows the
 worker could not pair (too little memory for both) fall back to it.

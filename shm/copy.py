@@ -196,15 +196,11 @@ def copy_located(
     pins = [pool.segment_view(int(i)) for i in used]
     bases = np.zeros(len(pool.segment_sizes), dtype=np.uint64)
     bases[used] = [pin.ctypes.data for pin in pins]
-    # (block, layer) addresses. The copy reads in address order where the
-    # reads scatter: a save gathering 4 KiB layer pieces into slots runs at
-    # 0.75x the contiguous floor block-major, 0.86-0.92x layer-major, where
-    # the reads of consecutive blocks of one layer are adjacent, and
-    # 0.93-0.97x layer-major in bands of blocks (_banded; 2,048 blocks of
-    # 32 x 4 KiB; at 64 KiB pieces all are ~0.95x). A load writes the
-    # scattered pieces and reads each slot in order: 0.98-1.01x. The address
-    # arrays are built in place and in the order they are read, with no
-    # transposed copy (2,048 blocks x 32 layers: ~0.2 ms).
+    # (block, layer) addresses, built in place in the order the copy runs.
+    # A save reads each layer's pieces in address order, in bands of blocks
+    # (_banded says why); block by block it ran at 0.75x the contiguous
+    # floor (2,048 blocks of 32 x 4 KiB). A load reads each slot in order
+    # and writes the scattered pieces: 0.98-1.01x.
     first, end = _check_range(layer_range, len(planes.layers))
     strides, starts = planes.strides[first:end], planes.starts[first:end]
     per_layer = planes.per_layer[first:end]

@@ -89,7 +89,8 @@ class Spec:
     workdir: str = "/tmp"
     """Where a worker may put sockets and scratch files."""
     paired_floor: bool = False
-    """Pair every save and load with the memcpy floor's (module docstring)."""
+    """Pair the saves and loads of the largest transfer with the memcpy
+    floor's (module docstring)."""
     paired_min_samples: int = 11
     """Pairs a paired row times at least: its figure is their median, and a
     2,048 x 2 MiB row gets only ~2 pairs a second."""

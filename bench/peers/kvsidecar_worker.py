@@ -6,8 +6,8 @@ delete), so a faster client or sidecar shows here with no change.
 The CPU tier is sized to the spec's `cache_blocks` (the pre-saved set plus
 one save in flight); the engine's KV cache is one fp16 tensor per layer,
 [blocks, K/V, tokens, heads, head_dim] ("paged"). With spec.paired_floor,
-every save and load is paired with the memcpy floor's in this process
-(bench/peers/calls.py).
+the saves and loads of the largest transfer are paired with the memcpy
+floor's in this process (bench/peers/calls.py, PairedFloor).
 """
 
 from __future__ import annotations
