@@ -70,14 +70,26 @@ class SidecarLives:
     def settle(self, ssd_blocks: int) -> None:
         """Wait until every write has landed and the SSD tier holds `ssd_blocks`."""
         assert self.client is not None
-        deadline = time.monotonic() + SETTLE_SECONDS
+        start = time.monotonic()
+        deadline, shown = start + SETTLE_SECONDS, start
         while True:
             stats = self.client.stats()
             on_ssd = stats["tiers"]["ssd"]["cached_blocks"]
             if stats["plans_in_flight"] == 0 and on_ssd >= ssd_blocks:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise RuntimeError(f"only {on_ssd} of {ssd_blocks} blocks reached the SSD tier")
+            if now - shown >= 10:
+                shown = now
+                print(
+                    f"  {on_ssd:,} of {ssd_blocks:,} blocks on the SSD tier"
+                    f" after {now - start:.0f} s"
+                    f" ({stats['plans_in_flight']} plans in flight,"
+                    f" {stats['tiers']['ssd']['ops_in_flight']} SSD ops)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(0.05)
 
     def restart(self, lm: CachedLM) -> KVClient:
@@ -106,13 +118,22 @@ def warm(lives: SidecarLives, lm: CachedLM, cases: list[Case]) -> list[torch.Ten
     case's reference logits (`CachedLM.split_recompute` at its prefix)."""
     tpb = lm.tokens_per_block
     refs = []
-    for case in cases:
+    start = time.monotonic()
+    for i, case in enumerate(cases):
+        print(
+            f"warm-up {i + 1}/{len(cases)}: {case.ids.size:,} tokens, {case.cached:,} saved"
+            f" ({time.monotonic() - start:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         saved = lm.prefill(case.ids[: case.cached]).info.saved_tokens
         if saved != case.cached:
             raise RuntimeError(f"saved {saved} of {case.cached} tokens: is the CPU tier too small?")
         lm.prefill(case.ids, use_sidecar=False)
         refs.append(lm.split_recompute(case.ids, case.cached))
-    lives.settle(sum(c.cached // tpb for c in cases))
+    blocks = sum(c.cached // tpb for c in cases)
+    print(f"waiting for {blocks:,} blocks to reach the SSD tier ...", file=sys.stderr, flush=True)
+    lives.settle(blocks)
     return refs
 
 

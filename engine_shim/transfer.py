@@ -123,11 +123,12 @@ class TransferHandle:
     (those another engine was saving when this save was planned land with
     that engine's save).
 
-    A load into CUDA tensors returns while its copies are still queued on the
-    copier's stream: `wait_layer(i)` lets the engine's stream start on layer
-    i while later layers load; `wait()` blocks until every layer has landed,
-    then tells the sidecar, which keeps the blocks' slots locked until then
-    (so always call it)."""
+    A load the sidecar planned into CUDA tensors returns while its copies
+    are still queued on the copier's stream (a hot-path CPU hit has landed
+    before `load` returns): `wait_layer(i)` lets the engine's stream start
+    on layer i while later layers load; `wait()` blocks until every layer
+    has landed, then tells the sidecar, which keeps the blocks' slots locked
+    until then (so always call it)."""
 
     def __init__(
         self,

@@ -54,23 +54,29 @@ def sidecar():
     s.cleanup()
 
 
-def test_gpu_kv_saved_by_one_engine_loads_byte_exact_in_another(sidecar):
+@pytest.mark.parametrize("hot_path", [False, True], ids=["planned", "hot-path"])
+def test_gpu_kv_saved_by_one_engine_loads_byte_exact_in_another(sidecar, hot_path):
+    """Planned (the sidecar plans the load): it returns with its copies
+    queued, layer by layer. Hot path (a CPU hit copied straight from the
+    pool): the copy has landed and its slots' generations were checked
+    before it returns."""
     source, target = flash_kv(1), flash_kv(None)
     rng = np.random.default_rng(0)
     saved_ids = rng.permutation(BLOCKS)[:9]
     loaded_ids = rng.permutation(BLOCKS)[:9]
     prompt = tokens(9, tail=3)
     with client_for(sidecar, source) as a, client_for(sidecar, target) as b:
+        a.hot_path = b.hot_path = hot_path
         assert a.save(prompt, saved_ids).wait() == 9 * TPB
         assert b.lookup(prompt) == 9 * TPB
         handle = b.load(prompt, loaded_ids)
+        assert handle.done is hot_path
         # Work queued on the engine's stream after wait_layer(i) sees layer i
         # landed, whatever later layers are doing.
         seen = []
         for layer in range(LAYERS):
             handle.wait_layer(layer)
             seen.append(target[layer][:, loaded_ids].clone())
-        assert not handle.done
         assert handle.wait() == 9 * TPB and handle.done
         torch.cuda.synchronize()
         for src, dst, early in zip(source, target, seen, strict=True):

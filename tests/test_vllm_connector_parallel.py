@@ -20,6 +20,7 @@ from vllm_helpers import (
     Tables,
     blocks_of,
     kv_caches,
+    matched_eventually,
     prompt,
     request,
     settings,
@@ -81,11 +82,7 @@ def test_two_ranks_save_and_load_their_own_shards(sidecar, load_async):
         assert stats_of(sidecar)["transfers"]["saved_blocks"] == 3
 
         other = request("b", tokens)
-        deadline = time.monotonic() + DEADLINE
-        while sched.num_new_matched_tokens(other, 0) != (3 * BLOCK, load_async):
-            sched._forget("b")  # a save's last rank may still be reporting
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        matched_eventually(sched, other, (3 * BLOCK, load_async))
         tables["b"] = [9, 10, 11, 12]
         sched.after_alloc(other, [9, 10, 11, 12], 3 * BLOCK)
         meta = sched.build_meta(StepOutput())

@@ -5,12 +5,14 @@ the connector uses (see engine_shim.kvconnector.scheduler)."""
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from sidecar_proc import DEADLINE
 
 from engine_shim.kvconnector.geometry import KVGeometry
 from engine_shim.kvconnector.scheduler import SchedulerSide
@@ -125,3 +127,13 @@ def tables_of(sched: SchedulerSide) -> Tables:
 def blocks_of(kv: dict[str, torch.Tensor], ids: list[int]) -> list[np.ndarray]:
     """The K and V of engine blocks `ids`, per layer."""
     return [t[ids].numpy().copy() for t in kv.values()]
+
+
+def matched_eventually(sched: SchedulerSide, req: Request, want: tuple[int, bool]) -> None:
+    """Ask for `req`'s cached tokens until the answer is `want`: a TP save's
+    last rank may still be reporting when the test asks."""
+    deadline = time.monotonic() + DEADLINE
+    while sched.num_new_matched_tokens(req, 0) != want:
+        sched._forget(req.request_id)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
