@@ -193,6 +193,30 @@ def test_capacity_moves_to_the_geometry_whose_victims_are_younger() -> None:
     assert b.index.num_blocks == 0 and b.mempool.num_slots == 0
 
 
+@pytest.mark.parametrize("relocate", [True, False], ids=["moving", "dropping"])
+def test_a_tier_at_its_threshold_takes_a_free_extent_before_evicting(relocate: bool) -> None:
+    """Past `evict_start_threshold` of the extents it owns, a tier first takes
+    free extents until its new blocks fit under the threshold. Asking the
+    arena for the new blocks alone gave nothing while one slot was free, and
+    the tier evicted its own blocks with free extents left: an 8B model's
+    SSD writes were lost that way."""
+    engine = CacheEngine("ssd", 0, "lru", 0.95, 0.01, clock=FakeClock())
+    arena = ExtentArena([EXTENT] * 4, (lambda s, a, b: None) if relocate else None)
+    arena.join(engine, 4096)  # 12 slots an extent
+    engine.insert(keys_from_ints(range(12)), engine.allocate(12), ready=True)
+    engine.insert(keys_from_ints(range(12, 23)), engine.allocate(11), ready=True)
+    assert engine.mempool.num_slots == 24  # 23 of 24 used: past the threshold
+    for i in range(3):
+        slots = engine.allocate(1)
+        engine.insert(keys_from_ints([*range(12, 23), 100 + i]), slots, ready=True)
+    assert engine.num_evicted_blocks == 0 and engine.index.num_blocks == 26
+    assert engine.mempool.num_slots == 36 and len(arena.members[0].extents) == 3
+    engine.insert(keys_from_ints(range(200, 222)), engine.allocate(22), ready=True)
+    assert engine.num_evicted_blocks == 0 and engine.mempool.num_free == 0
+    # With every extent owned, it evicts its own, as a tier without an arena does.
+    assert engine.allocate(1).size == 1 and engine.num_evicted_blocks > 0
+
+
 def test_a_giver_moves_what_it_keeps_into_its_other_extents() -> None:
     clock = FakeClock()
     moves: list[tuple[list[int], list[int]]] = []

@@ -27,7 +27,9 @@ class CacheEngine:
     `evict_start_threshold`, or when fewer slots are free than asked for, and
     then evicts the largest of: what the request lacks, what brings
     utilisation back under the threshold, and `evict_ratio` x capacity.
-    Namespaces over their quota (`set_quota`) are evicted first.
+    Namespaces over their quota (`set_quota`) are evicted first. A tier in
+    an arena (`grow`) first takes free extents until the request fits under
+    the threshold.
     """
 
     def __init__(
@@ -122,10 +124,19 @@ class CacheEngine:
         free, used = self.mempool.num_free, self.mempool.num_used
         threshold = self.evict_start_threshold * self.capacity
         grow = self.grow
-        # Room from the arena before evicting our own blocks:
-        if (used >= threshold or free < n) and grow is not None and grow(n, free < n):
-            free, used = self.mempool.num_free, self.mempool.num_used
-            threshold = self.evict_start_threshold * self.capacity
+        if (used >= threshold or free < n) and grow is not None:
+            # Room from the arena before evicting our own blocks: free extents
+            # until the n new blocks fit under the threshold (asking for n
+            # alone left a tier at its threshold evicting its own blocks while
+            # the arena had free extents); another geometry's extent only for
+            # the n themselves.
+            room = max(n, math.ceil((used + n) / self.evict_start_threshold) - used)
+            grew = grow(room, False)
+            if self.mempool.num_free < n:
+                grew += grow(n, True)
+            if grew:
+                free, used = self.mempool.num_free, self.mempool.num_used
+                threshold = self.evict_start_threshold * self.capacity
         if used >= threshold or free < n:
             want = max(
                 n - free,
