@@ -77,6 +77,11 @@ class SidecarLives:
             on_ssd = stats["tiers"]["ssd"]["cached_blocks"]
             if stats["plans_in_flight"] == 0 and on_ssd >= ssd_blocks:
                 return
+            if evicted := stats["tiers"]["ssd"]["evicted_blocks"]:
+                raise RuntimeError(
+                    f"the SSD tier evicted {evicted} blocks while {ssd_blocks} were written"
+                    " through to it: they will never all land"
+                )
             now = time.monotonic()
             if now > deadline:
                 raise RuntimeError(f"only {on_ssd} of {ssd_blocks} blocks reached the SSD tier")
