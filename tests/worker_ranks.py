@@ -48,6 +48,8 @@ def rank_main(
                 conn.send(copied(worker, kv, *arg))
             elif command == "close":
                 break
+            else:
+                raise ValueError(f"unknown command {command!r}")
     finally:
         worker.close()
         conn.send("closed")
