@@ -2,7 +2,11 @@
 makes the connector through `KVConnectorFactory`), the worker-side
 connector lifecycle of `KVConnectorModelRunnerMixin`, and a simulated
 forward of fixed length (it sleeps, the CPU idle as during a GPU forward;
-the KV it "computes" is whatever the blocks hold).
+the KV it "computes" is whatever the blocks hold). With the KV on a GPU
+(`device="cuda"`) each layer's write is a small kernel on the current
+stream, which the step waits for at its end as vLLM does to read the
+sampled tokens; the GPU is otherwise idle, so the connector's copies do not
+compete with a model's kernels.
 The same loop with no `kv_transfer_config` is the baseline.
 
 Needs vLLM (its side environment); imported only by `bench.connector` there.
@@ -72,10 +76,19 @@ class StepTime:
 
 class BenchEngine:
     def __init__(
-        self, workdir: Path, shape: Shape, forward_s: float, endpoint: str | None, **extra: Any
+        self,
+        workdir: Path,
+        shape: Shape,
+        forward_s: float,
+        endpoint: str | None,
+        device: str = "cpu",
+        **extra: Any,
     ) -> None:
-        """`endpoint` None: no connector (the baseline)."""
-        self.shape, self.forward_s = shape, forward_s
+        """`endpoint` None: no connector (the baseline). `device`: where the
+        KV cache lives ("cpu" or "cuda"); vLLM's own config says CPU either
+        way (only its scheduler and the connector run here, and the
+        connector follows the tensors)."""
+        self.shape, self.forward_s, self.device = shape, forward_s, torch.device(device)
         model_dir = workdir / "model"
         model_dir.mkdir(parents=True, exist_ok=True)
         (model_dir / "config.json").write_text(json.dumps(_llama(shape)))
@@ -121,7 +134,9 @@ class BenchEngine:
             block_size=shape.block,
         )
         memory = (shape.num_blocks, shape.block, shape.heads, 2 * shape.head_dim)
-        self.kv = {n: torch.ones(memory, dtype=torch.float16) for n in names}  # pages touched
+        self.kv = {  # every page touched
+            n: torch.ones(memory, dtype=torch.float16, device=self.device) for n in names
+        }
         self.worker = None
         if endpoint is not None:
             self.worker = KVConnectorFactory.create_connector(
@@ -214,6 +229,8 @@ class BenchEngine:
                 saved = time.perf_counter()
                 self.worker.save_kv_layer(name, self.views[name], None)
                 hooks_s += time.perf_counter() - saved
+        if self.device.type == "cuda":  # vLLM waits for the forward's stream to read the tokens
+            torch.cuda.current_stream(self.device).synchronize()
         sampled: dict[str, list[int]] = {}
         for req_id, n in out.num_scheduled_tokens.items():
             done = starts[req_id] + n >= self.scheduler.requests[req_id].num_tokens

@@ -8,6 +8,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 pytest.importorskip(
     "vllm.v1.core.sched.scheduler", reason="vLLM is not installed here (see docs/engines.md)"
@@ -18,7 +19,7 @@ from bench import connector
 
 def test_bench_connector_writes_every_case_and_its_targets(tmp_path):
     out = tmp_path / "connector.json"
-    args = argparse.Namespace(steps=5, forward_ms=5.0, cases="abcd", json=str(out))
+    args = argparse.Namespace(steps=5, forward_ms=5.0, cases="abcd", device="cpu", json=str(out))
     assert connector.run(args) == 0
     result = json.loads(out.read_text())
     assert set(result["cases"]) == set("abcd")
@@ -46,6 +47,21 @@ def test_bench_connector_writes_every_case_and_its_targets(tmp_path):
         assert figures["faster"] == ("layer-wise" if on_faster else "one copy per step")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_kv_cache_on_a_gpu_is_copied_beside_the_forward(tmp_path):
+    out = tmp_path / "connector.json"
+    args = argparse.Namespace(steps=5, forward_ms=5.0, cases="bc", device="cuda", json=str(out))
+    assert connector.run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["device"] == torch.cuda.get_device_name()
+    assert result["targets"]["b_added_pct_of_step_gpu_target"]["note"] == "on a GPU"
+    assert result["cases"]["b"]["with"]["saved_blocks_per_step"] > 0
+    assert result["cases"]["c"]["with"]["loaded_blocks_per_step"] > 0
+
+
 def test_bad_arguments_are_refused():
-    args = argparse.Namespace(steps=5, forward_ms=5.0, cases="az", json=None)
+    args = argparse.Namespace(steps=5, forward_ms=5.0, cases="az", device="cpu", json=None)
     assert connector.run(args) == 2
+    if not torch.cuda.is_available():
+        args = argparse.Namespace(steps=5, forward_ms=5.0, cases="a", device="cuda", json=None)
+        assert connector.run(args) == 2
