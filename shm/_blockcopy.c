@@ -7,9 +7,20 @@
  * thread; with stream (x86-64 only) stores bypass the caches. The ranges
  * must not overlap one another.
  *
+ * copy_blocks(starts, strides, slot_offsets, ids, slots, nbytes, save, band,
+ * threads=1, stream=False) is the same copy for engine blocks ids[i] and the
+ * slots starting at slots[i], one range of nbytes per layer l: engine bytes
+ * at starts[l] + ids[i] * strides[l], slot bytes at slots[i] +
+ * slot_offsets[l]. It builds those address pairs itself, in the order the
+ * copy runs: a save (engine -> slots) in bands of `band` blocks, each band
+ * layer by layer, each layer's blocks in the given order; a load (slots ->
+ * engine) block by block, each block's layers in order.
+ *
  * Why C: the engine copies thousands of (block, layer) ranges per request; a
  * Python loop pays ~1 us per range, which is more than the memcpy of a small
- * range costs. Here the loop costs nothing next to the copy.
+ * range costs. Here the loop costs nothing next to the copy, and building the
+ * address pairs here spares the numpy arrays (~6 us for one block, ~0.2 ms
+ * for 2,048 blocks of 32 layers).
  *
  * The addresses are trusted: this module is private to shm.copy, which
  * validates tensors, block ids, slots and the layout before it builds them.
@@ -190,11 +201,108 @@ static PyObject *blockcopy_copy(PyObject *self, PyObject *args, PyObject *kwargs
     Py_RETURN_NONE;
 }
 
+/* A contiguous uint64 array of `expect` items (any count if expect < 0). */
+static int get_u64(PyObject *obj, Py_buffer *view, const char *what, Py_ssize_t expect) {
+    if (get_addresses(obj, view, what) < 0) return -1;
+    if (expect >= 0 && view->len / 8 != expect) {
+        PyErr_Format(PyExc_ValueError, "%s must hold %zd items, got %zd", what, expect,
+                     view->len / 8);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static void block_pairs(const uint64_t *starts, const uint64_t *strides, const uint64_t *offsets,
+                        Py_ssize_t layers, const uint64_t *ids, const uint64_t *slots,
+                        Py_ssize_t count, int save, Py_ssize_t band, uint64_t *src,
+                        uint64_t *dst) {
+    Py_ssize_t k = 0;
+    if (!save) {
+        for (Py_ssize_t i = 0; i < count; i++) {
+            for (Py_ssize_t l = 0; l < layers; l++, k++) {
+                src[k] = slots[i] + offsets[l];
+                dst[k] = starts[l] + ids[i] * strides[l];
+            }
+        }
+        return;
+    }
+    for (Py_ssize_t lo = 0; lo < count; lo += band) {
+        Py_ssize_t hi = lo + band < count ? lo + band : count;
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            for (Py_ssize_t i = lo; i < hi; i++, k++) {
+                src[k] = starts[l] + ids[i] * strides[l];
+                dst[k] = slots[i] + offsets[l];
+            }
+        }
+    }
+}
+
+static PyObject *blockcopy_copy_blocks(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"starts", "strides", "slot_offsets", "ids", "slots", "nbytes",
+                             "save", "band", "threads", "stream", NULL};
+    PyObject *objs[5];
+    Py_ssize_t nbytes, band;
+    int save, threads = 1, stream = 0;
+    Py_buffer views[5];
+    static const char *what[5] = {"starts", "strides", "slot_offsets", "ids", "slots"};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOnpn|ip", kwlist, &objs[0], &objs[1],
+                                     &objs[2], &objs[3], &objs[4], &nbytes, &save, &band,
+                                     &threads, &stream)) {
+        return NULL;
+    }
+    if (nbytes < 0 || band < 1) {
+        PyErr_SetString(PyExc_ValueError, "nbytes must be >= 0 and band >= 1");
+        return NULL;
+    }
+    if (threads < 1 || threads > MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads must be in 1..%d", MAX_THREADS);
+        return NULL;
+    }
+    int held = 0;
+    for (; held < 5; held++) {
+        /* starts fixes the layers, ids the blocks: the others must match. */
+        Py_ssize_t expect = held == 0 || held == 3 ? -1 : held < 3 ? views[0].len / 8
+                                                                    : views[3].len / 8;
+        if (get_u64(objs[held], &views[held], what[held], expect) < 0) break;
+    }
+    uint64_t *pairs = NULL;
+    if (held == 5) {
+        Py_ssize_t layers = views[0].len / 8, count = views[3].len / 8;
+        if (count > 0 && layers > (PY_SSIZE_T_MAX / 16) / count) {
+            PyErr_SetString(PyExc_OverflowError, "too many ranges");
+        } else if (count > 0 && layers > 0) {
+            Py_ssize_t n = layers * count;
+            pairs = PyMem_RawMalloc((size_t)n * 2 * sizeof(uint64_t));
+            if (pairs == NULL) {
+                PyErr_NoMemory();
+            } else {
+                Py_BEGIN_ALLOW_THREADS
+                block_pairs(views[0].buf, views[1].buf, views[2].buf, layers, views[3].buf,
+                            views[4].buf, count, save, band, pairs, pairs + n);
+                copy_all(pairs, pairs + n, n, (size_t)nbytes, threads, stream);
+                Py_END_ALLOW_THREADS
+                PyMem_RawFree(pairs);
+            }
+        }
+    }
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))blockcopy_copy, METH_VARARGS | METH_KEYWORDS,
      "copy(src, dst, nbytes, threads=1, stream=False): copy nbytes from src[i] to dst[i]\n"
      "for every i (streaming stores if stream).\n"
      "src and dst: contiguous uint64 address arrays of equal length. The GIL is released."},
+    {"copy_blocks", (PyCFunction)(void (*)(void))blockcopy_copy_blocks,
+     METH_VARARGS | METH_KEYWORDS,
+     "copy_blocks(starts, strides, slot_offsets, ids, slots, nbytes, save, band, threads=1,\n"
+     "stream=False): for every block i and layer l, copy nbytes between engine bytes at\n"
+     "starts[l] + ids[i] * strides[l] and slot bytes at slots[i] + slot_offsets[l]\n"
+     "(engine -> slot if save, in bands of `band` blocks, each band layer by layer;\n"
+     "else slot -> engine, block by block). All contiguous uint64 arrays. The GIL is released."},
     {NULL, NULL, 0, NULL},
 };
 

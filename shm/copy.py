@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from shm.layout import BlockLayout
-from shm.pool import ShmPool
+from shm.pool import ShmPool, id_bounds
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,12 @@ IMPL = IMPLS[0]
 STREAM_MIN_BYTES = 4 << 20
 THREAD_MIN_BYTES = 8 << 20
 MAX_THREADS = min(2, len(os.sched_getaffinity(0)))
-# A save reads each layer's pieces of this many bytes of blocks in a row (_banded).
+# A save reads each layer's pieces of this many bytes of blocks in a row, the
+# blocks in bands of that size, each band layer by layer: 2,048 blocks of 32 x
+# 4 KiB ran at 0.93-0.97x a contiguous copy of whole blocks in bands of 256,
+# 0.86-0.92x layer by layer across all blocks (paired rounds, page-aligned and
+# shuffled slots; at 64 KiB pieces both ~0.93-0.99x). With two threads, each
+# takes about half the bands.
 BAND_BYTES = 1 << 20
 
 
@@ -137,8 +142,10 @@ def _transfer(
     if not 0 <= rank < layout.tp_size:
         raise ValueError(f"rank {rank} out of range 0..{layout.tp_size - 1}")
     num_blocks = layers[0].shape[0]
-    if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
-        raise ValueError(f"block id out of range 0..{num_blocks - 1}")
+    if blocks.size:
+        low, high = id_bounds(blocks)
+        if low < 0 or high >= num_blocks:
+            raise ValueError(f"block id out of range 0..{num_blocks - 1}")
     unique, what = (slots, "slots") if save else (blocks, "block_ids")
     if has_repeats(unique):
         raise ValueError(f"{what} repeat: two copies would write the same bytes")
@@ -196,68 +203,37 @@ def copy_located(
     pins = [pool.segment_view(int(i)) for i in used]
     bases = np.zeros(len(pool.segment_sizes), dtype=np.uint64)
     bases[used] = [pin.ctypes.data for pin in pins]
-    # (block, layer) addresses, built in place in the order the copy runs.
-    # A save reads each layer's pieces in address order, in bands of blocks
-    # (_banded says why); block by block it ran at 0.75x the contiguous
-    # floor (2,048 blocks of 32 x 4 KiB). A load reads each slot in order
-    # and writes the scattered pieces: 0.98-1.01x.
+    # The C copy builds the (block, layer) address pairs in the order it
+    # runs them. A save reads each layer's pieces in address order, in bands
+    # of blocks (BAND_BYTES says why); block by block it ran at 0.75x the
+    # contiguous floor (2,048 blocks of 32 x 4 KiB). A load reads each slot
+    # in order and writes the scattered pieces: 0.98-1.01x.
     first, end = _check_range(layer_range, len(planes.layers))
-    strides, starts = planes.strides[first:end], planes.starts[first:end]
-    per_layer = planes.per_layer[first:end]
     ids = blocks.astype(np.uint64)
     slot_starts = bases[segments]
     slot_starts += offsets.astype(np.uint64)
-    if save:  # layer-major in bands of blocks: each layer's blocks read in address order
-        if ids.size > 1 and not bool((ids[1:] >= ids[:-1]).all()):
-            # Engine block ids come in any order (vLLM's free list): read them
-            # in increasing order, slots following. 512 blocks of 32 x 64 KiB,
-            # ids and slots random permutations: 0.91-0.98x the floor sorted,
-            # 0.86-0.94x not (alternated, one process); ~40 us for 2,048 ids.
-            order = np.argsort(ids, kind="stable")
-            ids, slot_starts = ids[order], slot_starts[order]
-        src, dst = _banded(ids, slot_starts, starts, strides, per_layer, planes.layer_bytes)
-    else:  # block-major: each slot read in address order
-        shm = slot_starts[:, None] + per_layer[None, :]
-        engine = ids[:, None] * strides[None, :]
-        engine += starts[None, :]
-        src, dst = shm.ravel(), engine.ravel()
+    if save and ids.size > 1 and not bool((ids[1:] >= ids[:-1]).all()):
+        # Engine block ids come in any order (vLLM's free list): read them
+        # in increasing order, slots following. 512 blocks of 32 x 64 KiB,
+        # ids and slots random permutations: 0.91-0.98x the floor sorted,
+        # 0.86-0.94x not (alternated, one process); ~40 us for 2,048 ids.
+        order = np.argsort(ids, kind="stable")
+        ids, slot_starts = ids[order], slot_starts[order]
     size = planes.layer_bytes
-    threads, stream = copy_settings(src.size * size, threads or MAX_THREADS)
-    _blockcopy.copy(src, dst, size, threads, stream)
+    threads, stream = copy_settings(ids.size * (end - first) * size, threads or MAX_THREADS)
+    _blockcopy.copy_blocks(
+        planes.starts[first:end],
+        planes.strides[first:end],
+        planes.per_layer[first:end],
+        ids,
+        slot_starts,
+        size,
+        save,
+        max(1, BAND_BYTES // size),
+        threads,
+        stream,
+    )
     del pins
-
-
-def _banded(
-    ids: np.ndarray,
-    slot_starts: np.ndarray,
-    starts: np.ndarray,
-    strides: np.ndarray,
-    per_layer: np.ndarray,
-    layer_bytes: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """A save's (source, destination) address arrays in the order the copy
-    runs: blocks in bands of BAND_BYTES // layer_bytes, each band layer by
-    layer, each layer's blocks in id order. With two threads, each takes
-    whole bands: 2,048 blocks of 32 x 4 KiB ran at 0.93-0.97x a contiguous
-    copy of whole blocks in bands of 256, 0.86-0.92x layer by layer across
-    all blocks (paired rounds, page-aligned and shuffled slots; at 64 KiB
-    pieces both ~0.93-0.99x). Built in place, with no transposed copy."""
-    layers, count = starts.size, ids.size
-    band = max(1, BAND_BYTES // layer_bytes)
-    src = np.empty(layers * count, dtype=np.uint64)
-    dst = np.empty_like(src)
-    whole = count - count % band
-    for lo, hi in ((0, whole), (whole, count)):
-        if hi == lo:
-            continue
-        width = min(band, hi - lo)
-        shape = ((hi - lo) // width, layers, width)
-        out = src[lo * layers : hi * layers].reshape(shape)
-        np.multiply(strides[None, :, None], ids[lo:hi].reshape(shape[0], 1, width), out=out)
-        out += starts[None, :, None]
-        into = dst[lo * layers : hi * layers].reshape(shape)
-        np.add(per_layer[None, :, None], slot_starts[lo:hi].reshape(shape[0], 1, width), out=into)
-    return src, dst
 
 
 def _check_range(layer_range: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:

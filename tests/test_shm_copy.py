@@ -144,6 +144,67 @@ def test_blockcopy_extension_directly():
         _blockcopy.copy(a, a, 8, 0)
 
 
+@NEEDS_C
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("band", [1, 3, 64])
+def test_copy_blocks_copies_every_block_and_layer_between_its_addresses(save, band):
+    """Engine block ids[i] of layer l (starts[l] + ids[i] * strides[l]) <->
+    slot i's piece l (slots[i] + slot_offsets[l]), for every i and l, in
+    any band size; 5 blocks, 3 layers of 24 bytes with their own strides."""
+    from shm import _blockcopy
+
+    rng = np.random.default_rng(band + save)
+    piece, layers, count = 24, 3, 5
+    engine = [rng.integers(0, 256, (8, stride), dtype=np.uint8) for stride in (24, 40, 64)]
+    slot_bytes = layers * piece + 8
+    pool = rng.integers(0, 256, count * slot_bytes, dtype=np.uint8)
+    ids = rng.permutation(8)[:count].astype(np.uint64)
+    slots = np.uint64(pool.ctypes.data) + rng.permutation(count).astype(np.uint64) * np.uint64(
+        slot_bytes
+    )
+    starts = np.array([t.ctypes.data for t in engine], np.uint64)
+    strides = np.array([t.shape[1] for t in engine], np.uint64)
+    offsets = np.arange(layers, dtype=np.uint64) * np.uint64(piece) + np.uint64(4)
+    before_engine, before_pool = [t.copy() for t in engine], pool.copy()
+    _blockcopy.copy_blocks(starts, strides, offsets, ids, slots, piece, save, band, 2)
+    for i in range(count):
+        at = int(slots[i]) - pool.ctypes.data
+        for layer in range(layers):
+            o = at + int(offsets[layer])
+            engine_piece = engine[layer][int(ids[i]), :piece]
+            if save:
+                assert np.array_equal(
+                    pool[o : o + piece], before_engine[layer][int(ids[i]), :piece]
+                )
+            else:
+                assert np.array_equal(engine_piece, before_pool[o : o + piece])
+    if save:  # nothing but the pieces written
+        assert all(np.array_equal(a, b) for a, b in zip(engine, before_engine, strict=True))
+    else:
+        assert np.array_equal(pool, before_pool)
+
+
+@NEEDS_C
+def test_copy_blocks_refuses_bad_arguments_before_copying():
+    from shm import _blockcopy
+
+    three, two = np.zeros(3, np.uint64), np.zeros(2, np.uint64)
+    with pytest.raises(ValueError, match="strides must hold 3"):
+        _blockcopy.copy_blocks(three, two, three, two, two, 8, True, 1)
+    with pytest.raises(ValueError, match="slots must hold 2"):
+        _blockcopy.copy_blocks(three, three, three, two, three, 8, True, 1)
+    with pytest.raises(TypeError, match="uint64"):
+        _blockcopy.copy_blocks(three, three, three, np.zeros(2, np.uint32), two, 8, True, 1)
+    with pytest.raises(ValueError, match="band"):
+        _blockcopy.copy_blocks(three, three, three, two, two, 8, True, 0)
+    with pytest.raises(ValueError, match="threads"):
+        _blockcopy.copy_blocks(three, three, three, two, two, 8, True, 1, 0)
+    # Empty: nothing to copy, nothing read.
+    _blockcopy.copy_blocks(
+        three, three, three, np.zeros(0, np.uint64), np.zeros(0, np.uint64), 8, True, 1
+    )
+
+
 def test_the_implementation_in_use_is_exposed():
     assert shm_copy.IMPL in shm_copy.IMPLS
     assert set(shm_copy.IMPLS) <= {"c", "torch"}

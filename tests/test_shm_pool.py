@@ -24,7 +24,7 @@ from shm_helpers import checked_prefix, shm_entries
 
 from bench.hugepages import HugePagesUnavailable, hugetlbfs, thp_tmpfs
 from shm.pages import PAGE_KINDS
-from shm.pool import SHM_DIR, ShmPool, ShmPoolError, remove_stale_segments
+from shm.pool import SHM_DIR, ShmPool, ShmPoolError, id_bounds, remove_stale_segments
 
 PAGE = 4096
 HUGE = 2 << 20
@@ -406,3 +406,12 @@ def test_populate_maps_every_page_writable_and_keeps_the_bytes(prefix):
         assert (created.segment_view(0)[::PAGE] == 7).all()
     with pytest.raises(ShmPoolError, match="closed"):
         created.populate()
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 17, 2048])
+def test_id_bounds_is_min_and_max_at_every_size(n):
+    rng = np.random.default_rng(n)
+    for dtype in (np.int64, np.int32, np.uint64):
+        ids = rng.integers(0 if dtype is np.uint64 else -5, 1000, n).astype(dtype)
+        assert id_bounds(ids) == (int(ids.min()), int(ids.max()))
+        assert all(type(v) is int for v in id_bounds(ids))
