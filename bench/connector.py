@@ -286,7 +286,7 @@ def _sync_save_ms(endpoint: str, shape: Any, device: str) -> float:
 
 
 def _summary(
-    cases: dict[str, Any], forward_s: float, copy_ms: float, shape: Any, device: str = "cpu"
+    cases: dict[str, Any], forward_s: float, copy_ms: float, shape: Any, device: str
 ) -> dict[str, Any]:
     forward_ms = forward_s * 1e3
     for name, figures in cases.items():

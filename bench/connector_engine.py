@@ -81,7 +81,7 @@ class BenchEngine:
         shape: Shape,
         forward_s: float,
         endpoint: str | None,
-        device: str = "cpu",
+        device: str,
         **extra: Any,
     ) -> None:
         """`endpoint` None: no connector (the baseline). `device`: where the

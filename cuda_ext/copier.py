@@ -28,7 +28,7 @@ import torch
 from cuda_ext.layouts import KVPlanes
 from shm import copy as shm_copy
 from shm.layout import BlockLayout
-from shm.pool import ShmPool, id_bounds
+from shm.pool import ShmPool
 
 if TYPE_CHECKING:
     from cuda_ext.gpu import GpuBlockCopier
@@ -65,10 +65,7 @@ def check_request(
     blocks, slots = _ids("block_ids", block_ids), _ids("slots", slots)
     if blocks.size != slots.size:
         raise ValueError(f"{blocks.size} block ids but {slots.size} slots")
-    if blocks.size:
-        low, high = id_bounds(blocks)
-        if low < 0 or high >= planes.num_blocks:
-            raise ValueError(f"block id out of range 0..{planes.num_blocks - 1}")
+    shm_copy.check_block_ids(blocks, planes.num_blocks)
     unique, what = (slots, "slots") if save else (blocks, "block_ids")
     if shm_copy.has_repeats(unique):
         raise ValueError(f"{what} repeat: two copies would write the same bytes")

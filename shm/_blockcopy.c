@@ -259,11 +259,11 @@ static PyObject *blockcopy_copy_blocks(PyObject *self, PyObject *args, PyObject 
         PyErr_Format(PyExc_ValueError, "threads must be in 1..%d", MAX_THREADS);
         return NULL;
     }
+    /* starts fixes the layer count, ids the block count: the others match one. */
+    static const int like[5] = {-1, 0, 0, -1, 3};
     int held = 0;
     for (; held < 5; held++) {
-        /* starts fixes the layers, ids the blocks: the others must match. */
-        Py_ssize_t expect = held == 0 || held == 3 ? -1 : held < 3 ? views[0].len / 8
-                                                                    : views[3].len / 8;
+        Py_ssize_t expect = like[held] < 0 ? -1 : views[like[held]].len / 8;
         if (get_u64(objs[held], &views[held], what[held], expect) < 0) break;
     }
     uint64_t *pairs = NULL;

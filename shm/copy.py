@@ -141,11 +141,7 @@ def _transfer(
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
     if not 0 <= rank < layout.tp_size:
         raise ValueError(f"rank {rank} out of range 0..{layout.tp_size - 1}")
-    num_blocks = layers[0].shape[0]
-    if blocks.size:
-        low, high = id_bounds(blocks)
-        if low < 0 or high >= num_blocks:
-            raise ValueError(f"block id out of range 0..{num_blocks - 1}")
+    check_block_ids(blocks, layers[0].shape[0])
     unique, what = (slots, "slots") if save else (blocks, "block_ids")
     if has_repeats(unique):
         raise ValueError(f"{what} repeat: two copies would write the same bytes")
@@ -249,6 +245,14 @@ def _check_range(layer_range: tuple[int, int] | None, num_layers: int) -> tuple[
             f"layer_range must be (begin, end) in 0..{num_layers}, got {layer_range!r}"
         )
     return layer_range
+
+
+def check_block_ids(blocks: np.ndarray, num_blocks: int) -> None:
+    """ValueError unless every engine block id is in 0..num_blocks-1."""
+    if blocks.size:
+        low, high = id_bounds(blocks)
+        if low < 0 or high >= num_blocks:
+            raise ValueError(f"block id out of range 0..{num_blocks - 1}")
 
 
 def has_repeats(ids: np.ndarray) -> bool:

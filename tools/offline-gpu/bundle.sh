@@ -39,16 +39,16 @@ download() {  # download DIR REQUIREMENT...
     local dir=$1
     shift
     .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
-        --implementation cp "${platforms[@]}" -d "$dir" "$@" 2>&1 | grep -v "^WARNING: Location" || true
+        --implementation cp "${platforms[@]}" -d "$dir" "$@"
 }
 
 # The project's runtime dependencies but numpy, and the HF extra's transformers.
-mapfile -t deps < <(.venv/bin/python -c '
-import tomllib
-p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print("\n".join(d for d in p["dependencies"] if not d.startswith("numpy")))
-print(next(d for d in p["optional-dependencies"]["hf"] if d.startswith("transformers")))')
-download "$OUT/base" "${deps[@]}"
+project() {  # project EXPRESSION: pyproject.toml's [project] table is `p`
+    .venv/bin/python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; $1"
+}
+mapfile -t deps < <(project 'print("\n".join(d for d in p["dependencies"] if not d.startswith("numpy")))')
+transformers=$(project 'print(next(d for d in p["optional-dependencies"]["hf"] if d.startswith("transformers")))')
+download "$OUT/base" "${deps[@]}" "$transformers"
 
 # What importing vLLM's scheduler and kvsidecar's connector loads, pinned as
 # the side environment has it.
@@ -92,7 +92,7 @@ PY
 )
 # and the project's own runtime dependencies (the sidecar's, which vLLM's
 # imports do not load), so that this set needs no other.
-download "$OUT/vllm/wheels" "${vdeps[@]}" "${deps[@]:0:${#deps[@]}-1}"
+download "$OUT/vllm/wheels" "${vdeps[@]}" "${deps[@]}"
 
 site=$("$SIDE_PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 (cd "$site" && find vllm -path vllm/third_party -prune -o -type f \( -name '*.py' -o -name '*.json' \) -print \

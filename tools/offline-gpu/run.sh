@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...
     echo "== $name: rc $rc"
     [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
-install() {  # install WHEEL_DIR: into $SITE, which goes on PYTHONPATH
+install_set() {  # install_set WHEEL_DIR: into $SITE, which goes on PYTHONPATH
     step install 120 "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$1"/*.whl
     export PYTHONPATH=$PWD:$SITE
     # Incremental: a second call on a warm machine rebuilds nothing.
@@ -53,7 +53,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 case $MODE in
 base)
     SITE=/tmp/kvs-site
-    install .offline/base
+    install_set .offline/base
     wants tests && step gpu-tests 300 "$PY" -m pytest -q -p no:cacheprovider -n 6 \
         tests/test_cuda_ext_build.py tests/test_cuda_ext_gpu.py tests/test_cuda_ext_layouts.py \
         tests/test_cuda_ext_vllm_layouts.py tests/test_gpu_client.py tests/test_hf_device.py \
@@ -65,7 +65,7 @@ base)
     ;;
 vllm)
     SITE=/tmp/kvs-vllm-site
-    install .offline/vllm/wheels
+    install_set .offline/vllm/wheels
     step unpack 60 tar -xzf .offline/vllm/vllm-py.tar.gz -C "$SITE"
     step import-vllm 120 "$PY" -c 'import bench.connector_engine, engine_shim.vllm_connector'
     step bench-connector 420 "$PY" -m bench.connector --device cuda --steps "${STEPS:-60}" \
