@@ -5,8 +5,9 @@
 # after `.venv` exists and `kvsidecar bench connector` has installed vLLM's
 # side environment once. It writes two sets, each under the 64 MiB a device
 # call may carry (git-ignored):
-#   .offline/base/   wheels of the project's runtime dependencies and of
-#                    transformers (HF tests, `bench ttft`), without what
+#   .offline/base/   wheels of the project's runtime dependencies, of
+#                    transformers (HF tests, `bench ttft`) and of pytest,
+#                    xdist and hypothesis (the GPU tests), without what
 #                    they need in turn: the GPU machine has numpy, torch,
 #                    huggingface_hub, tokenizers and the like already
 #   .offline/vllm/   wheels of every distribution that importing vLLM's
@@ -48,7 +49,13 @@ project() {  # project EXPRESSION: pyproject.toml's [project] table is `p`
 }
 mapfile -t deps < <(project 'print("\n".join(d for d in p["dependencies"] if not d.startswith("numpy")))')
 transformers=$(project 'print(next(d for d in p["optional-dependencies"]["hf"] if d.startswith("transformers")))')
-download "$OUT/base" "${deps[@]}" "$transformers"
+# run.sh's GPU tests: pytest, xdist and hypothesis with what they need, at
+# this checkout's versions (a GPU machine's Python need not have them).
+mapfile -t testing < <(.venv/bin/python -c 'import importlib.metadata as md
+for d in ("pytest", "pytest-xdist", "execnet", "pluggy", "iniconfig", "pygments",
+          "hypothesis", "sortedcontainers", "attrs"):
+    print(f"{d}=={md.version(d)}")')
+download "$OUT/base" "${deps[@]}" "$transformers" "${testing[@]}"
 
 # What importing vLLM's scheduler and kvsidecar's connector loads, pinned as
 # the side environment has it.
