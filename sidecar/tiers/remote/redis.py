@@ -216,9 +216,10 @@ class RedisConnector(Connector):
 
 SEND_GROUP_BYTES = 1 << 20
 """Commands are packed and sent in groups of about this many bytes: a SET's
-value header (with the block's checksum or MAC) is computed right before
-its block is sent, so the kernel copies a block still in the CPU's caches
-instead of reading it from memory a second time."""
+value (its header holding the block's checksum or MAC) is made as its group
+is packed, so the first bytes leave before the last values are made (a
+large write's checksums are computed ahead, on a thread of its own:
+`sidecar.tiers.remote.store._Values`)."""
 
 
 def _exchange(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import threading
 from collections.abc import Sequence
 from typing import overload
 
@@ -77,13 +78,23 @@ class RemoteStore:
         names = [self.name(k) for k in keys]
         if len(blocks) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        return self.connector.put(names, _Values(self, names, keys, blocks))
+        ahead = len(keys) > 1 and len(keys) * self.block_bytes >= MACS_AHEAD_MIN_BYTES
+        values = _Values(self, names, keys, blocks, ahead)
+        try:
+            return self.connector.put(names, values)
+        finally:
+            values.close()
 
     def value(self, name: bytes, key: bytes, block: memoryview | np.ndarray) -> Chunks:
         """A block's value: its header (with the checksum or MAC), then its bytes."""
-        data = memoryview(block).cast("B")[: self.block_bytes]
-        mac = self.check.digest(name, self._head, key, data)
-        return (HEADER.pack(self._head, mac, key), data)
+        data = self._data(block)
+        return (HEADER.pack(self._head, self._mac(name, key, data), key), data)
+
+    def _data(self, block: memoryview | np.ndarray) -> memoryview:
+        return memoryview(block).cast("B")[: self.block_bytes]
+
+    def _mac(self, name: bytes, key: bytes, data: memoryview) -> bytes:
+        return self.check.digest(name, self._head, key, data)
 
     def read(
         self, keys: Sequence[bytes], targets: Sequence[memoryview | np.ndarray]
@@ -120,10 +131,26 @@ class RemoteStore:
         return self.connector.delete([self.name(k) for k in keys])
 
 
+MACS_AHEAD_MIN_BYTES = 8 << 20
+"""A write of at least this many bytes (and two blocks) has its blocks'
+checksums or MACs computed on a thread of its own, in order, while the
+connector sends the blocks before them (`_Values`)."""
+
+
 class _Values(Sequence[Chunks]):
     """The values of a write, each made when the connector packs its SET
-    (`RedisConnector` sends them in groups): its checksum is computed right
-    before the block is sent, while the block is in the CPU's caches."""
+    (`RedisConnector` sends them in groups, in order).
+
+    With `ahead`, a thread of the write's own computes the blocks' checksums
+    (or MACs) in order, and a value waits for its block's. The sending
+    thread then only sends: on loopback its core is saturated by the send
+    (and the kernel's receive path), and the checksum, one more pass over
+    the block, came on top of it. 2 MiB blocks, 256 MiB a write, a slow-
+    memory hour: 2.46-2.55 GB/s hashing inline, 2.81-2.96 ahead
+    (docs/measurements.md#remote). Without it, each checksum is computed
+    right before its block is sent, while the block is in the CPU's caches.
+    `close()` stops the thread and waits for it: the blocks are the
+    caller's again once `write` returns."""
 
     def __init__(
         self,
@@ -131,8 +158,38 @@ class _Values(Sequence[Chunks]):
         names: list[bytes],
         keys: Sequence[bytes],
         blocks: Sequence[memoryview | np.ndarray],
+        ahead: bool = False,
     ) -> None:
         self._store, self._names, self._keys, self._blocks = store, names, keys, blocks
+        self._macs: list[bytes] = []
+        self._error: BaseException | None = None
+        self._stop = False
+        self._made = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if ahead:
+            self._thread = threading.Thread(target=self._compute, name="kvs-remote-macs")
+            self._thread.start()
+
+    def _compute(self) -> None:
+        store = self._store
+        try:
+            for name, key, block in zip(self._names, self._keys, self._blocks, strict=True):
+                if self._stop:
+                    return
+                mac = store._mac(name, key, store._data(block))
+                with self._made:
+                    self._macs.append(mac)
+                    self._made.notify()
+        except BaseException as err:  # handed to the sender, which raises it
+            with self._made:
+                self._error = err
+                self._made.notify()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._thread.join()
+            self._thread = None
 
     def __len__(self) -> int:
         return len(self._names)
@@ -144,4 +201,18 @@ class _Values(Sequence[Chunks]):
     def __getitem__(self, i: int | slice) -> Chunks | Sequence[Chunks]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return self._store.value(self._names[i], self._keys[i], self._blocks[i])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("value index out of range")
+        store = self._store
+        if self._thread is None:
+            return store.value(self._names[i], self._keys[i], self._blocks[i])
+        with self._made:
+            self._made.wait_for(lambda: len(self._macs) > i or self._error is not None)
+            if len(self._macs) <= i:
+                assert self._error is not None
+                raise self._error
+            mac = self._macs[i]
+        data = store._data(self._blocks[i])
+        return (HEADER.pack(store._head, mac, self._keys[i]), data)
