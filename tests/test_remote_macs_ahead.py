@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from redis_servers import RedisClusterOf3
 
 import sidecar.tiers.remote.store as store_mod
 from sidecar.tiers.remote.connector import Chunks
@@ -127,3 +128,27 @@ def test_values_are_indexed_as_a_sequence_is(connector, ahead):
 
 def test_a_write_of_no_blocks_is_still_nothing(connector: RedisConnector, ahead):
     assert RemoteStore(connector, "none", BLOCK).write([], []) == []
+
+
+def test_a_cluster_takes_the_values_out_of_order_and_gets_each_its_own(redis_bin, ahead):
+    """A cluster's connector packs each node's keys in turn: values are asked
+    for out of the order the thread makes them in."""
+    cluster = RedisClusterOf3().start()
+    try:
+        c = RedisConnector(cluster.url, timeout=5.0, cluster=True)
+        n = 30
+        src, k = blocks(n, 8), keys(n)
+        store = RemoteStore(c, "kv", BLOCK, secret=SECRET)
+        assert store.write(k, list(src)) == [True] * n
+        per_node = []
+        for node in cluster.nodes:
+            with node.client() as r:
+                per_node.append(r.dbsize())
+        assert sum(per_node) == n and sum(x > 0 for x in per_node) >= 2, per_node
+        dst = blocks(n, 9)
+        assert store.read(k, list(dst)) == [ReadResult.HIT] * n
+        assert np.array_equal(dst, src)
+        assert helpers() == []
+        c.close()
+    finally:
+        cluster.cleanup()
