@@ -85,10 +85,15 @@ class RemoteStore:
         finally:
             values.close()
 
-    def value(self, name: bytes, key: bytes, block: memoryview | np.ndarray) -> Chunks:
-        """A block's value: its header (with the checksum or MAC), then its bytes."""
+    def value(
+        self, name: bytes, key: bytes, block: memoryview | np.ndarray, mac: bytes | None = None
+    ) -> Chunks:
+        """A block's value: its header (with the checksum or MAC: `mac`
+        where it was computed already), then its bytes."""
         data = self._data(block)
-        return (HEADER.pack(self._head, self._mac(name, key, data), key), data)
+        if mac is None:
+            mac = self._mac(name, key, data)
+        return (HEADER.pack(self._head, mac, key), data)
 
     def _data(self, block: memoryview | np.ndarray) -> memoryview:
         return memoryview(block).cast("B")[: self.block_bytes]
@@ -205,14 +210,12 @@ class _Values(Sequence[Chunks]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError("value index out of range")
-        store = self._store
-        if self._thread is None:
-            return store.value(self._names[i], self._keys[i], self._blocks[i])
-        with self._made:
-            self._made.wait_for(lambda: len(self._macs) > i or self._error is not None)
-            if len(self._macs) <= i:
-                assert self._error is not None
-                raise self._error
-            mac = self._macs[i]
-        data = store._data(self._blocks[i])
-        return (HEADER.pack(store._head, mac, self._keys[i]), data)
+        mac = None
+        if self._thread is not None:
+            with self._made:
+                self._made.wait_for(lambda: len(self._macs) > i or self._error is not None)
+                if len(self._macs) <= i:
+                    assert self._error is not None
+                    raise self._error
+                mac = self._macs[i]
+        return self._store.value(self._names[i], self._keys[i], self._blocks[i], mac)
