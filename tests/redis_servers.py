@@ -162,6 +162,14 @@ class RedisClusterOf3:
             time.sleep(0.1)
         return self
 
+    def keys_per_node(self) -> list[int]:
+        """How many keys each master holds."""
+        counts = []
+        for node in self.nodes:
+            with node.client() as r:
+                counts.append(r.dbsize())
+        return counts
+
     @staticmethod
     def _ok(node: RedisServer) -> bool:
         with node.client() as r:

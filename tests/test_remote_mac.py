@@ -12,7 +12,7 @@ from sidecar_proc import Sidecar, tokens, wait_for
 from test_sidecar_remote import BLOCK_TOKENS, blocks_of, client, kv, remote, settled
 
 from sidecar.tiers.remote.redis import RedisConnector
-from sidecar.tiers.remote.store import HEADER_BYTES, ReadResult, RemoteStore
+from sidecar.tiers.remote.store import FRONT_BYTES, OVERHEAD_BYTES, ReadResult, RemoteStore
 
 BLOCK = 64 << 10
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -42,16 +42,16 @@ def test_values_forged_without_the_secret_are_misses(server, connector):
     forged = blocks(4, 9)
     # What an attacker with write access but no secret can do: write with the
     # public code (no secret, or a guessed one), or keep a real value's header
-    # (its MAC included) and swap the bytes; or the old value format.
+    # and MAC and swap the bytes; or the old value formats.
     RemoteStore(connector, "ns", BLOCK).write([k[0]], [forged[0]])
     RemoteStore(connector, "ns", BLOCK, secret=b"guessed" * 4).write([k[1]], [forged[1]])
     with server.client() as r:
         real = r.get(store.name(k[2]))
-        r.set(store.name(k[2]), real[:HEADER_BYTES] + forged[2].tobytes())
+        r.set(store.name(k[2]), real[:FRONT_BYTES] + forged[2].tobytes() + real[-32:])
         seed = int.from_bytes(k[3][:8], "little")
         digest = xxhash.xxh3_64(forged[3], seed=seed).intdigest()
         old = struct.pack("<4sIQ16s", b"KVR1", BLOCK, digest, k[3])
-        r.set(store.name(k[3]), old + forged[3].tobytes() + bytes(HEADER_BYTES - len(old)))
+        r.set(store.name(k[3]), old + forged[3].tobytes() + bytes(OVERHEAD_BYTES - len(old)))
     results = store.read(k, list(blocks(4, 3)))
     assert ReadResult.HIT not in results
 
@@ -78,7 +78,7 @@ def test_a_sidecar_never_loads_a_forged_value(tmp_path, server):
         with server.client() as r:  # an attacker rewrites every value
             names = r.keys("kvsidecar:*")
             assert len(names) == 4
-            size = len(r.get(names[0])) - HEADER_BYTES
+            size = len(r.get(names[0])) - OVERHEAD_BYTES
         conn = RedisConnector(server.url, timeout=2.0)
         forger = RemoteStore(conn, "kvsidecar", size)
         forged = np.full((len(names), size), 7, dtype=np.uint8)

@@ -140,10 +140,7 @@ def test_a_cluster_takes_the_values_out_of_order_and_gets_each_its_own(redis_bin
         src, k = blocks(n, 8), keys(n)
         store = RemoteStore(c, "kv", BLOCK, secret=SECRET)
         assert store.write(k, list(src)) == [True] * n
-        per_node = []
-        for node in cluster.nodes:
-            with node.client() as r:
-                per_node.append(r.dbsize())
+        per_node = cluster.keys_per_node()
         assert sum(per_node) == n and sum(x > 0 for x in per_node) >= 2, per_node
         dst = blocks(n, 9)
         assert store.read(k, list(dst)) == [ReadResult.HIT] * n

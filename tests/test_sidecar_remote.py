@@ -124,10 +124,7 @@ def test_the_same_through_a_three_node_cluster(tmp_path, redis_bin):
     hosts = Hosts(tmp_path, cluster.url, "--set", "remote_cluster=true")
     try:
         save_on_one_load_on_the_other(hosts)
-        stored = []
-        for node in cluster.nodes:
-            with node.client() as r:
-                stored.append(r.dbsize())
+        stored = cluster.keys_per_node()
         assert sum(stored) == N and sum(n > 0 for n in stored) >= 2, stored  # spread by slot
     finally:
         hosts.cleanup()

@@ -12,7 +12,9 @@ Contract, for every implementation:
   store's health is reported by exceptions;
 - a per-key failure the store reports (out of memory, a moved slot) fails
   that key only: `put` reports it in its result, `get` returns None for it;
-- values are opaque bytes; framing and checksums belong to the caller.
+- values are opaque bytes; framing and checksums belong to the caller;
+- a value's `Later` pieces are made in order, each once every piece before
+  it has been handed to the store (sent, for a store over a socket).
 
 `get_into` has a default (a `get`, then a copy); a connector that can
 receive values straight into the caller's buffers overrides it.
@@ -21,12 +23,40 @@ receive values straight into the caller's buffers overrides it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 Chunk = bytes | bytearray | memoryview
-Chunks = Sequence[Chunk]
-"""One value as consecutive pieces (a header, then a view of an shm slot),
-written back to back without being joined first."""
+
+
+@dataclass(frozen=True)
+class Later:
+    """`size` bytes of a value that are made only once every piece before
+    them has been sent: `make()` gives them (called once). A value whose
+    last bytes depend on its first ones (a MAC after its block) is finished
+    while it is sent, each piece hashed right after the socket took it; a
+    Later of size 0 is only that signal."""
+
+    size: int
+    make: Callable[[], Chunk]
+
+    def made(self) -> Chunk:
+        out = self.make()
+        if memoryview(out).nbytes != self.size:
+            raise ValueError(f"a Later piece of {self.size} bytes made {memoryview(out).nbytes}")
+        return out
+
+
+Piece = Chunk | Later
+Chunks = Sequence[Piece]
+"""One value as consecutive pieces (a header, then a view of an shm slot,
+then its MAC), written back to back without being joined first."""
+
+
+def piece_bytes(piece: Piece) -> int:
+    return piece.size if isinstance(piece, Later) else memoryview(piece).nbytes
+
+
 Buffers = Sequence[memoryview]
 """Writable 1-D byte views (format "B") that one value fills, in order."""
 
@@ -69,8 +99,9 @@ class Connector(ABC):
 
     @abstractmethod
     def put(self, keys: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:
-        """Store values[i] (its chunks concatenated) under keys[i]; True
-        where the store accepted it."""
+        """Store values[i] (its pieces concatenated, each `Later` made
+        once the pieces before it are sent) under keys[i]; True where the
+        store accepted it."""
 
     @abstractmethod
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

@@ -45,7 +45,10 @@ from sidecar.tiers.remote.connector import (
     Chunk,
     Chunks,
     Connector,
+    Later,
+    Piece,
     RemoteUnavailable,
+    piece_bytes,
 )
 
 log = logging.getLogger("kvsidecar")
@@ -122,10 +125,10 @@ class RedisConnector(Connector):
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
 
-        def pack(i: int) -> list[Chunk]:
-            chunks = values[i]
-            size = sum(memoryview(c).nbytes for c in chunks)
-            return [b"*3\r\n$3\r\nSET\r\n" + _bulk(keys[i]) + b"$%d\r\n" % size, *chunks, _CRLF]
+        def pack(i: int) -> list[Piece]:
+            pieces = values[i]
+            size = sum(piece_bytes(p) for p in pieces)
+            return [b"*3\r\n$3\r\nSET\r\n" + _bulk(keys[i]) + b"$%d\r\n" % size, *pieces, _CRLF]
 
         return [r == b"OK" for r in self._batch(keys, pack)]
 
@@ -137,7 +140,7 @@ class RedisConnector(Connector):
         return sum(r for r in replies if isinstance(r, int))
 
     def ping(self) -> None:
-        ping: Callable[[int], list[Chunk]] = lambda _: [_command(b"PING")]  # noqa: E731
+        ping: Callable[[int], list[Piece]] = lambda _: [_command(b"PING")]  # noqa: E731
         pings = [(pool, [0], ping) for pool in self._pools()]
         for (reply,) in _exchange(pings, _replies):
             if reply != b"PONG":
@@ -154,9 +157,9 @@ class RedisConnector(Connector):
     # ---- routing -----------------------------------------------------------------
 
     def _batch(
-        self, keys: Sequence[bytes], pack: Callable[[int], list[Chunk]], read: Reader | None = None
+        self, keys: Sequence[bytes], pack: Callable[[int], list[Piece]], read: Reader | None = None
     ) -> list[object]:
-        """Pipeline one command per key (chunks from `pack(index)`) to the
+        """Pipeline one command per key (pieces from `pack(index)`) to the
         server(s) holding the keys; the replies in key order (a
         ResponseError where a command failed), read by `read` (default:
         redis-py's parser). Raises RemoteUnavailable on a connection error
@@ -215,15 +218,13 @@ class RedisConnector(Connector):
 
 
 SEND_GROUP_BYTES = 1 << 20
-"""Commands are packed and sent in groups of about this many bytes: a SET's
-value (its header holding the block's checksum or MAC) is made as its group
-is packed, so the first bytes leave before the last values are made (a
-large write's checksums are computed ahead, on a thread of its own:
-`sidecar.tiers.remote.store._Values`)."""
+"""Commands are packed and sent in groups of about this many bytes, so the
+first bytes leave before the last values are made; a `Later` piece ends a
+group too (it is made once everything before it has been sent)."""
 
 
 def _exchange(
-    exchanges: list[tuple[redis.ConnectionPool, list[int], Callable[[int], list[Chunk]]]],
+    exchanges: list[tuple[redis.ConnectionPool, list[int], Callable[[int], list[Piece]]]],
     read: Reader,
 ) -> list[list]:
     """For each (pool, key indexes idx, pack): send the commands
@@ -241,9 +242,14 @@ def _exchange(
             group: list[Chunk] = []
             size = 0
             for i in idx:
-                chunks = pack(i)
-                group += chunks
-                size += sum(memoryview(c).nbytes for c in chunks)
+                for piece in pack(i):
+                    if isinstance(piece, Later):
+                        if group:
+                            _send(conn, _coalesce(group))
+                            group, size = [], 0
+                        piece = piece.made()
+                    group.append(piece)
+                    size += memoryview(piece).nbytes
                 if size >= SEND_GROUP_BYTES:
                     _send(conn, _coalesce(group))
                     group, size = [], 0

@@ -5,16 +5,18 @@ the model, layout, dtype and TP size (`contract.blocks`), so sidecars of
 different models share a store without colliding; the namespace separates
 deployments (or tenants) that share one.
 
-Value: a 64-byte header (magic, block size, key id, MAC, the block key
-itself) followed by the block's bytes. The MAC is HMAC-SHA256 under the
-deployment's secret, or without one a checksum that catches accidents only
-(`value_check`). A value that is absent, written under another key id
-(another secret, or none) or in another format (its magic) is MISSING; one
-of the wrong size, under another block key or whose bytes fail the MAC is
-CORRUPT: a miss either way, never data. Reads receive each value straight into
-its slot and check it there, as SSD reads do: a slot whose read is not a
-HIT may hold any bytes, and the caller drops it (the slot of a block being
-staged is never visible before its read succeeds).
+Value: a 32-byte header (magic, block size, key id, the block key), the
+block's bytes, then its 32-byte MAC: HMAC-SHA256 under the deployment's
+secret, or without one a checksum that catches accidents only
+(`value_check`). The MAC comes last so that a large block is hashed piece by
+piece right after the socket took each piece (`_Values`). A value that is
+absent, written under another key id (another secret, or none) or in
+another format (its magic) is MISSING; one of the wrong size, under another
+block key or whose bytes fail the MAC is CORRUPT: a miss either way, never
+data. Reads receive each value straight into its slot and check it there,
+as SSD reads do: a slot whose read is not a HIT may hold any bytes, and the
+caller drops it (the slot of a block being staged is never visible before
+its read succeeds).
 """
 
 from __future__ import annotations
@@ -23,19 +25,23 @@ import enum
 import struct
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import overload
 
 import numpy as np
 
-from sidecar.tiers.remote.connector import Chunks, Connector
-from sidecar.tiers.remote.value_check import KEY_ID_BYTES, MAC_BYTES, ValueCheck
+from sidecar.tiers.remote.connector import Chunks, Connector, Later, Piece
+from sidecar.tiers.remote.value_check import KEY_ID_BYTES, MAC_BYTES, MacStream, ValueCheck
 
 HEAD = struct.Struct(f"<4sI{KEY_ID_BYTES}s")  # magic, block bytes, key id: what the MAC covers
-HEADER = struct.Struct(f"<{HEAD.size}s{MAC_BYTES}s16s")  # the above, MAC, block key
-HEADER_BYTES = HEADER.size  # 64
-MAGIC = b"KVR2"
-"""Values of the KVR1 format (a 32-byte header, an xxh3 checksum) have another
-size: CORRUPT, so a miss, deleted when read."""
+FRONT = struct.Struct(f"<{HEAD.size}s16s")  # the above, the block key: before the block
+FRONT_BYTES = FRONT.size  # 32
+OVERHEAD_BYTES = FRONT_BYTES + MAC_BYTES  # 64: the MAC follows the block
+MAGIC = b"KVR3"
+"""Values of older formats are misses: KVR1 (a 32-byte header, an xxh3
+checksum) has another size, so CORRUPT (deleted when read); KVR2 (the MAC
+in a 64-byte header before the block) is MISSING, left in place until the
+block is written again or the store evicts it."""
 
 
 class ReadResult(enum.Enum):
@@ -66,6 +72,7 @@ class RemoteStore:
         self.block_bytes = block_bytes
         self.check = ValueCheck(secret)
         self._head = HEAD.pack(MAGIC, block_bytes, self.check.key_id)
+        self._pieces = _pieces(block_bytes) if block_bytes >= STREAM_MIN_BLOCK_BYTES else None
         self._prefix = namespace.encode() + b":"
 
     def name(self, key: bytes) -> bytes:
@@ -78,7 +85,11 @@ class RemoteStore:
         names = [self.name(k) for k in keys]
         if len(blocks) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        ahead = len(keys) > 1 and len(keys) * self.block_bytes >= MACS_AHEAD_MIN_BYTES
+        ahead = (
+            self._pieces is None
+            and len(keys) > 1
+            and len(keys) * self.block_bytes >= MACS_AHEAD_MIN_BYTES
+        )
         values = _Values(self, names, keys, blocks, ahead)
         try:
             return self.connector.put(names, values)
@@ -88,12 +99,20 @@ class RemoteStore:
     def value(
         self, name: bytes, key: bytes, block: memoryview | np.ndarray, mac: bytes | None = None
     ) -> Chunks:
-        """A block's value: its header (with the checksum or MAC: `mac`
-        where it was computed already), then its bytes."""
+        """A block's value: its header, its bytes, then its MAC (`mac` where
+        it was computed already). A block of STREAM_MIN_BLOCK_BYTES or more
+        goes in pieces, each hashed once the connector has sent it."""
         data = self._data(block)
-        if mac is None:
-            mac = self._mac(name, key, data)
-        return (HEADER.pack(self._head, mac, key), data)
+        front = FRONT.pack(self._head, key)
+        if self._pieces is None or mac is not None:
+            return (front, data, mac if mac is not None else self._mac(name, key, data))
+        stream = self.check.start(name, self._head, key)
+        out: list[Piece] = [front]
+        for lo, hi in self._pieces:
+            piece = data[lo:hi]
+            last = hi == self.block_bytes
+            out += (piece, Later(MAC_BYTES if last else 0, partial(_hashed, stream, piece, last)))
+        return out
 
     def _data(self, block: memoryview | np.ndarray) -> memoryview:
         return memoryview(block).cast("B")[: self.block_bytes]
@@ -106,26 +125,32 @@ class RemoteStore:
     ) -> list[ReadResult]:
         """Fetch each block into its target buffer (at least block_bytes);
         a target whose result is not HIT may hold any bytes."""
-        heads = [bytearray(HEADER_BYTES) for _ in keys]
+        fronts = [bytearray(FRONT_BYTES) for _ in keys]
+        macs = [bytearray(MAC_BYTES) for _ in keys]
         bodies = [memoryview(t).cast("B")[: self.block_bytes] for t in targets]
         got = self.connector.get_into(
             [self.name(k) for k in keys],
-            [(memoryview(h), b) for h, b in zip(heads, bodies, strict=True)],
+            [
+                (memoryview(f), b, memoryview(m))
+                for f, b, m in zip(fronts, bodies, macs, strict=True)
+            ],
         )
-        return [self._check(*args) for args in zip(keys, got, heads, bodies, strict=True)]
+        return [self._check(*args) for args in zip(keys, got, fronts, bodies, macs, strict=True)]
 
-    def _check(self, key: bytes, got: bool | None, head: bytearray, body: memoryview) -> ReadResult:
+    def _check(
+        self, key: bytes, got: bool | None, front: bytearray, body: memoryview, mac: bytearray
+    ) -> ReadResult:
         if got is None:
             return ReadResult.MISSING
         if not got:  # a value of the wrong size
             return ReadResult.CORRUPT
-        fields, mac, stored_key = HEADER.unpack_from(head)
+        fields, stored_key = FRONT.unpack_from(front)
         magic, _, key_id = HEAD.unpack(fields)
         if magic != MAGIC or key_id != self.check.key_id:  # not ours to judge, nor to delete
             return ReadResult.MISSING
         if fields != self._head or stored_key != key:
             return ReadResult.CORRUPT
-        if not self.check.verify(self.name(key), self._head, key, body, mac):
+        if not self.check.verify(self.name(key), self._head, key, body, bytes(mac)):
             return ReadResult.CORRUPT
         return ReadResult.HIT
 
@@ -136,26 +161,46 @@ class RemoteStore:
         return self.connector.delete([self.name(k) for k in keys])
 
 
+STREAM_MIN_BLOCK_BYTES = 1 << 20
+PIECE_BYTES = 1 << 20
+"""A block of STREAM_MIN_BLOCK_BYTES or more is sent in pieces of at most
+PIECE_BYTES, each hashed right after the socket took it: the kernel's copy
+has just brought it into the CPU's caches, and the server drains it while
+the client hashes. Hashing a block before sending it read it from memory
+once more, with the server idle (2 MiB blocks, docs/measurements.md#remote)."""
+
 MACS_AHEAD_MIN_BYTES = 8 << 20
-"""A write of at least this many bytes (and two blocks) has its blocks'
-checksums or MACs computed on a thread of its own, in order, while the
-connector sends the blocks before them (`_Values`)."""
+"""A write of smaller blocks, of at least this many bytes (and two blocks),
+has its blocks' checksums or MACs computed on a thread of its own, in order,
+while the connector sends the blocks before them (`_Values`)."""
+
+
+def _pieces(block_bytes: int) -> list[tuple[int, int]]:
+    """[lo, hi) of the pieces a block is sent in: as few as PIECE_BYTES
+    allows, of equal size."""
+    count = -(-block_bytes // PIECE_BYTES)
+    size = -(-block_bytes // count)
+    return [(lo, min(lo + size, block_bytes)) for lo in range(0, block_bytes, size)]
+
+
+def _hashed(stream: MacStream, piece: memoryview, last: bool) -> bytes:
+    stream.update(piece)
+    return stream.finish() if last else b""
 
 
 class _Values(Sequence[Chunks]):
     """The values of a write, each made when the connector packs its SET
-    (`RedisConnector` sends them in groups, in order).
+    (`RedisConnector` sends them in groups, in order). A large block's
+    value is sent in pieces and hashed as it goes (`RemoteStore.value`).
 
-    With `ahead`, a thread of the write's own computes the blocks' checksums
-    (or MACs) in order, and a value waits for its block's. The sending
-    thread then only sends: on loopback its core is saturated by the send
-    (and the kernel's receive path), and the checksum, one more pass over
-    the block, came on top of it. 2 MiB blocks, 256 MiB a write, a slow-
-    memory hour: 2.46-2.55 GB/s hashing inline, 2.81-2.96 ahead
-    (docs/measurements.md#remote). Without it, each checksum is computed
-    right before its block is sent, while the block is in the CPU's caches.
-    `close()` stops the thread and waits for it: the blocks are the
-    caller's again once `write` returns."""
+    Smaller blocks are hashed before they are sent. With `ahead`, a thread
+    of the write's own computes their checksums (or MACs) in order, and a
+    value waits for its block's: the sending thread then only sends (on
+    loopback its core is saturated by the send and the kernel's receive
+    path), 256 KiB blocks 0.93-1.08 of the floor ahead against 0.88-0.91
+    inline (docs/measurements.md#remote). Without it, each checksum is
+    computed right before its block is sent. `close()` stops the thread and
+    waits for it: the blocks are the caller's again once `write` returns."""
 
     def __init__(
         self,

@@ -21,8 +21,10 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 
+import xxhash
+
 from sidecar.config import ConfigError
-from sidecar.tiers.ssd.store import checksum
+from sidecar.tiers.ssd.store import checksum_stream
 
 MAC_BYTES = 32
 KEY_ID_BYTES = 8
@@ -44,18 +46,40 @@ class ValueCheck:
             else bytes(KEY_ID_BYTES)
         )
 
-    def digest(self, name: bytes, head: bytes, key: bytes, block: memoryview) -> bytes:
-        """MAC_BYTES for the value named `name` whose header starts with
-        `head` (the fields before the MAC) and holds `block` of key `key`."""
+    def start(self, name: bytes, head: bytes, key: bytes) -> MacStream:
+        """The MAC of the value named `name`, whose header starts with
+        `head` (the fields the MAC covers) and holds the block of key `key`,
+        to be fed that block piece by piece."""
         if self._secret is None:
-            return checksum(block, key).to_bytes(8, "little").ljust(MAC_BYTES, b"\0")
+            return MacStream(checksum_stream(key))
         mac = hmac.new(self._secret, digestmod="sha256")
         mac.update(len(name).to_bytes(4, "little") + name + head)
+        return MacStream(mac)
+
+    def digest(self, name: bytes, head: bytes, key: bytes, block: memoryview) -> bytes:
+        """MAC_BYTES: `start`'s MAC fed the whole block at once."""
+        mac = self.start(name, head, key)
         mac.update(block)
-        return mac.digest()
+        return mac.finish()
 
     def verify(self, name: bytes, head: bytes, key: bytes, block: memoryview, got: bytes) -> bool:
         return hmac.compare_digest(self.digest(name, head, key, block), got)
+
+
+class MacStream:
+    """A MAC (or checksum) being computed over a block's pieces, in order."""
+
+    def __init__(self, hasher: xxhash.xxh3_64 | hmac.HMAC) -> None:
+        self._hasher = hasher
+
+    def update(self, piece: memoryview) -> None:
+        self._hasher.update(piece)
+
+    def finish(self) -> bytes:
+        """MAC_BYTES (a checksum is 8 bytes, zero-padded)."""
+        if isinstance(self._hasher, hmac.HMAC):
+            return self._hasher.digest()
+        return self._hasher.intdigest().to_bytes(8, "little").ljust(MAC_BYTES, b"\0")
 
 
 def read_secret(path: str) -> bytes:

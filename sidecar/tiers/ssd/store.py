@@ -90,6 +90,12 @@ def checksum(data: memoryview | np.ndarray, key: bytes) -> int:
     return xxhash.xxh3_64(data, seed=int.from_bytes(key[:8], "little")).intdigest()
 
 
+def checksum_stream(key: bytes) -> xxhash.xxh3_64:
+    """`checksum` fed piece by piece: its intdigest() after every piece of a
+    block is that block's checksum."""
+    return xxhash.xxh3_64(seed=int.from_bytes(key[:8], "little"))
+
+
 @dataclass(frozen=True)
 class Record:
     slot: int
