@@ -303,6 +303,17 @@ def test_tls_round_trip(redis_bin):
         _round_trip_1100_blocks(tls.url)
         with tls.client() as r:
             assert r.dbsize() == 1100
+        # Blocks of 2 MiB go in pieces, each hashed after its sendall.
+        c = RedisConnector(tls.url, timeout=10.0)
+        store = RemoteStore(c, "streamed", 2 << 20)
+        assert store._pieces is not None
+        blocks = np.random.default_rng(12).integers(0, 256, (3, 2 << 20), dtype=np.uint8)
+        keys = [bytes([i]) * 16 for i in range(3)]
+        assert store.write(keys, list(blocks)) == [True] * 3
+        targets = np.zeros_like(blocks)
+        assert store.read(keys, list(targets)) == [ReadResult.HIT] * 3
+        assert np.array_equal(targets, blocks)
+        c.close()
     finally:
         tls.cleanup()
 
