@@ -248,8 +248,10 @@ def _exchange(
                             _send(conn, _coalesce(group))
                             group, size = [], 0
                         piece = piece.made()
-                    group.append(piece)
-                    size += memoryview(piece).nbytes
+                    nbytes = memoryview(piece).nbytes
+                    if nbytes:
+                        group.append(piece)
+                        size += nbytes
                 if size >= SEND_GROUP_BYTES:
                     _send(conn, _coalesce(group))
                     group, size = [], 0
