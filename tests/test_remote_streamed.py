@@ -192,3 +192,14 @@ def test_the_smallest_connector_stores_streamed_values_too():
     dst = blocks(2, size, 12)
     assert store.read(k, list(dst)) == [ReadResult.HIT, ReadResult.HIT]
     assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize("size", [64 << 10, 2 * MIB], ids=["grouped", "streamed"])
+def test_a_short_block_is_refused_before_anything_is_sent(server, connector, size):
+    store = RemoteStore(connector, "short", size)
+    src = blocks(3, size, 13)
+    with pytest.raises(ValueError, match=f"block 2 holds {size - 1} bytes"):
+        store.write(keys(3), [src[0], src[1], src[2][:-1]])
+    with server.client() as r:
+        assert r.dbsize() == 0
+    assert store.write(keys(3), list(src)) == [True] * 3  # the connection is still good

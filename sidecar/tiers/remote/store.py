@@ -81,10 +81,19 @@ class RemoteStore:
 
     def write(self, keys: Sequence[bytes], blocks: Sequence[memoryview | np.ndarray]) -> list[bool]:
         """Store each block (block_bytes of it, sent straight from its
-        buffer) under its key; True where the store took it."""
+        buffer) under its key; True where the store took it. A block of
+        fewer bytes is refused before anything is sent."""
         names = [self.name(k) for k in keys]
         if len(blocks) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        short = next(
+            (i for i, b in enumerate(blocks) if memoryview(b).nbytes < self.block_bytes), None
+        )
+        if short is not None:
+            raise ValueError(
+                f"block {short} holds {memoryview(blocks[short]).nbytes} bytes, "
+                f"fewer than the {self.block_bytes} of a block"
+            )
         ahead = (
             self._pieces is None
             and len(keys) > 1

@@ -87,7 +87,9 @@ def checksum(data: memoryview | np.ndarray, key: bytes) -> int:
     """xxh3-64 of the block, seeded by its key: a slot holding another key's
     bytes fails it as surely as a slot with flipped bits. The streaming call
     gives xxh3_64_intdigest's value but releases the GIL while it hashes."""
-    return xxhash.xxh3_64(data, seed=int.from_bytes(key[:8], "little")).intdigest()
+    hasher = checksum_stream(key)
+    hasher.update(data)
+    return hasher.intdigest()
 
 
 def checksum_stream(key: bytes) -> xxhash.xxh3_64:
