@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 import torch
 from hf_helpers import tokens
 from sidecar_proc import Sidecar, wait_for
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import DynamicCache, MistralConfig, MistralForCausalLM
 
 from engine_shim import KVClient
 from engine_shim.hf import (
@@ -337,6 +337,36 @@ def test_paged_kv_refuses_bad_shapes_and_block_ranges(model):
         pool.to_cache(5, model.config)
     with pytest.raises(ValueError, match="outside the pool"):
         pool.from_cache(pool.to_cache(4, model.config), 2, 6)
+
+
+def test_to_cache_equals_a_cache_filled_through_update_and_grows_like_one(model):
+    """`to_cache` fills DynamicLayers directly: the same keys and values as
+    `DynamicCache.update` leaves, the same length, and a forward on top of
+    either gives the same logits bit for bit."""
+    pool = PagedKV(
+        num_layers=4, num_blocks=6, tokens_per_block=16, num_kv_heads=2, head_dim=32,
+        dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    for layer in pool.layers:
+        layer.copy_(torch.randn(layer.shape, generator=generator))
+    made = pool.to_cache(5, model.config)
+    reference = DynamicCache(config=model.config)
+    for i, layer in enumerate(pool.layers):
+        kv = layer[:5].permute(1, 3, 0, 2, 4).reshape(2, 2, 80, 32)
+        reference.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
+    assert made.get_seq_length() == reference.get_seq_length() == 80
+    assert len(made.layers) == len(reference.layers) == 4
+    for got, want in zip(made.layers, reference.layers, strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    ids = torch.arange(80, 83).unsqueeze(0)
+    with torch.no_grad():
+        logits = [
+            model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            for cache in (made, reference)
+        ]
+    assert torch.equal(logits[0], logits[1])
+    assert made.get_seq_length() == 83 and pool.to_cache(0, model.config).get_seq_length() == 0
 
 
 def test_llama3_8b_has_the_geometry_of_llama_3_8b():

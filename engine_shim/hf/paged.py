@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
 
 
 class PagedKV:
@@ -57,18 +58,30 @@ class PagedKV:
 
     def to_cache(self, num_blocks: int, config: PretrainedConfig) -> DynamicCache:
         """A DynamicCache holding blocks [0, num_blocks) as its first
-        num_blocks * tokens_per_block tokens (empty for 0), on the pool's device."""
+        num_blocks * tokens_per_block tokens (empty for 0), on the pool's device.
+
+        For a model whose every layer is full attention (all that CachedLM
+        takes; `config` must say so): each layer is a `DynamicLayer` given
+        its keys and values as they come out of the pool's one reordering
+        copy. `DynamicCache.update` would copy them again (a `cat` onto an
+        empty tensor), and building the cache from `config` reads it through
+        transformers' attribute hooks: of a 32-block CPU load's 0.44 ms in
+        this method, ~0.3 ms went there."""
         if not 0 <= num_blocks <= self.num_blocks:
             raise ValueError(f"num_blocks must be in [0, {self.num_blocks}], got {num_blocks}")
-        cache = DynamicCache(config=config)
         if num_blocks == 0:
-            return cache
+            return DynamicCache(config=config)
+        cache = DynamicCache()
         tokens = num_blocks * self.tokens_per_block
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             # [n, 2, t, h, d] -> [2, h, n*t, d]: block order is token order.
             kv = layer[:num_blocks].permute(1, 3, 0, 2, 4)
             kv = kv.reshape(2, self.num_kv_heads, tokens, self.head_dim)
-            cache.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
+            keys, values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+            filled = DynamicLayer()
+            filled.lazy_initialization(keys, values)
+            filled.keys, filled.values = keys, values
+            cache.layers.append(filled)
         return cache
 
     def from_cache(self, cache: DynamicCache, first: int, end: int) -> None:
