@@ -227,7 +227,8 @@ def _row(case: Case, t: _Timings) -> dict[str, Any]:
         row.update(
             {
                 f"{tier}_hit_ms": hit_ms,
-                f"{tier}_lookup_load_ms": _ms(infos, "lookup_s", "load_s"),
+                f"{tier}_lookup_load_ms": _ms(infos, "lookup_s", "load_s", "build_s"),
+                **{f"{tier}_{part}_ms": _ms(infos, f"{part}_s") for part in LOAD_PARTS},
                 f"{tier}_compute_ms": _ms(infos, "compute_s"),
                 f"{tier}_hit_ms_all": _ms_all(infos),
                 f"{tier}_loaded_from": [i.loaded_from._asdict() for i in infos],
@@ -289,6 +290,9 @@ LOAD_TARGET_BLOCKS = 32
 tokens; 64 MiB for Llama-3-8B) <= LOAD_TARGET_TIMES x the floor's copy of
 the same bytes + LOAD_TARGET_SLACK_MS."""
 LOAD_TARGET_TIMES, LOAD_TARGET_SLACK_MS = 1.5, 0.3
+LOAD_PARTS = ("lookup", "load", "build")
+"""A hit's lookup + load, in parts (PrefillInfo): the lookup, the sidecar's
+load into the pool, and building the DynamicCache from the pool."""
 
 
 def copy_floor_ms(nbytes: int, device: str, repeats: int = 20) -> float:
@@ -332,4 +336,6 @@ def load_target(
         "(issue 30: Llama-3-8B on a GPU)"
     )
     target = at_most(None if row is None else row["cpu_lookup_load_ms"], limit, rule)
+    if row is not None:
+        target["parts_ms"] = {part: row[f"cpu_{part}_ms"] for part in LOAD_PARTS}
     return floor, target

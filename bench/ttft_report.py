@@ -65,6 +65,10 @@ def print_report(r: dict[str, Any]) -> None:
         f"load floor: {fl['blocks']} blocks, {fl['bytes'] / 2**20:.3g} MiB, {fl['copy']}: "
         f"{fl['copy_ms']:.3g} ms"
     )
+    parts = r["targets"]["lookup_load_32_blocks_ms"].get("parts_ms")
+    if parts:
+        shown = ", ".join(f"{name} {ms:.3g}" for name, ms in parts.items())
+        print(f"its CPU hit's lookup + load in parts, ms: {shown} (build: the DynamicCache)")
     print(verdict(r["targets"]))
 
 

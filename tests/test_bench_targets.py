@@ -34,14 +34,16 @@ def test_ttft_load_target_takes_the_32_block_row_and_the_floor_of_its_bytes():
     pytest.importorskip("torch")
     from bench.ttft_measure import load_target
 
+    parts = {"cpu_lookup_ms": 0.5, "cpu_load_ms": 1.5, "cpu_build_ms": 0.5}
     sweep = [
-        {"cached_tokens": 256, "cpu_lookup_load_ms": 1.0},
-        {"cached_tokens": 512, "cpu_lookup_load_ms": 2.5},
+        {"cached_tokens": 256, "cpu_lookup_load_ms": 1.0, **parts},
+        {"cached_tokens": 512, "cpu_lookup_load_ms": 2.5, **parts},
     ]
     floor, target = load_target(sweep, 4096, "cpu", 16)
     assert floor["blocks"] == 32 and floor["bytes"] == 32 * 4096 and floor["copy_ms"] > 0
     assert target["value"] == 2.5
+    assert target["parts_ms"] == {"lookup": 0.5, "load": 1.5, "build": 0.5}
     assert target["limit"] == pytest.approx(1.5 * floor["copy_ms"] + 0.3)
     assert target["within"] is (target["limit"] >= 2.5)
     _, none = load_target(sweep[:1], 4096, "cpu", 16)
-    assert none["value"] is None and none["within"] is None
+    assert none["value"] is None and none["within"] is None and "parts_ms" not in none

@@ -67,6 +67,10 @@ def test_ttft_quick_measures_ssd_and_cpu_hits_exactly_and_cleans_up(tmp_path):
         assert n > 0 and s["all_from_ssd"] and s["all_from_cpu"] and s["exact"]
         assert s["ssd_loaded_from"] == [{"cpu": 0, "ssd": n, "remote": 0}] * r["repeats"]
         assert s["cpu_loaded_from"] == [{"cpu": n, "ssd": 0, "remote": 0}] * r["repeats"]
+        for tier in ("cpu", "ssd"):  # lookup + load in its parts (medians, each of its own)
+            parts = [s[f"{tier}_{part}_ms"] for part in ("lookup", "load", "build")]
+            assert all(positive(x) for x in parts)
+            assert max(parts) <= s[f"{tier}_lookup_load_ms"] < s[f"{tier}_hit_ms"]
     assert [x["prompt_tokens"] for x in r["sweep"]] == [17, 33, 65, 129]
     assert set(r["break_even_tokens"]) == {"cpu", "ssd"}
     assert all(v in (None, 17, 33, 65, 129) for v in r["break_even_tokens"].values())

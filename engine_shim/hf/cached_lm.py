@@ -60,10 +60,14 @@ class PrefillInfo:
     prefill's save (blocks it already had count); 0 when nothing was saved
     (no sidecar, or save=False)."""
     ttft_s: float
-    """Start to last-token logits: lookup + load + forward (the save that
-    follows is not on the first token's path)."""
+    """Start to last-token logits: lookup + load + build + forward (the save
+    that follows is not on the first token's path)."""
     lookup_s: float
     load_s: float
+    """The sidecar's load into the pool, waited for."""
+    build_s: float
+    """Building the forward's DynamicCache from the pool (`PagedKV.to_cache`;
+    on a GPU, until its copies are queued)."""
     compute_s: float
     save_s: float
 
@@ -257,8 +261,9 @@ class CachedLM:
         cached = TierTokens(0, 0, 0) if client is None else client.lookup_tiers(ids_np[:limit])
         lookup_done = time.perf_counter()
         loaded = self._load(client, ids_np, self._on_schedule(sum(cached)))
-        cache = self.pool.to_cache(loaded // tpb, self.model.config)
         load_done = time.perf_counter()
+        cache = self.pool.to_cache(loaded // tpb, self.model.config)
+        build_done = time.perf_counter()
 
         logits = self._forward(ids, loaded, cache)
         _synchronize(self.device)
@@ -275,7 +280,8 @@ class CachedLM:
             ttft_s=compute_done - start,
             lookup_s=lookup_done - start,
             load_s=load_done - lookup_done,
-            compute_s=compute_done - load_done,
+            build_s=build_done - load_done,
+            compute_s=compute_done - build_done,
             save_s=time.perf_counter() - compute_done,
         )
         return logits, info, cache
