@@ -340,20 +340,26 @@ def test_paged_kv_refuses_bad_shapes_and_block_ranges(model):
 
 
 def test_to_cache_equals_a_cache_filled_through_update_and_grows_like_one(model):
-    """`to_cache` fills DynamicLayers directly: the same keys and values as
-    `DynamicCache.update` leaves, the same length, and a forward on top of
-    either gives the same logits bit for bit."""
+    """`to_cache` fills DynamicLayers with views of the pool: the same keys
+    and values as `DynamicCache.update` of the blocks' tokens in order, the
+    same length, and a forward on top of either gives the same logits bit
+    for bit, leaving the pool as it was."""
     pool = PagedKV(
         num_layers=4, num_blocks=6, tokens_per_block=16, num_kv_heads=2, head_dim=32,
         dtype=torch.float32, device="cpu",
     )  # fmt: skip
     generator = torch.Generator().manual_seed(1)
-    for layer in pool.layers:
+    for layer in pool.layers:  # what the sidecar's copies write: [block, K/V, head, token, dim]
         layer.copy_(torch.randn(layer.shape, generator=generator))
     made = pool.to_cache(5, model.config)
     reference = DynamicCache(config=model.config)
     for i, layer in enumerate(pool.layers):
-        kv = layer[:5].permute(1, 3, 0, 2, 4).reshape(2, 2, 80, 32)
+        kv = torch.stack(  # token j * 16 + t of the cache is token t of block j
+            [
+                torch.stack([torch.cat(list(layer[:5, side, head])) for head in range(2)])
+                for side in range(2)
+            ]
+        )
         reference.update(kv[0].unsqueeze(0), kv[1].unsqueeze(0), i)
     assert made.get_seq_length() == reference.get_seq_length() == 80
     assert len(made.layers) == len(reference.layers) == 4
@@ -367,6 +373,8 @@ def test_to_cache_equals_a_cache_filled_through_update_and_grows_like_one(model)
         ]
     assert torch.equal(logits[0], logits[1])
     assert made.get_seq_length() == 83 and pool.to_cache(0, model.config).get_seq_length() == 0
+    for layer, cached in zip(pool.layers, reference.layers, strict=True):
+        assert torch.equal(layer[:5, 0, 1, 3], cached.keys[0, 1, :80][3::16])  # pool untouched
 
 
 def test_llama3_8b_has_the_geometry_of_llama_3_8b():

@@ -175,6 +175,7 @@ class CachedLM:
                 tokens_per_block=self.tokens_per_block,
                 num_kv_heads=self.pool.num_kv_heads,
                 head_dim=self.pool.head_dim,
+                layout=PagedKV.LAYOUT,
             )
         except SidecarUnavailable as err:  # it registers by itself once one answers
             log.warning("no kvsidecar answers yet, computing every prompt: %s", err)

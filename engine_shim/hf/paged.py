@@ -1,18 +1,23 @@
 """`PagedKV`: the engine-side paged KV pool the HF adapter registers with the
 sidecar, and the copies between it and a transformers `DynamicCache`.
 
-One tensor per layer, block-major, on the model's device (a CUDA pool is
-copied to and from the sidecar's shm by cuda_ext's GPU copier; a CPU pool by
-plain memcpy):
+One tensor per layer on the model's device, laid out as a DynamicCache
+layer holds its keys and values (a CUDA pool is copied to and from the
+sidecar's shm by cuda_ext's GPU copier; a CPU pool by the C copy):
 
-    layers[i][block, 0] = keys,   [tokens_per_block, num_kv_heads, head_dim]
-    layers[i][block, 1] = values, [tokens_per_block, num_kv_heads, head_dim]
+    kv[i][0] = keys,   [num_kv_heads, num_blocks * tokens_per_block, head_dim]
+    kv[i][1] = values, [num_kv_heads, num_blocks * tokens_per_block, head_dim]
+
+so the DynamicCache of a loaded prefix is views of the pool, with no copy.
+The sidecar sees each layer's blocks through `layers[i]`, a view
+[num_blocks, 2, num_kv_heads, tokens_per_block, head_dim] of the same
+memory, registered as the `strided` layout: a block is 2 x num_kv_heads
+runs of tokens_per_block x head_dim elements a layer.
 
 The pool holds one prompt at a time: pool block j holds the prompt's j-th
 block of tokens, so a block id is simply the block's index in the prompt.
-A `DynamicCache` layer holds keys and values as [batch=1, num_kv_heads,
-tokens, head_dim]; keys are stored after RoPE, exactly as the model caches
-them, so loaded keys need no rotation.
+Keys are stored after RoPE, exactly as the model caches them, so loaded keys
+need no rotation.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from transformers.cache_utils import DynamicLayer
 
 
 class PagedKV:
+    LAYOUT = "strided"
+    """How `layers` is registered with the sidecar (cuda_ext.layouts)."""
+
     def __init__(
         self,
         *,
@@ -40,11 +48,12 @@ class PagedKV:
                 f"head dim; got {num_layers}, {num_blocks}, {tokens_per_block}, "
                 f"{num_kv_heads}, {head_dim}"
             )
-        shape = (num_blocks, 2, tokens_per_block, num_kv_heads, head_dim)
+        shape = (2, num_kv_heads, num_blocks * tokens_per_block, head_dim)
         self.device = torch.device(device)
-        self.layers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        self.kv = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        blocks = (2, num_kv_heads, num_blocks, tokens_per_block, head_dim)
+        self.layers = [kv.view(blocks).permute(2, 0, 1, 3, 4) for kv in self.kv]
+        """Per layer, the view the sidecar copies blocks through (LAYOUT)."""
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.num_kv_heads = num_kv_heads
@@ -58,26 +67,23 @@ class PagedKV:
 
     def to_cache(self, num_blocks: int, config: PretrainedConfig) -> DynamicCache:
         """A DynamicCache holding blocks [0, num_blocks) as its first
-        num_blocks * tokens_per_block tokens (empty for 0), on the pool's device.
+        num_blocks * tokens_per_block tokens (empty for 0): views of the pool.
 
         For a model whose every layer is full attention (all that CachedLM
         takes; `config` must say so): each layer is a `DynamicLayer` given
-        its keys and values as they come out of the pool's one reordering
-        copy. `DynamicCache.update` would copy them again (a `cat` onto an
-        empty tensor), and building the cache from `config` reads it through
-        transformers' attribute hooks: of a 32-block CPU load's 0.44 ms in
-        this method, ~0.3 ms went there."""
+        the pool's keys and values as they are. `DynamicCache.update` would
+        copy them (a `cat` onto an empty tensor), and building the cache from
+        `config` reads it through transformers' attribute hooks. The model's
+        forward never writes into them: it concatenates its new tokens into
+        tensors of its own."""
         if not 0 <= num_blocks <= self.num_blocks:
             raise ValueError(f"num_blocks must be in [0, {self.num_blocks}], got {num_blocks}")
         if num_blocks == 0:
             return DynamicCache(config=config)
         cache = DynamicCache()
         tokens = num_blocks * self.tokens_per_block
-        for layer in self.layers:
-            # [n, 2, t, h, d] -> [2, h, n*t, d]: block order is token order.
-            kv = layer[:num_blocks].permute(1, 3, 0, 2, 4)
-            kv = kv.reshape(2, self.num_kv_heads, tokens, self.head_dim)
-            keys, values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        for kv in self.kv:
+            keys, values = kv[0, :, :tokens].unsqueeze(0), kv[1, :, :tokens].unsqueeze(0)
             filled = DynamicLayer()
             filled.lazy_initialization(keys, values)
             filled.keys, filled.values = keys, values
@@ -85,16 +91,13 @@ class PagedKV:
         return cache
 
     def from_cache(self, cache: DynamicCache, first: int, end: int) -> None:
-        """Copy blocks [first, end) of the prompt from `cache` (on the pool's
-        device, holding at least end * tokens_per_block tokens) into the pool."""
+        """Copy blocks [first, end) of the prompt from `cache` (holding at
+        least end * tokens_per_block tokens) into the pool."""
         if end <= first:
             return
         if first < 0 or end > self.num_blocks:
             raise ValueError(f"blocks [{first}, {end}) are outside the pool's {self.num_blocks}")
-        t = self.tokens_per_block
-        for layer, cached in zip(self.layers, cache.layers, strict=True):
-            for side, states in enumerate((cached.keys, cached.values)):
-                # [1, h, tokens, d] -> [n, t, h, d]
-                blocks = states[0, :, first * t : end * t].to(self.device)
-                blocks = blocks.reshape(self.num_kv_heads, end - first, t, self.head_dim)
-                layer[first:end, side].copy_(blocks.permute(1, 2, 0, 3))
+        a, b = first * self.tokens_per_block, end * self.tokens_per_block
+        for kv, cached in zip(self.kv, cache.layers, strict=True):
+            kv[0, :, a:b].copy_(cached.keys[0, :, a:b])
+            kv[1, :, a:b].copy_(cached.values[0, :, a:b])
