@@ -9,7 +9,7 @@ Value: a 32-byte header (magic, block size, key id, the block key), the
 block's bytes, then its 32-byte MAC: HMAC-SHA256 under the deployment's
 secret, or without one a checksum that catches accidents only
 (`value_check`). The MAC comes last so that a large block is hashed piece by
-piece right after the socket took each piece (`_Values`). A value that is
+piece right after the socket took each piece (`RemoteStore.value`). A value that is
 absent, written under another key id (another secret, or none) or in
 another format (its magic) is MISSING; one of the wrong size, under another
 block key or whose bytes fail the MAC is CORRUPT: a miss either way, never
