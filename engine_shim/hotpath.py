@@ -54,7 +54,8 @@ FIRST_CHUNK = 2
 TOUCH_BATCH = 256
 """Lookups or loads kept before a Touch goes, at the latest."""
 GRANT_LOW = 32
-"""Fewer granted slots than this: ask for more (unawaited)."""
+"""Fewer granted slots than this: ask for more (unawaited); half of those
+held, once the sidecar gave fewer than asked (the rank's share is full)."""
 GRANT_WANT = 64
 """Slots one Grant asks for."""
 TOUCH_SECONDS = 0.05
@@ -133,6 +134,8 @@ class HotPath:
         """CPU slots the sidecar granted this rank for its saves, unused."""
         self.grant_request: int | None = None
         """The id of a Grant request whose reply has not been read yet."""
+        self.grant_low = GRANT_LOW
+        """Fewer granted slots than this: ask for more (GRANT_LOW)."""
 
     def flags(self, max_age: float) -> int:
         """The table's flags while it can be trusted (open, and stamped within
@@ -396,7 +399,7 @@ class HotLane:
         if self.grants_lost:
             self.grants_lost = False
             index.granted.clear()
-            index.grant_request = None
+            index.grant_request, index.grant_low = None, GRANT_LOW
         if time.monotonic() - self.heard_at > self._lease() / 2:
             return False
         if index.grant_request is not None:
@@ -406,8 +409,13 @@ class HotLane:
                 answer, index.grant_request = None, None
             if answer is not None:
                 index.grant_request = None
-                index.granted += np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
-        if index.grant_request is None and len(index.granted) < GRANT_LOW:
+                got = np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
+                index.granted += got
+                # Fewer than asked: the rank holds its share of a small tier.
+                # Asking again at once would send a Grant with every save.
+                full = len(got) < GRANT_WANT
+                index.grant_low = max(1, len(index.granted) // 2) if full else GRANT_LOW
+        if index.grant_request is None and len(index.granted) < index.grant_low:
             with contextlib.suppress(SidecarUnavailable):
                 index.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
         return True

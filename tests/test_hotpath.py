@@ -15,7 +15,7 @@ import torch
 from sidecar_proc import Sidecar, connect, make_kv, stats_of, tmp_dir, tokens, wait_for
 
 from contract import protocol as p
-from engine_shim import SidecarError, SidecarUnavailable
+from engine_shim import SidecarError, SidecarUnavailable, hotpath
 from engine_shim.channel import Channel
 from shm import hotindex
 
@@ -230,6 +230,35 @@ def test_saves_commit_into_granted_slots_and_the_grant_goes_back(sidecar, open_c
     assert used > cached  # the rest of the grant
     c.close()
     assert cpu_tier(sidecar) == (cached, cached)
+
+
+def test_a_rank_holding_its_share_of_a_small_tier_asks_again_only_after_using_half(
+    open_client,
+):
+    """A tier of 256 slots grants a rank 16 (1/16), fewer than GRANT_LOW: a
+    save must not send a Grant each time it finds the rank below that
+    (before: 53 Grants for 40 saves)."""
+    s = Sidecar(capacity="1MiB").start()  # 256 blocks of 4 KiB
+    try:
+        c = open_client(s.endpoint, make_kv(11))
+        assert c.save(tokens(1, start=7000), np.arange(1)).wait() == sp.TOKENS_PER_BLOCK
+        wait_for(lambda: granted(c) > 0)
+        share = granted(c)
+        assert 2 <= share < hotpath.GRANT_LOW  # what this test is about
+        before = stats_of(s)["requests"]
+        saves = 40
+        for i in range(saves):
+            assert c.save(tokens(1, start=8000 + i), np.arange(1)).wait() == sp.TOKENS_PER_BLOCK
+            c.delete(tokens(1, start=8000 + i))
+        requests = stats_of(s)["requests"]
+        assert requests["commit"] - before.get("commit", 0) == saves  # every one through grants
+        # About one Grant per half a share used, not one per save.
+        assert requests["grant"] - before.get("grant", 0) <= saves // (share // 2) + 2
+        c.close()
+        assert s.stop() == 0
+        assert s.shm_segments() == []
+    finally:
+        s.cleanup()
 
 
 def test_two_engines_saving_one_prefix_store_it_once(sidecar, open_client):
