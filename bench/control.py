@@ -60,9 +60,9 @@ clients) pair the floors run first, then the sidecar cases, back to back.
   rates. `--calls-only` runs only these, `--no-calls` skips them. Speed
   against memcpy of the 2,048-block saves and loads is the median over
   calls each paired back to back with the memcpy of the same row in
-  kvsidecar's worker (memory speed here moves by up to 2x between phases);
-  the 2 MiB rows need ~17 GiB for that, and run unpaired where it is not
-  available.
+  kvsidecar's worker, in kvsidecar's own memory: from the engine's tensors
+  into the cache's slots and back (memory speed here moves by up to 2x
+  between phases, and differs between buffers).
 
 Latencies are µs, p50 and p99 over every call of every client of a case;
 with 4 clients they all run for the same seconds at once. `vs_floor` holds

@@ -30,14 +30,18 @@ raw ping-pong's (0.53x: the rate before issue 30).
 Speed against memcpy (`vs[row]["memcpy"]`, the table's "x memcpy speed"):
 kvsidecar's worker pairs each save and load of the largest transfer (2,048
 blocks: the rows the target judges) with the floor's call of the same row,
-back to back in its process (bench/peers/calls.py, "paired floor"); the
-figure is the median of the pairs' ratios, the mean over the rounds. The
-memcpy worker's own rows (the table's memcpy column) are timed in a phase
-of their own: on these VMs memory ran at ~20 or ~38 GB/s from one phase to
-the next, so the ratio of p50s from separate phases
-(`vs[row]["memcpy_separate"]`, kept for comparison) could read 0.57x or
-1.01x for the same code (docs/measurements.md, "Saves in bands"). Rows the
-worker could not pair (too little memory for both) fall back to it.
+back to back in its process (bench/peers/calls.py, "paired floor"), the
+floor copying the same bytes between the same memory as kvsidecar's call,
+the engine's tensors and the cache's slots, in whole-block runs
+(bench/peers/kvsidecar_worker.py, SameMemoryFloor); the figure is the
+median of the pairs' ratios, the mean over the rounds. The memcpy worker's
+own rows (the table's memcpy column) are timed in a phase of their own,
+between buffers of its own: on these VMs memory ran at ~20 or ~38 GB/s
+from one phase to the next, and buffers of one kind up to 1.2x apart, so
+the ratio of p50s from separate phases (`vs[row]["memcpy_separate"]`, kept
+for comparison) could read 0.57x or 1.01x for the same code
+(docs/measurements.md, "Saves in bands" and "The floor's memory"). Rows
+the worker could not pair fall back to it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ comes out, and the sidecar, the echo server and the clients leave nothing behind
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -244,6 +245,69 @@ def test_the_floor_is_paired_only_where_its_buffers_fit():
 
     assert floor_fits(1 << 20)
     assert not floor_fits(1 << 50)  # a petabyte
+
+
+def test_the_same_memory_floor_copies_the_rows_bytes_between_the_engine_and_the_slots(
+    monkeypatch,
+):
+    """kvsidecar's paired floor moves the bytes the row moves, in the memory
+    the row uses: a save's floor puts each layer's span of the blocks into
+    the slots the forgotten save used, a load's floor the slots' bytes into
+    the engine's tensors; and it is paired where no room is left for buffers."""
+    import numpy as np
+    import torch
+
+    from bench.peers import calls
+    from bench.peers.calls import GEOMETRIES, LOOKUP_SET, SAVE_SET, PairedFloor, Spec, token_ids
+    from bench.peers.kvsidecar_worker import KvsidecarSystem, SameMemoryFloor
+
+    g, n = GEOMETRIES["2MiB"], 4
+    tpb = g["tokens_per_block"]
+    system = KvsidecarSystem()
+    system.open(g, n, 2 * n + 16)
+    try:
+        kv = system._kv
+        for i, t in enumerate(kv):
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)))
+        spec = Spec(transfer_blocks=[1, n], geometries=["2MiB"], paired_floor=True)
+        notes: list[str] = []
+        paired = PairedFloor(lambda: SameMemoryFloor(system), spec, "2MiB", notes)
+        ids, saved = np.arange(n), token_ids(n * tpb, SAVE_SET)
+        assert system.save(saved, ids) == n * tpb
+        system.forget(saved)
+        assert system._freed is None  # no floor yet: forgets note nothing
+        assert paired.call("save", saved, ids) is not None  # opens the floor
+        assert system.save(saved, ids) == n * tpb
+        system.forget(saved)
+        slots = system._freed
+        assert slots is not None and slots.size == n
+        views = {int(a): np.ctypeslib.as_array((ctypes.c_uint8 * (2 << 20)).from_address(int(a)))
+                 for a in slots}  # fmt: skip
+        for v in views.values():
+            v[:] = 0
+        monkeypatch.setattr(calls, "floor_fits", lambda _: False)  # paired all the same
+        floor = paired.call("save", saved, ids)
+        assert floor is not None and paired.call("save", saved, ids[:1]) is None
+        assert floor() == n * tpb
+        engine = b"".join(t.numpy().tobytes() for t in kv)  # each layer's n blocks, layer by layer
+        assert b"".join(views[int(a)].tobytes() for a in slots) == engine
+        assert notes == []
+
+        loaded = token_ids(n * tpb, LOOKUP_SET)
+        assert system.save(loaded, ids) == n * tpb
+        held = system.slot_addresses(loaded)
+        assert held is not None and held.size == n
+        cache = b"".join(bytes((ctypes.c_uint8 * (2 << 20)).from_address(int(a))) for a in held)
+        for t in kv:
+            t.zero_()
+        assert paired.call("load", loaded, ids)() == n * tpb
+        assert b"".join(t.numpy().tobytes() for t in kv) == cache
+        with pytest.raises(ValueError, match="consecutive"):
+            paired.call("load", loaded, ids[::-1].copy())()
+        paired.close()
+    finally:
+        system.close()
+    assert not system.problems
 
 
 def test_merge_keeps_the_paired_figures_only_where_every_round_has_them():

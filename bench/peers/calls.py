@@ -30,9 +30,13 @@ call of the same row right before or after it (alternating).
 The row then carries `vs_floor`, the median over the pairs of the floor's
 time over the system's, and `floor_p50`. Memory speed on these VMs moves
 by up to 2x between phases a few seconds apart, so p50s taken in separate
-phases can give either side the fast memory; pairs cannot. Where the
-floor's buffers do not fit beside the system's (`floor_fits`), the
-geometry's rows are left unpaired and say so in the worker's notes.
+phases can give either side the fast memory; pairs cannot. kvsidecar's
+floor copies in kvsidecar's own memory (the engine's tensors and the
+cache's slots: bench/peers/kvsidecar_worker.py, SameMemoryFloor), since
+two buffers of one kind can differ in speed for as long as they live. A
+floor with buffers of its own (`own_buffers`, MemcpyFloor) pairs only
+where they fit beside the system's (`floor_fits`); else the geometry's
+rows are left unpaired and say so in the worker's notes.
 """
 
 from __future__ import annotations
@@ -250,11 +254,13 @@ class PairedFloor:
         if self.system is None:
             assert self._make is not None
             spec, gname, geometry = self._spec, self._gname, GEOMETRIES[self._gname]
-            if not floor_fits(2 * spec.kv_blocks(gname) * block_bytes(geometry)):
+            floor = self._make()
+            # A floor of buffers of its own (MemcpyFloor) needs room for them.
+            own = getattr(floor, "own_buffers", True)
+            if own and not floor_fits(2 * spec.kv_blocks(gname) * block_bytes(geometry)):
                 self._refused = True
                 self._notes.append(f"{gname}: not paired with the floor (too little memory)")
                 return None
-            floor = self._make()
             floor.open(geometry, spec.kv_blocks(gname), spec.cache_blocks(gname))
             self.system = floor
         return self.system

@@ -19,7 +19,27 @@ from bench.peers.block_copy import copy_ranges
 from bench.peers.calls import block_bytes, worker_main
 
 
-class MemcpyFloor:
+class Floor:
+    """What every memcpy floor does besides copying: nothing."""
+
+    own_buffers = True
+    """Whether it copies between buffers of its own (bench/peers/calls.py,
+    PairedFloor: those must fit beside the system's)."""
+
+    def forget(self, tokens: np.ndarray) -> None:
+        pass
+
+    def lookup(self, tokens: np.ndarray) -> int:
+        raise RuntimeError("the memcpy floor has no lookup")
+
+    def prepare_load(self, tokens: np.ndarray) -> None:
+        pass
+
+    def tidy(self) -> None:
+        pass
+
+
+class MemcpyFloor(Floor):
     def __init__(self) -> None:
         self._maps: list[mmap.mmap] = []
         self._bases: list[int] = []
@@ -45,20 +65,8 @@ class MemcpyFloor:
     def save(self, tokens: np.ndarray, block_ids: np.ndarray) -> int:
         return self._copy(len(block_ids), self._bases[0], self._bases[1])
 
-    def forget(self, tokens: np.ndarray) -> None:
-        pass
-
     def load(self, tokens: np.ndarray, block_ids: np.ndarray) -> int:
         return self._copy(len(block_ids), self._bases[1], self._bases[0])
-
-    def lookup(self, tokens: np.ndarray) -> int:
-        raise RuntimeError("the memcpy floor has no lookup")
-
-    def prepare_load(self, tokens: np.ndarray) -> None:
-        pass
-
-    def tidy(self) -> None:
-        pass
 
     def close(self) -> None:
         self._bases.clear()
