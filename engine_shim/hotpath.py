@@ -54,8 +54,8 @@ FIRST_CHUNK = 2
 TOUCH_BATCH = 256
 """Lookups or loads kept before a Touch goes, at the latest."""
 GRANT_LOW = 32
-"""Fewer granted slots than this: ask for more (unawaited); half of those
-held, once the sidecar gave fewer than asked (the rank's share is full)."""
+"""Fewer granted slots than this: ask for more (unawaited); after an answer
+with fewer than asked, fewer than half of those then held."""
 GRANT_WANT = 64
 """Slots one Grant asks for."""
 TOUCH_SECONDS = 0.05
@@ -411,10 +411,12 @@ class HotLane:
                 index.grant_request = None
                 got = np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
                 index.granted += got
-                # Fewer than asked: the rank holds its share of a small tier.
-                # Asking again at once would send a Grant with every save.
-                full = len(got) < GRANT_WANT
-                index.grant_low = max(1, len(index.granted) // 2) if full else GRANT_LOW
+                # Fewer than asked: the rank holds its share of a small tier,
+                # or the tier had few slots free. Asking again below GRANT_LOW
+                # would send a Grant with every save in a tier whose share is
+                # under it; a rank left with none asks with every save still.
+                short = len(got) < GRANT_WANT
+                index.grant_low = max(1, len(index.granted) // 2) if short else GRANT_LOW
         if index.grant_request is None and len(index.granted) < index.grant_low:
             with contextlib.suppress(SidecarUnavailable):
                 index.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))

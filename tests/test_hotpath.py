@@ -237,7 +237,7 @@ def test_a_rank_holding_its_share_of_a_small_tier_asks_again_only_after_using_ha
 ):
     """A tier of 256 slots grants a rank 16 (1/16), fewer than GRANT_LOW: a
     save must not send a Grant each time it finds the rank below that
-    (before: 53 Grants for 40 saves)."""
+    (before: 72 Grants for these 40 saves)."""
     s = Sidecar(capacity="1MiB").start()  # 256 blocks of 4 KiB
     try:
         c = open_client(s.endpoint, make_kv(11))
