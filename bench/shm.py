@@ -197,17 +197,19 @@ RAW_PIECE_BYTES = 1 << 20
 
 def _raw_floors(plain: np.ndarray, shm: np.ndarray, threads: int | None) -> dict[str, Any]:
     """The C copy of one contiguous run, in 1 MiB pieces, with the threads and
-    streaming stores `shm.copy` picks for a batch of this many bytes."""
+    streaming stores `shm.copy` picks for a save or a load of this many bytes."""
     nbytes = plain.nbytes
     piece = min(RAW_PIECE_BYTES, nbytes)
     count = nbytes // piece  # the bench's totals are whole MiB
     starts = np.arange(count, dtype=np.uint64) * np.uint64(piece)
     a, b = starts + np.uint64(plain.ctypes.data), starts + np.uint64(shm.ctypes.data)
-    used, stream = shm_copy.copy_settings(nbytes, threads or shm_copy.MAX_THREADS)
+    most = threads or shm_copy.MAX_THREADS
+    used, save_stream = shm_copy.copy_settings(nbytes, most, save=True)
+    _, load_stream = shm_copy.copy_settings(nbytes, most, save=False)
     copy = shm_copy._blockcopy.copy
     return {
-        "floor_raw_save": partial(copy, a, b, piece, used, stream),
-        "floor_raw_load": partial(copy, b, a, piece, used, stream),
+        "floor_raw_save": partial(copy, a, b, piece, used, save_stream),
+        "floor_raw_load": partial(copy, b, a, piece, used, load_stream),
     }
 
 

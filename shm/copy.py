@@ -8,7 +8,8 @@ ValueError and copies nothing.
 Two implementations give identical bytes:
 - "c": address arrays built with numpy, copied by the `shm._blockcopy`
   extension with the GIL released (each next source range prefetched;
-  streaming stores and two threads for large batches);
+  streaming stores for saves and large loads, two threads for large
+  batches: `copy_settings`);
 - "torch": a Python loop of slice copies over torch views of the segments,
   used when the extension is not built.
 
@@ -52,8 +53,8 @@ IMPLS: tuple[str, ...] = ("c", "torch") if _blockcopy is not None else ("torch",
 IMPL = IMPLS[0]
 """The implementation save_blocks / load_blocks use unless told otherwise."""
 
-# Below these batch sizes a copy mostly stays in cache and a second thread
-# costs more to start (~50 us) than it saves.
+# Below these batch sizes a load mostly stays in cache (where the engine reads
+# it next) and a second thread costs more to start (~50 us) than it saves.
 STREAM_MIN_BYTES = 4 << 20
 THREAD_MIN_BYTES = 8 << 20
 MAX_THREADS = min(2, len(os.sched_getaffinity(0)))
@@ -216,7 +217,9 @@ def copy_located(
         order = np.argsort(ids, kind="stable")
         ids, slot_starts = ids[order], slot_starts[order]
     size = planes.layer_bytes
-    threads, stream = copy_settings(ids.size * (end - first) * size, threads or MAX_THREADS)
+    threads, stream = copy_settings(
+        ids.size * (end - first) * size, threads or MAX_THREADS, save=save
+    )
     _blockcopy.copy_blocks(
         planes.starts[first:end],
         planes.strides[first:end],
@@ -265,11 +268,22 @@ def has_repeats(ids: np.ndarray) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
-def copy_settings(total_bytes: int, max_threads: int) -> tuple[int, bool]:
+def copy_settings(total_bytes: int, max_threads: int, *, save: bool) -> tuple[int, bool]:
     """(threads, streaming stores) the C copy uses for a batch of this many
-    bytes; `bench shm` gives its raw floor the same."""
+    bytes; `bench shm` and `bench control` give their floors and peers the same.
+
+    A save streams at any size: it writes slots nothing reads again soon (a
+    later load, the lower tiers' writers), and the slot it gets is cold (the
+    free stack's top was freed by eviction, or granted dozens of saves ago),
+    so a cached store first reads every destination line. One 2 MiB block
+    saved into a cold slot: 337-340 us cached, 218 us streamed; into the
+    slot just written: 234 against 216. A 128 KiB one: 35-46 against 32
+    cold, 28 against 32 hot (docs/measurements.md, "Streaming saves"). A
+    load streams only past STREAM_MIN_BYTES: below, the engine's blocks it
+    writes are read next from the cache (128 KiB: 28-39 us cached against
+    32-42 streamed)."""
     threads = max_threads if total_bytes >= THREAD_MIN_BYTES else 1
-    return threads, total_bytes >= STREAM_MIN_BYTES
+    return threads, save or total_bytes >= STREAM_MIN_BYTES
 
 
 def _copy_torch(

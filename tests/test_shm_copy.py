@@ -94,11 +94,13 @@ def test_tp_ranks_write_disjoint_shards_of_the_same_slots(pool, impl):
 
 
 @NEEDS_C
+@pytest.mark.parametrize("large", [True, False])
 @pytest.mark.parametrize("layer_bytes", [3007, 65536])
-def test_c_and_torch_give_identical_bytes(layer_bytes):
-    """Large enough (> THREAD_MIN_BYTES) that the C path streams on two threads;
-    3,007-byte ranges leave every store unaligned with a tail."""
-    n = -(-shm_copy.THREAD_MIN_BYTES // (2 * layer_bytes)) + 3
+def test_c_and_torch_give_identical_bytes(layer_bytes, large):
+    """Large (> THREAD_MIN_BYTES): the C path streams both ways on two
+    threads; small (3 blocks): one thread, only the save streams. 3,007-byte
+    ranges leave every store unaligned with a tail."""
+    n = -(-shm_copy.THREAD_MIN_BYTES // (2 * layer_bytes)) + 3 if large else 3
     src = random_layers(2, (n, layer_bytes), torch.int8, seed=3)
     layout = BlockLayout.for_tensors(src)
     rng = np.random.default_rng(2)
@@ -117,6 +119,14 @@ def test_c_and_torch_give_identical_bytes(layer_bytes):
             loaded.append(torch.cat(dst))
     assert np.array_equal(images[0], images[1])
     assert torch.equal(loaded[0], loaded[1])
+
+
+def test_a_save_streams_at_any_size_a_load_only_past_stream_min_bytes():
+    small, large = 128 << 10, shm_copy.STREAM_MIN_BYTES
+    assert shm_copy.copy_settings(small, 2, save=True) == (1, True)
+    assert shm_copy.copy_settings(small, 2, save=False) == (1, False)
+    assert shm_copy.copy_settings(large, 2, save=False) == (1, True)
+    assert shm_copy.copy_settings(shm_copy.THREAD_MIN_BYTES, 2, save=False) == (2, True)
 
 
 @NEEDS_C

@@ -93,7 +93,7 @@ class AibrixSystem:
         starts = np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
         cache = starts[:, None] + self._per_layer[None, :]
         src, dst = (engine, cache) if save else (cache, engine)
-        copy_ranges(src, dst, self._layer_bytes)
+        copy_ranges(src, dst, self._layer_bytes, save=save)
 
     def save(self, tokens: np.ndarray, block_ids: np.ndarray) -> int:
         saved = 0

@@ -11,10 +11,11 @@ from shm import _blockcopy
 from shm.copy import MAX_THREADS, copy_settings
 
 
-def copy_ranges(src: np.ndarray, dst: np.ndarray, size: int) -> None:
+def copy_ranges(src: np.ndarray, dst: np.ndarray, size: int, *, save: bool) -> None:
     """Copy `size` bytes from each address src[i] to dst[i] (uint64 arrays),
-    with the threads and streaming stores kvsidecar's copy picks for the batch."""
-    threads, stream = copy_settings(src.size * size, MAX_THREADS)
+    with the threads and streaming stores kvsidecar's copy picks for the
+    batch: `save`, engine -> cache; else cache -> engine."""
+    threads, stream = copy_settings(src.size * size, MAX_THREADS, save=save)
     _blockcopy.copy(src.ravel(), dst.ravel(), size, threads, stream)
 
 

@@ -192,7 +192,7 @@ class SameMemoryFloor(Floor):
         if slots is None:
             raise RuntimeError("the same-memory floor saves after a save of the row was forgotten")
         engine, cache, run = self._runs(block_ids, slots)
-        copy_ranges(engine, cache, run)
+        copy_ranges(engine, cache, run, save=True)
         return len(block_ids) * self._system._tpb
 
     def load(self, tokens: np.ndarray, block_ids: np.ndarray) -> int:
@@ -203,7 +203,7 @@ class SameMemoryFloor(Floor):
                 raise RuntimeError("the blocks to load are not in the CPU tier")
             self._loads[key] = self._runs(block_ids, slots[: len(block_ids)])
         engine, cache, run = self._loads[key]
-        copy_ranges(cache, engine, run)
+        copy_ranges(cache, engine, run, save=False)
         return len(block_ids) * self._system._tpb
 
     def close(self) -> None:

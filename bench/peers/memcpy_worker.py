@@ -57,16 +57,16 @@ class MemcpyFloor(Floor):
             del view
             self._maps.append(m)
 
-    def _copy(self, n: int, src: int, dst: int) -> int:
+    def _copy(self, n: int, src: int, dst: int, save: bool) -> int:
         offsets = np.arange(n, dtype=np.uint64) * np.uint64(self._block)
-        copy_ranges(offsets + np.uint64(src), offsets + np.uint64(dst), self._block)
+        copy_ranges(offsets + np.uint64(src), offsets + np.uint64(dst), self._block, save=save)
         return n * self._tpb
 
     def save(self, tokens: np.ndarray, block_ids: np.ndarray) -> int:
-        return self._copy(len(block_ids), self._bases[0], self._bases[1])
+        return self._copy(len(block_ids), self._bases[0], self._bases[1], save=True)
 
     def load(self, tokens: np.ndarray, block_ids: np.ndarray) -> int:
-        return self._copy(len(block_ids), self._bases[1], self._bases[0])
+        return self._copy(len(block_ids), self._bases[1], self._bases[0], save=False)
 
     def close(self) -> None:
         self._bases.clear()
