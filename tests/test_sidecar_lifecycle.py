@@ -5,6 +5,7 @@ and the status/stats/metrics tools."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -282,7 +283,10 @@ def test_status_stats_and_metrics(capsys):
         out = capsys.readouterr().out
         assert "hit ratio 0.500" in out and "2/" in out
         assert cli_main(["stats", "--json", *args, "--timeout", "30"]) == 0
-        assert '"hit_ratio": 0.5' in capsys.readouterr().out
+        stats = capsys.readouterr().out
+        assert '"hit_ratio": 0.5' in stats
+        # the daemon froze what it had made before serving (cli._serve)
+        assert json.loads(stats)["gc_frozen_objects"] > 10_000
 
         def exported() -> bytes:
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
