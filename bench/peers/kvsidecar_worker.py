@@ -105,12 +105,7 @@ class KvsidecarSystem:
         if hot is None or link.pool is None or link.layout is None:
             return None
         slots, _ = hot.view.find(key_bytes(self.client.block_keys(tokens)))
-        segments, offsets = link.pool.slot_locations(slots, link.layout.slot_stride)
-        bases = np.array(
-            [link.pool.segment_view(i).ctypes.data for i in range(len(link.pool.segment_sizes))],
-            dtype=np.uint64,
-        )
-        return bases[segments] + offsets.astype(np.uint64)
+        return link.pool.slot_addresses(slots, link.layout.slot_stride)
 
     def close(self) -> None:
         self._kv = []
