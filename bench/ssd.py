@@ -7,13 +7,15 @@ Every figure has its floor from the same run, in the same directory:
   parts across the threads as the data plane splits an op, blocks moving
   between the page-aligned slots of a real, prefaulted ShmPool and the tier's
   data file; journal records and xxh3 checksums included;
-- floor: parallel os.pwritev / os.preadv with O_DIRECT of the same blocks,
+- floor: parallel O_DIRECT writes and reads of the same blocks,
   same threads and split, same slots, into the tier's own data file at the
-  offsets the tier uses (the same bytes, so the tier's records stay true).
-  Not a second file: two files of one directory sit in different places of
-  the disk, and on these virtio disks that alone moved a run's floor by
-  -16% to +7% against the other file, the same way in every round of that
-  run (docs/measurements.md#ssd).
+  offsets the tier uses (the same bytes, so the tier's records stay true),
+  issued as the tier issues them: a thread's writes `write_depth` blocks at
+  a time through Linux AIO (`sidecar.tiers.ssd.store.WRITE_BYTES` in
+  flight), reads one `preadv` a block. Beside it, writes one synchronous
+  `pwritev` a block (`floor_per_block_write_gbps`,
+  `write_vs_per_block_floor`: reported, no target), the floor before the
+  tier's writes went through AIO.
 Each round writes every case (tier and floor, alternating which goes
 first), drops the page cache when permitted (root), then reads every case;
 a first round is untimed (it also turns the files' preallocated extents
@@ -68,6 +70,9 @@ QUICK_COUNTS = [16]
 HUGE = 2 << 20
 SAMPLE_BYTES = 256 << 20
 QUICK_SAMPLE_BYTES = 64 << 20  # --quick, for the test suite: as before
+WHO = {"write": ("tier", "floor", "floor_per_block"), "read": ("tier", "floor")}
+"""What each phase times, in the order of even rounds (odd rounds reverse it,
+and so does every other sample: the tier and its floor stay side by side)."""
 FS_NAMES = {0xEF53: "ext4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x01021994: "tmpfs"}
 
 
@@ -230,16 +235,18 @@ def _measure_io(
         for kib in kibs
     }
     for pair in stores.values():
-        pair["floor"] = Floor(pair["tier"].data_path, pair["tier"].slot_bytes, nmax)
+        tier = pair["tier"]
+        pair["floor"] = Floor(tier.data_path, tier.slot_bytes, nmax, depth=tier.depth)
+        pair["floor_per_block"] = Floor(tier.data_path, tier.slot_bytes, nmax)
     try:
         with _slots(pools, kibs, nmax) as slots:
             for round_ in range(repeats + 1):
                 label = f"round {round_}/{repeats}" if round_ else "warm-up round"
                 print(f"{label}: {len(cases)} cases ...", file=sys.stderr, flush=True)
-                order = ("floor", "tier") if round_ % 2 else ("tier", "floor")
                 for phase in ("write", "read"):
                     if phase == "read" and round_:
                         dropped.append(drop_page_cache())
+                    order = WHO[phase][:: -1 if round_ % 2 else 1]
                     for (n, kib), kind in itertools.product(cases, pools):
                         src, dst = slots[kind][kib]
                         for j in range(_samples(n, kib, budget)):

@@ -5,11 +5,17 @@ directory. A batch is split as `DataPlane._jobs` splits an op: parts of
 ceil(n / threads) consecutive blocks, one job each on an `IoPool` of
 `threads` threads, the caller waiting on the pool's eventfd as the sidecar's
 loop does. Only what a job does differs:
-- tier: `SsdStore.write` / `read_run`, as the sidecar calls them (a journal
-  record before and after each write; a key check and an xxh3 checksum of
-  each block read, the next block's read in flight meanwhile);
-- floor: one `os.pwritev` / `os.preadv` per block, O_DIRECT, on the tier's
-  own data file (block i at i * slot_bytes, as the tier puts it).
+- tier: `SsdStore.write_run` / `read_run`, as the sidecar calls them (a
+  thread's blocks written `write_depth` at a time through Linux AIO, each
+  hashed while its write is in flight, a journal record before and after;
+  a key check and an xxh3 checksum of each block read, the next block's
+  read in flight meanwhile);
+- floor: O_DIRECT writes and reads of the same blocks on the tier's own
+  data file (block i at i * slot_bytes, as the tier puts it), issued as the
+  tier issues them: writes `write_depth` at a time through Linux AIO (one
+  `pwritev` a block where the tier has no AIO), reads one `preadv` a block;
+- per-block floor (writes only): one synchronous `os.pwritev` a block, the
+  floor before the tier's writes went through AIO, reported beside it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from sidecar.tiers.ssd.store import (
     VALID,
     ReadBlock,
     SsdStore,
+    WriteBlock,
+    aio_queue,
     read_header,
 )
 
@@ -71,10 +79,20 @@ class Tier:
         self.data_path = directory / "kvsb.data"
         self.slot_bytes = slot_bytes
 
+    @property
+    def depth(self) -> int | None:
+        """Writes a thread has in flight, when they go through Linux AIO."""
+        aio = self.store.direct and aio_queue() is not None
+        return self.store.write_depth if aio else None
+
     def writer(self, src: list[memoryview]) -> Job:
         def write(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                self.store.write(i, src[i], key(i), key(i - 1) if i else b"\0" * 16, i == 0)
+            self.store.write_run(
+                [
+                    WriteBlock(i, src[i], key(i), key(i - 1) if i else b"\0" * 16, i == 0)
+                    for i in range(lo, hi)
+                ]
+            )
 
         return write
 
@@ -94,12 +112,16 @@ class Tier:
 class Floor:
     """A file of at least `nslots` slots, preallocated (an existing one is
     left as it is), opened with O_DIRECT. Writing block i's bytes at slot i
-    of a tier's data file leaves the tier's records true."""
+    of a tier's data file leaves the tier's records true. With `depth`, a
+    thread's writes go as the tier's do through Linux AIO: `depth` blocks
+    submitted, then reaped, then the next ones; without it, one `pwritev` a
+    block."""
 
-    def __init__(self, path: Path, slot_bytes: int, nslots: int) -> None:
+    def __init__(self, path: Path, slot_bytes: int, nslots: int, depth: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.slot_bytes = slot_bytes
+        self.depth = depth
         flags = os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC
         self.fd = os.open(self.path, flags, 0o600)
         try:
@@ -109,16 +131,31 @@ class Floor:
             raise
 
     def writer(self, src: list[memoryview]) -> Job:
+        depth = self.depth
+
         def write(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                _whole(os.pwritev(self.fd, [src[i]], i * self.slot_bytes), src[i])
+            if depth is None:
+                for i in range(lo, hi):
+                    _whole(os.pwritev(self.fd, [src[i]], i * self.slot_bytes), len(src[i]))
+                return
+            queue = aio_queue()
+            try:
+                for start in range(lo, hi, depth):
+                    group = range(start, min(hi, start + depth))
+                    for i in group:
+                        queue.submit(self.fd, src[i], i * self.slot_bytes, True)
+                    for _, done in queue.wait(len(group)):
+                        _whole(done, self.slot_bytes)
+            finally:
+                if queue.pending:  # an error: nothing left in flight for the queue's next user
+                    queue.wait(queue.pending)
 
         return write
 
     def reader(self, dst: list[memoryview]) -> Job:
         def read(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                _whole(os.preadv(self.fd, [dst[i]], i * self.slot_bytes), dst[i])
+                _whole(os.preadv(self.fd, [dst[i]], i * self.slot_bytes), len(dst[i]))
 
         return read
 
@@ -151,7 +188,8 @@ class StoredSlots:
 
         def read(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                _whole(os.preadv(self.fd, [dst[i]], self.slots[i] * self.slot_bytes), dst[i])
+                view = dst[i]
+                _whole(os.preadv(self.fd, [view], self.slots[i] * self.slot_bytes), len(view))
 
         return read
 
@@ -164,11 +202,11 @@ def _valid(record: tuple) -> bool:
     return magic == MAGIC and bool(flags & VALID)
 
 
-def _whole(done: int, view: memoryview) -> None:
+def _whole(done: int, nbytes: int) -> None:
     # O_DIRECT transfers of whole aligned blocks are never short on a local
     # filesystem; if one is, the floor is not what it claims to be.
-    if done != len(view):
-        raise OSError(errno.EIO, f"short transfer: {done} of {len(view)} bytes")
+    if done != nbytes:
+        raise OSError(errno.EIO, f"short transfer: {done} of {nbytes} bytes")
 
 
 def drop_page_cache() -> bool:

@@ -29,8 +29,9 @@ def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
     assert main(["bench", "ssd", "--quick", "--dir", str(where), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     kinds = ["4k"] + (["huge"] if "page_kind" in data["pools"]["huge"] else [])
+    per_block = ("floor_per_block_write_gbps", "write_vs_per_block_floor")
     for figure in ("write", "read"):
-        for key in (f"{figure}_gbps", f"floor_{figure}_gbps", f"{figure}_vs_floor"):
+        for key in (f"{figure}_gbps", f"floor_{figure}_gbps", f"{figure}_vs_floor", *per_block):
             assert sorted(data[key]) == sorted(kinds), key
             for kind in kinds:
                 assert sorted(data[key][kind]) == sorted(CASES), key

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 
@@ -10,8 +11,9 @@ import pytest
 import xxhash
 from helpers import chain, make_engine
 
+from sidecar.tiers.ssd import store as store_module
 from sidecar.tiers.ssd.space import recover
-from sidecar.tiers.ssd.store import Record, SsdError, SsdStore, checksum
+from sidecar.tiers.ssd.store import Record, SsdError, SsdStore, WriteBlock, checksum
 
 SLOT = 8192
 
@@ -45,6 +47,90 @@ def test_blocks_round_trip_striped_over_directories(tmp_path):
         assert bytes(out) == bytes(block(slot))
     sizes = [os.path.getsize(tmp_path / f"d{i}" / "t.data") for i in range(2)]
     assert sizes == [4 * SLOT, 4 * SLOT]
+    s.close()
+
+
+def one_by_one(monkeypatch: pytest.MonkeyPatch, path: str, s: SsdStore) -> None:
+    """Run `s`'s writes through Linux AIO (`path` "aio": skipped where there
+    is none) or one `pwritev` after another, as without it."""
+    if path == "one_by_one":
+        monkeypatch.setattr(store_module._local, "queue", None, raising=False)
+    elif not s.direct or store_module.aio_queue() is None:
+        pytest.skip("no O_DIRECT here, or Linux AIO refused")
+
+
+@pytest.mark.parametrize("path", ["aio", "one_by_one"])
+def test_a_run_of_writes_reads_back_and_recovers(tmp_path, monkeypatch, path):
+    s = store(tmp_path, capacity=64 * SLOT)
+    one_by_one(monkeypatch, path, s)
+    order = [3, 0, 5, 1, 2, 4, 9]
+    s.write_run([WriteBlock(i, block(i), key(i + 1), key(i), i == 0) for i in order])
+    for i in order:
+        out = aligned()
+        assert s.read(i, out, key(i + 1)) and bytes(out) == bytes(block(i))
+    if path == "aio":
+        assert store_module.aio_queue().pending == 0
+    s.close()
+    again = store(tmp_path, capacity=64 * SLOT)
+    got = sorted((r.slot, r.key, r.parent, r.first) for r in again.records())
+    assert got == [(i, key(i + 1), key(i), i == 0) for i in sorted(order)]
+    again.close()
+
+
+@pytest.mark.parametrize("path", ["aio", "one_by_one"])
+def test_a_failed_write_leaves_no_record_vouching_for_its_slot(tmp_path, monkeypatch, path):
+    """A record goes invalid before its block's data is written: a write
+    that fails (as one cut off by a crash) leaves no record for that slot,
+    and every record left still reads back as its own block."""
+    s = store(tmp_path, dirs=1, capacity=8 * SLOT)
+    if not s.direct:
+        pytest.skip("no O_DIRECT here: an unaligned buffer does not fail")
+    one_by_one(monkeypatch, path, s)
+    s.write_run([WriteBlock(i, block(i), key(i + 1), key(i), i == 0) for i in range(3)])
+    # O_DIRECT from a buffer off alignment: the device refuses it (EINVAL).
+    off = memoryview(mmap.mmap(-1, 2 * SLOT))[1 : SLOT + 1]
+    off[:] = bytes(block(11))
+    with pytest.raises(OSError) as err:
+        s.write_run(
+            [
+                WriteBlock(1, off, key(21), key(0), False),
+                WriteBlock(2, block(12), key(22), key(21), False),
+            ]
+        )
+    assert err.value.errno == errno.EINVAL
+    if path == "aio":
+        assert store_module.aio_queue().pending == 0
+    s.close()
+    again = store(tmp_path, dirs=1, capacity=8 * SLOT)
+    records = again.records()
+    assert 1 not in [r.slot for r in records] and 0 in [r.slot for r in records]
+    for r in records:
+        out = aligned()
+        assert again.read(r.slot, out, r.key), f"slot {r.slot}'s record vouches for other bytes"
+    again.close()
+
+
+def test_a_block_of_the_wrong_size_is_refused_before_anything_is_written(tmp_path):
+    s = store(tmp_path, dirs=1)
+    s.write(0, block(0), key(1), key(0), True)
+    short = aligned()[: SLOT // 2]
+    with pytest.raises(ValueError, match="a block of 4096 bytes for slots of 8192"):
+        s.write_run(
+            [
+                WriteBlock(1, block(1), key(2), key(1), False),
+                WriteBlock(0, short, key(9), key(0), True),
+            ]
+        )
+    with pytest.raises(ValueError, match="out of range"):
+        s.write_run(
+            [
+                WriteBlock(0, block(5), key(9), key(0), True),
+                WriteBlock(99, block(1), key(2), key(1), False),
+            ]
+        )
+    assert [(r.slot, r.key) for r in s.records()] == [(0, key(1))]
+    out = aligned()
+    assert s.read(0, out, key(1)) and bytes(out) == bytes(block(0))
     s.close()
 
 

@@ -18,7 +18,7 @@ aio = pytest.importorskip("sidecar.tiers.ssd._aio")
 
 
 def aio_or_skip(s: ssd_store.SsdStore) -> None:
-    if not s.direct or ssd_store._queue() is None:
+    if not s.direct or ssd_store.aio_queue() is None:
         pytest.skip("no O_DIRECT here, or Linux AIO refused")
 
 
@@ -65,7 +65,7 @@ def test_a_failure_mid_run_leaves_no_read_in_flight(tmp_path, monkeypatch):
     monkeypatch.setattr(ssd_store, "checksum", failing)
     with pytest.raises(MemoryError):
         s.read_run([ReadBlock(slot, aligned(), key(slot + 1)) for slot in range(3)])
-    assert ssd_store._queue().pending == 0
+    assert ssd_store.aio_queue().pending == 0
     monkeypatch.setattr(ssd_store, "checksum", real)
     again = [ReadBlock(slot, aligned(), key(slot + 1)) for slot in range(3)]
     assert s.read_run(again) == [True] * 3
@@ -130,6 +130,6 @@ def test_a_read_the_device_fails_raises_and_leaves_nothing_in_flight(tmp_path):
     off = memoryview(mmap.mmap(-1, 2 * SLOT))[1 : SLOT + 1]
     with pytest.raises(OSError) as err:
         s.read_run([ReadBlock(0, off, key(1))])
-    assert err.value.errno == errno.EINVAL and ssd_store._queue().pending == 0
+    assert err.value.errno == errno.EINVAL and ssd_store.aio_queue().pending == 0
     assert s.read_run([ReadBlock(0, aligned(), key(1))]) == [True]
     s.close()

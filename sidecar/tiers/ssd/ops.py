@@ -1,8 +1,10 @@
 """DISK2H and H2DISK: SSD reads and writes of plans, run on the SSD I/O pool.
 
 Positional I/O releases the GIL, so an op split across `ssd_io_threads`
-threads keeps them all busy; a reading thread has the next block's read in
-flight while it checks this one (`SsdStore.read_run`). Bytes move
+threads keeps them all busy; a writing thread writes blocks in consecutive
+SSD slots with one `pwritev` (`SsdStore.write_run`); a reading thread has
+the next block's read in flight while it checks this one
+(`SsdStore.read_run`). Bytes move
 straight between the file and the shm slot (O_DIRECT where the filesystem
 has it).
 """
@@ -23,7 +25,7 @@ from sidecar.control.node import RadixNode
 from sidecar.metrics.latency import SharedLatencyHistogram, timed
 from sidecar.tiers.dataplane import BadBlocks, Job, drop_blocks, staged_keys
 from sidecar.tiers.io_pool import IoPool
-from sidecar.tiers.ssd.store import ReadBlock, SsdStore
+from sidecar.tiers.ssd.store import ReadBlock, SsdStore, WriteBlock
 
 log = logging.getLogger("kvsidecar")
 
@@ -49,10 +51,12 @@ class SsdOps:
             keys, parents, first = chain_of(node)
             sources = [self.shm.slot_view(int(s), stride) for s in op.src]
 
+            def block(i: int) -> WriteBlock:
+                view = memoryview(sources[i])
+                return WriteBlock(int(op.dst[i]), view, keys[i], parents[i], first and i == 0)
+
             def write(lo: int, hi: int) -> None:
-                for i in range(lo, hi):
-                    block = memoryview(sources[i])
-                    self.store.write(int(op.dst[i]), block, keys[i], parents[i], first and i == 0)
+                self.store.write_run([block(i) for i in range(lo, hi)])
 
             return timed(self.latency["write"], write)
         # DISK2H into the staged CPU node: a block's depth locates its key.
