@@ -126,6 +126,13 @@ def test_slots_never_straddle_segments(prefix):
                 view = pool.slot_view(slot, stride)
                 assert view.ctypes.data == starts[slot] and view.size == stride
                 view[:] = slot + 1
+            order = np.arange(expect)[::-1]  # slot_views: the same regions, in the order asked
+            many = pool.slot_views(order, stride)
+            for slot, mv in zip(order.tolist(), many, strict=True):
+                array = np.frombuffer(mv, dtype=np.uint8)
+                assert array.ctypes.data == starts[slot] and mv.nbytes == stride
+                assert not mv.readonly and (array == slot + 1).all()
+                mv.release()
             total = sum(int(v.astype(np.int64).sum()) for v in views)
             assert total == sum((s + 1) * stride for s in range(expect))
             for v in views:
@@ -139,6 +146,8 @@ def test_bad_slots_raise_and_change_nothing(pool, slots):
     before = [pool.segment_view(i).copy() for i in range(3)]
     with pytest.raises(ValueError):
         pool.slot_addresses(np.asarray(slots), 2 * PAGE)  # 2 + 2 + 1 slots: 0..4
+    with pytest.raises(ValueError):
+        pool.slot_views(np.asarray(slots), 2 * PAGE)
     assert pool.slot_addresses(np.array([], dtype=np.int64), 2 * PAGE).size == 0
     assert all(np.array_equal(pool.segment_view(i), before[i]) for i in range(3))
 

@@ -70,7 +70,7 @@ class RemoteOps:
         if op.kind is OpKind.H2REMOTE:
             kb = node.key_bytes  # the remote node this write fills, block by block
             keys = [kb[i : i + KEY_BYTES] for i in range(0, len(kb), KEY_BYTES)]
-            sources = [self.shm.slot_view(int(s), stride) for s in op.src]
+            sources = self.shm.slot_views(op.src, stride)
 
             def write(lo: int, hi: int) -> None:
                 stored = self.store.write(keys[lo:hi], sources[lo:hi])
@@ -81,7 +81,7 @@ class RemoteOps:
             return timed(self.latency["put"], write)
         paths = staged_keys(tier, node, op.dst)
         keys = [p[-1].tobytes() for p in paths]
-        targets = [self.shm.slot_view(int(c), stride) for c in op.dst]
+        targets = self.shm.slot_views(op.dst, stride)
 
         def read(lo: int, hi: int) -> None:
             results = self.store.read(keys[lo:hi], targets[lo:hi])

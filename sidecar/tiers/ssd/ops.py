@@ -49,11 +49,10 @@ class SsdOps:
         stride = self.layout.slot_stride
         if op.kind is OpKind.H2DISK:
             keys, parents, first = chain_of(node)
-            sources = [self.shm.slot_view(int(s), stride) for s in op.src]
+            sources = self.shm.slot_views(op.src, stride)
 
             def block(i: int) -> WriteBlock:
-                view = memoryview(sources[i])
-                return WriteBlock(int(op.dst[i]), view, keys[i], parents[i], first and i == 0)
+                return WriteBlock(int(op.dst[i]), sources[i], keys[i], parents[i], first and i == 0)
 
             def write(lo: int, hi: int) -> None:
                 self.store.write_run([block(i) for i in range(lo, hi)])
@@ -62,11 +61,11 @@ class SsdOps:
         # DISK2H into the staged CPU node: a block's depth locates its key.
         paths = staged_keys(tier, node, op.dst)
         keys = [p[-1].tobytes() for p in paths]
-        targets = [self.shm.slot_view(int(c), stride) for c in op.dst]
+        targets = self.shm.slot_views(op.dst, stride)
 
         def read(lo: int, hi: int) -> None:
             ok = self.store.read_run(
-                [ReadBlock(int(op.src[i]), memoryview(targets[i]), keys[i]) for i in range(lo, hi)]
+                [ReadBlock(int(op.src[i]), targets[i], keys[i]) for i in range(lo, hi)]
             )
             failed = [paths[lo + k] for k, good in enumerate(ok) if not good]
             if failed:
