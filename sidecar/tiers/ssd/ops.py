@@ -1,10 +1,10 @@
 """DISK2H and H2DISK: SSD reads and writes of plans, run on the SSD I/O pool.
 
 Positional I/O releases the GIL, so an op split across `ssd_io_threads`
-threads keeps them all busy; a writing thread writes blocks in consecutive
-SSD slots with one `pwritev` (`SsdStore.write_run`); a reading thread has
-the next block's read in flight while it checks this one
-(`SsdStore.read_run`). Bytes move
+threads keeps them all busy; a writing thread keeps 2 MiB of writes in
+flight through Linux AIO and hashes those blocks meanwhile
+(`SsdStore.write_run`); a reading thread has the next block's read in
+flight while it checks this one (`SsdStore.read_run`). Bytes move
 straight between the file and the shm slot (O_DIRECT where the filesystem
 has it).
 """

@@ -82,9 +82,10 @@ parent is the namespace root, not a stored block)."""
 ALIGN = 4096
 WRITE_BYTES = 2 << 20
 """What a writing thread has in flight at once (`SsdStore.write_run`): eight
-256 KiB blocks, one of 2 MiB. Eight 256 KiB writes in flight per thread
-ran at 1.31x one synchronous write a block, four at 1.24x, sixteen at
-1.17x (256 x 256 KiB, 4 threads; docs/measurements.md#ssd)."""
+256 KiB blocks, one of 2 MiB. 256 x 256 KiB on 4 threads, x the rate of
+one synchronous write a block: raw writes four / eight / sixteen in flight
+a thread 1.24 / 1.31 / 1.17x, the tier's (hashing them meanwhile) 1.08 /
+1.20 / 1.17x (docs/measurements.md#ssd)."""
 QUEUE_DEPTH = 32
 """Slots of each thread's AIO queue (`aio_queue`): the most blocks of
 `write_run` in flight, for small slots."""
