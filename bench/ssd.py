@@ -15,7 +15,12 @@ Every figure has its floor from the same run, in the same directory:
   flight), reads one `preadv` a block. Beside it, writes one synchronous
   `pwritev` a block (`floor_per_block_write_gbps`,
   `write_vs_per_block_floor`: reported, no target), the floor before the
-  tier's writes went through AIO.
+  tier's writes went through AIO; `write_depth`: the writes a thread has in
+  flight per block size (null: no AIO, one at a time).
+  Not a second file: two files of one directory sit in different places of
+  the disk, and on these virtio disks that alone moved a run's floor by
+  -16% to +7% against the other file, the same way in every round of that
+  run (docs/measurements.md#ssd).
 Each round writes every case (tier and floor, alternating which goes
 first), drops the page cache when permitted (root), then reads every case;
 a first round is untimed (it also turns the files' preallocated extents
@@ -266,6 +271,7 @@ def _measure_io(
             for t in pair.values():
                 t.close()
     out = figures(times, pools, cases)
+    out["write_depth"] = {f"{kib}k": pair["floor"].depth for kib, pair in stores.items()}
     out.update(
         page_cache_dropped=all(dropped),
         direct_io=all(t["tier"].direct for t in stores.values()),

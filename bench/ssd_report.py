@@ -140,10 +140,11 @@ def print_report(r: dict[str, Any]) -> None:
          "ratio", "read GB/s", "floor", "ratio", f"target >= {TARGET_VS_FLOOR} x floor"),
         rows,
     )  # fmt: skip
+    depths = ", ".join(f"{k} {d or 'one (no AIO)'}" for k, d in r["write_depth"].items())
     print(
-        "floor: raw O_DIRECT of the same slots, issued as the tier does (writes through Linux "
-        "AIO, 2 MiB in flight a thread; reads one a block); a write/block: raw, one synchronous "
-        "write a block (no target)"
+        "floor: raw O_DIRECT of the same slots, issued as the tier issues them (writes in flight "
+        f"a thread: {depths}; reads one at a time); a write/block: raw, one synchronous write "
+        "a block (no target)"
     )
     if r["e2e"]:
         print()

@@ -61,6 +61,7 @@ def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
     assert isinstance(data["page_cache_dropped"], bool) and data["direct_io"] is True
     assert all("available" in v for v in data["fio"].values())
     assert sorted(data["checksum_gbps"]) == ["2048k", "256k"]
+    assert data["write_depth"] in ({"2048k": 1, "256k": 8}, {"2048k": None, "256k": None})
     assert os.listdir(where) == []  # files, mounts and mount points all gone
     assert shm_entries(f"kvsbench.{os.getpid()}.") == []
     assert shm_entries(f"kvsidecar.{os.getuid()}.bench{os.getpid()}-") == []
