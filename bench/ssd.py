@@ -2,7 +2,7 @@
 
 Cases: batches of 16 and 256 blocks of 2 MiB and of 256 KiB (`256x2048k`).
 Every figure has its floor from the same run, in the same directory:
-- tier: SsdStore.write / read as the sidecar drives them (`bench.ssd_io`):
+- tier: SsdStore.write_run / read_run as the sidecar drives them (`bench.ssd_io`):
   an IoPool of the sidecar's default `ssd_io_threads`, each batch split into
   parts across the threads as the data plane splits an op, blocks moving
   between the page-aligned slots of a real, prefaulted ShmPool and the tier's
