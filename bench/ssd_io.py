@@ -82,8 +82,7 @@ class Tier:
     @property
     def depth(self) -> int | None:
         """Writes a thread has in flight, when they go through Linux AIO."""
-        aio = self.store.direct and aio_queue() is not None
-        return self.store.write_depth if aio else None
+        return self.store.write_depth
 
     def writer(self, src: list[memoryview]) -> Job:
         def write(lo: int, hi: int) -> None:
@@ -188,8 +187,7 @@ class StoredSlots:
 
         def read(lo: int, hi: int) -> None:
             for i in range(lo, hi):
-                view = dst[i]
-                _whole(os.preadv(self.fd, [view], self.slots[i] * self.slot_bytes), len(view))
+                _whole(os.preadv(self.fd, [dst[i]], self.slots[i] * self.slot_bytes), len(dst[i]))
 
         return read
 

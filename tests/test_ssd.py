@@ -52,7 +52,7 @@ def test_blocks_round_trip_striped_over_directories(tmp_path):
     s.close()
 
 
-def one_by_one(monkeypatch: pytest.MonkeyPatch, path: str, s: SsdStore) -> None:
+def choose_path(monkeypatch: pytest.MonkeyPatch, path: str, s: SsdStore) -> None:
     """Run `s`'s writes through Linux AIO (`path` "aio": skipped where there
     is none) or one `pwritev` after another, as without it."""
     if path == "one_by_one":
@@ -64,7 +64,7 @@ def one_by_one(monkeypatch: pytest.MonkeyPatch, path: str, s: SsdStore) -> None:
 @pytest.mark.parametrize("path", ["aio", "one_by_one"])
 def test_a_run_of_writes_reads_back_and_recovers(tmp_path, monkeypatch, path):
     s = store(tmp_path, capacity=64 * SLOT)
-    one_by_one(monkeypatch, path, s)
+    choose_path(monkeypatch, path, s)
     order = [3, 0, 5, 1, 2, 4, 9]
     s.write_run([WriteBlock(i, block(i), key(i + 1), key(i), i == 0) for i in order])
     for i in order:
@@ -87,7 +87,7 @@ def test_a_failed_write_leaves_no_record_vouching_for_its_slot(tmp_path, monkeyp
     s = store(tmp_path, dirs=1, capacity=8 * SLOT)
     if not s.direct:
         pytest.skip("no O_DIRECT here: an unaligned buffer does not fail")
-    one_by_one(monkeypatch, path, s)
+    choose_path(monkeypatch, path, s)
     s.write_run([WriteBlock(i, block(i), key(i + 1), key(i), i == 0) for i in range(3)])
     # O_DIRECT from a buffer off alignment: the device refuses it (EINVAL).
     off = memoryview(mmap.mmap(-1, 2 * SLOT))[1 : SLOT + 1]

@@ -289,29 +289,30 @@ class SsdStore:
         failed write (or a crash) leaves no record vouching for those
         slots. Bad arguments (a slot out of range, a view of another size)
         raise before anything is written."""
+        places = [self._where(b.slot) for b in blocks]
         for b in blocks:
-            self._where(b.slot)
             if len(b.block) != self.slot_bytes:
                 raise ValueError(f"a block of {len(b.block)} bytes for slots of {self.slot_bytes}")
-        queue = aio_queue() if self.direct else None
-        if queue is None:
-            for b in blocks:
-                self._write_group(None, [b])
-            return
         depth = self.write_depth
-        for i in range(0, len(blocks), depth):
-            self._write_group(queue, blocks[i : i + depth])
+        queue = None if depth is None else aio_queue()
+        step = depth or 1
+        for i in range(0, len(blocks), step):
+            self._write_group(queue, blocks[i : i + step], places[i : i + step])
 
     @property
-    def write_depth(self) -> int:
-        """Blocks a writing thread has in flight at once (`write_run`):
-        WRITE_BYTES of them, at least one, at most QUEUE_DEPTH."""
+    def write_depth(self) -> int | None:
+        """Blocks this thread has in flight at once in `write_run`: WRITE_BYTES
+        of them, at least one, at most QUEUE_DEPTH; None without Linux AIO
+        (files not O_DIRECT, or no queue): one write at a time."""
+        if not self.direct or aio_queue() is None:
+            return None
         return max(1, min(QUEUE_DEPTH, WRITE_BYTES // self.slot_bytes))
 
-    def _write_group(self, queue: Any, group: Sequence[WriteBlock]) -> None:
+    def _write_group(
+        self, queue: Any, group: Sequence[WriteBlock], places: list[tuple[_Dir, int]]
+    ) -> None:
         """Write the blocks (through `queue`, hashing them meanwhile; or one
         by one, hashed first, without one), then make their records valid."""
-        places = [self._where(b.slot) for b in group]
         for b, (d, _) in zip(group, places, strict=True):
             self._write_record(d, b.slot, EMPTY_RECORD)  # invalid while the data changes
         if queue is None:
