@@ -365,6 +365,8 @@ def test_to_cache_equals_a_cache_filled_through_update_and_grows_like_one(model)
     assert len(made.layers) == len(reference.layers) == 4
     for got, want in zip(made.layers, reference.layers, strict=True):
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert type(got) is type(want) and got.is_initialized and want.is_initialized
+        assert (got.dtype, got.device) == (want.dtype, want.device)
     ids = torch.arange(80, 83).unsqueeze(0)
     with torch.no_grad():
         logits = [
