@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 try:
     from shm import _blockcopy
 except ImportError:  # the extension is optional; the torch loop gives the same bytes
-    _blockcopy = None
+    _blockcopy = None  # type: ignore[assignment]
 
 IMPLS: tuple[str, ...] = ("c", "torch") if _blockcopy is not None else ("torch",)
 IMPL = IMPLS[0]
@@ -312,7 +312,9 @@ def _copy_torch(
                 tensor[block].copy_(region[start : start + size])
 
 
-def _check_layers(kv_layers: Sequence[torch.Tensor], layout: BlockLayout) -> tuple:
+def _check_layers(
+    kv_layers: Sequence[torch.Tensor], layout: BlockLayout
+) -> tuple[torch.Tensor, ...]:
     import torch
 
     if isinstance(kv_layers, torch.Tensor) or not isinstance(kv_layers, Sequence):

@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -57,11 +58,21 @@ from shm.segments import (
     remove_segment,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
 # Linux >= 5.14; the mmap module exports it from Python 3.13.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-__all__ = ["SHM_DIR", "ShmPool", "ShmPoolError", "remove_stale_segments"]
+__all__ = ["SHM_DIR", "ShmPool", "ShmPoolError", "buffer_view", "remove_stale_segments"]
+
+
+def buffer_view(block: memoryview | np.ndarray) -> memoryview:
+    """A memoryview of `block` (a slot view, or an array holding a block's
+    bytes). Typed here once: numpy's stubs say an ndarray exports its buffer
+    only from Python 3.12 on."""
+    return memoryview(cast("Buffer", block))
 
 
 @dataclass
@@ -284,7 +295,8 @@ class ShmPool:
         """Virtual addresses, in this process, where each slot starts (uint64)."""
         segments, offsets = self.slot_locations(slots, stride)
         bases = np.array([s.address for s in self._segments], dtype=np.uint64)
-        return bases[segments] + offsets.astype(np.uint64)
+        addresses: np.ndarray = bases[segments] + offsets.astype(np.uint64)
+        return addresses
 
     def slot_view(self, slot: int, stride: int) -> np.ndarray:
         """A writable uint8 view of one slot's `stride` bytes."""

@@ -496,7 +496,7 @@ def load_config(
     File and override values must already have the key's type; environment
     strings are parsed. Raises ConfigError, naming the source, key and value.
     """
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     environ = os.environ if env is None else env
     named = environ.get(CONFIG_VAR, "").strip()
     if path is None and named:
@@ -532,7 +532,7 @@ def _warn_unknown_variable(name: str, key: str) -> None:
 def parse_overrides(pairs: Sequence[str], source: str = "--set") -> dict[str, object]:
     """`KEY=VALUE` strings (as on a command line), parsed like environment
     values; errors name `source` (the flag the pairs came from)."""
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep:

@@ -1,5 +1,6 @@
 """ruff and mypy are part of the suite: the tree stays lint-clean and formatted, and
-the control plane and the contract type-check ([tool.mypy] in pyproject.toml)."""
+the contract, the shm pool and the sidecar daemon type-check ([tool.mypy] in
+pyproject.toml)."""
 
 from __future__ import annotations
 

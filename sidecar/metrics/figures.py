@@ -37,7 +37,7 @@ def realm_figures(handlers: Handlers) -> tuple[dict[str, Any], list[dict[str, An
     realms = handlers.geometries.realms
     if not realms:
         return {}, []
-    geometries = []
+    geometries: list[dict[str, Any]] = []
     owned = 0
     ssd_owned, ssd_unowned = 0, None
     for layout, realm in realms.items():

@@ -233,7 +233,7 @@ def _histogram(name: str, doc: str, by_op: dict[str, dict[str, Any]]) -> Histogr
         cumulative, buckets = 0, []
         for bound, n in zip([*h["buckets"], float("inf")], h["counts"], strict=True):
             cumulative += n
-            buckets.append((floatToGoString(bound), float(cumulative)))
+            buckets.append((floatToGoString(bound), float(cumulative)))  # type: ignore[no-untyped-call]
         family.add_metric([op], buckets, h["sum"])
     return family
 

@@ -36,11 +36,11 @@ HEARTBEAT_SECONDS = 1.0
 class EventPublisher:
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.Context[zmq.Socket[bytes]],
         endpoint: str,
         resync_endpoint: str | None,
         worker_id: int,
-        secure: Callable[[zmq.Socket, str], None],
+        secure: Callable[[zmq.Socket[bytes], str], None],
     ) -> None:
         """`secure(sock, endpoint)` readies each socket before it binds (CURVE)."""
         self.epoch = uuid.uuid4().hex
@@ -50,7 +50,7 @@ class EventPublisher:
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.resync: zmq.Socket | None = None
+        self.resync: zmq.Socket[bytes] | None = None
         try:
             secure(self.pub, endpoint)
             self.pub.bind(endpoint)
@@ -86,7 +86,7 @@ class EventPublisher:
             return
         dump: bytes | None = None
         for _ in range(most):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if len(frames) < 2 or frames[-1] != wire.DUMP_REQUEST:

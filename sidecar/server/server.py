@@ -67,7 +67,7 @@ def default_cpu_capacity(root: str = "/") -> int:
     """10% of the memory this process may use (RAM, or its cgroup's memory
     limit if lower: `sidecar.memory_limit`, reading the cgroup files under
     `root`), at most 16 GiB, at least 64 MiB."""
-    total = psutil.virtual_memory().total
+    total: int = psutil.virtual_memory().total
     limit = cgroup_memory_limit(root)
     if limit is not None:
         total = min(total, limit)

@@ -40,7 +40,8 @@ class PlanState:
 
     @classmethod
     def of(cls, plan: Plan, group: EngineGroup, requester: str) -> PlanState:
-        ops = {op.op_id: set() for op in plan.graph.ops if op.kind in ENGINE_OPS}
+        engine_ops = (op for op in plan.graph.ops if op.kind in ENGINE_OPS)
+        ops: dict[int, set[int]] = {op.op_id: set() for op in engine_ops}
         return cls(plan, group, ops, requester)
 
     def check_report(self, rank: int, op_ids: list[int]) -> None:
@@ -448,7 +449,7 @@ def pid_namespace() -> str:
 
 def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
     except (psutil.Error, ValueError):  # not ours to inspect: the lease decides

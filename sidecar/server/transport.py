@@ -109,8 +109,9 @@ class Transport:
         sock = self.sock
         collect(self._ready(timeout_ms))
         # Asking EVENTS costs ~1 us; a recv that raises zmq.Again costs ~4.
-        if sock.getsockopt(_EVENTS) & _POLLIN:
-            while sock.getsockopt(_EVENTS) & _POLLIN:
+        # (pyzmq types getsockopt as int | bytes; EVENTS is an int.)
+        if sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
+            while sock.getsockopt(_EVENTS) & _POLLIN:  # type: ignore[operator]
                 self._serve(sock.recv_multipart(zmq.NOBLOCK))
             self._spin_until = time.perf_counter() + self._busy_poll
 

@@ -103,7 +103,7 @@ def _ssd_dir_problem(path: str) -> str | None:
 
 def _url_problem(url: str) -> str | None:
     try:
-        options = parse_url(url)
+        options = parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as err:
         return f"cannot be used: {err}"
     if url.startswith("unix://") and not options.get("path"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 from contract.ids import BlockKeys
@@ -67,8 +67,10 @@ class TierOps(Protocol):
     kinds: frozenset[OpKind]
     pool: IoPool
     counters: Counter[str]
-    latency: dict[str, LatencyHistogram]
-    """Seconds each job took on its thread, per kind of job (read, write...)."""
+
+    @property
+    def latency(self) -> Mapping[str, LatencyHistogram]:
+        """Seconds each job took on its thread, per kind of job (read, write...)."""
 
     def parts(self, op: TransferOp) -> int:
         """How many parts (ranges of its blocks, each a job on a thread of

@@ -185,7 +185,7 @@ class RedisConnector(Connector):
         groups: dict[str, tuple[redis.ConnectionPool, list[int]]] = {}
         try:
             for i, key in enumerate(keys):
-                node = cluster.get_node_from_key(key)
+                node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
                 if node.name not in groups:
                     conn = cluster.get_redis_connection(node)
                     groups[node.name] = (conn.connection_pool, [])
@@ -199,18 +199,21 @@ class RedisConnector(Connector):
             assert self._pool is not None
             return [self._pool]
         cluster = self._topology()
-        return [cluster.get_redis_connection(n).connection_pool for n in cluster.get_primaries()]
+        primaries = cluster.get_primaries()  # type: ignore[no-untyped-call]
+        return [cluster.get_redis_connection(n).connection_pool for n in primaries]
 
     def _topology(self) -> RedisCluster:
         """The cluster client, created (or its slot map refreshed) on demand."""
         with self._lock:
             try:
                 if self._cluster is None:
-                    self._cluster = RedisCluster.from_url(self.url, **self._options)
+                    self._cluster = RedisCluster.from_url(  # type: ignore[no-untyped-call]
+                        self.url, **self._options
+                    )
                     self._refresh = False
                 elif self._refresh:
                     self._refresh = False
-                    self._cluster.nodes_manager.initialize()
+                    self._cluster.nodes_manager.initialize()  # type: ignore[no-untyped-call]
             except (*_DOWN, redis.RedisError) as err:
                 self._cluster = None
                 raise RemoteUnavailable(f"{self.describe()}: {err}") from None
@@ -226,7 +229,7 @@ group too (it is made once everything before it has been sent)."""
 def _exchange(
     exchanges: list[tuple[redis.ConnectionPool, list[int], Callable[[int], list[Piece]]]],
     read: Reader,
-) -> list[list]:
+) -> list[list[Any]]:
     """For each (pool, key indexes idx, pack): send the commands
     `pack(i)` gives for each i of idx on one connection of the pool, then
     read their replies with `read`. Every server's commands are sent before
@@ -292,7 +295,7 @@ def _error(message: bytes) -> ResponseError:
     the others (WRONGTYPE, MOVED, ...) fail their key only."""
     text = message.decode(errors="replace")
     try:
-        err = BaseParser.parse_error(text)
+        err: ResponseError = BaseParser.parse_error(text)  # type: ignore[no-untyped-call]
     except Exception:  # a malformed MOVED / ASK: keep it as it came
         err = ResponseError(text)
     if isinstance(err, redis.ConnectionError):
@@ -360,7 +363,7 @@ class _ValueReader:
     def _crlf(self) -> None:
         while self._hi - self._lo < 2:
             self._fill()
-        if self._view[self._lo : self._lo + 2] != b"\r\n":
+        if self._view[self._lo : self._lo + 2].tobytes() != b"\r\n":
             raise _NotResp("a bulk value not followed by CRLF")
         self._lo += 2
 

@@ -30,6 +30,7 @@ from typing import overload
 
 import numpy as np
 
+from shm.pool import buffer_view
 from sidecar.tiers.remote.connector import Chunks, Connector, Later, Piece
 from sidecar.tiers.remote.value_check import KEY_ID_BYTES, MAC_BYTES, MacStream, ValueCheck
 
@@ -87,11 +88,11 @@ class RemoteStore:
         if len(blocks) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         short = next(
-            (i for i, b in enumerate(blocks) if memoryview(b).nbytes < self.block_bytes), None
+            (i for i, b in enumerate(blocks) if buffer_view(b).nbytes < self.block_bytes), None
         )
         if short is not None:
             raise ValueError(
-                f"block {short} holds {memoryview(blocks[short]).nbytes} bytes, "
+                f"block {short} holds {buffer_view(blocks[short]).nbytes} bytes, "
                 f"fewer than the {self.block_bytes} of a block"
             )
         ahead = (
@@ -124,7 +125,7 @@ class RemoteStore:
         return out
 
     def _data(self, block: memoryview | np.ndarray) -> memoryview:
-        return memoryview(block).cast("B")[: self.block_bytes]
+        return buffer_view(block).cast("B")[: self.block_bytes]
 
     def _mac(self, name: bytes, key: bytes, data: memoryview) -> bytes:
         return self.check.digest(name, self._head, key, data)
@@ -136,7 +137,7 @@ class RemoteStore:
         a target whose result is not HIT may hold any bytes."""
         fronts = [bytearray(FRONT_BYTES) for _ in keys]
         macs = [bytearray(MAC_BYTES) for _ in keys]
-        bodies = [memoryview(t).cast("B")[: self.block_bytes] for t in targets]
+        bodies = [buffer_view(t).cast("B")[: self.block_bytes] for t in targets]
         got = self.connector.get_into(
             [self.name(k) for k in keys],
             [

@@ -63,6 +63,8 @@ from typing import Any, NamedTuple, TypeGuard
 import numpy as np
 import xxhash
 
+from shm.pool import buffer_view
+
 try:
     from sidecar.tiers.ssd import _aio
 except ImportError:  # not built: one transfer at a time, as before
@@ -101,7 +103,7 @@ def checksum(data: memoryview | np.ndarray, key: bytes) -> int:
     bytes fails it as surely as a slot with flipped bits. The streaming call
     gives xxh3_64_intdigest's value but releases the GIL while it hashes."""
     hasher = checksum_stream(key)
-    hasher.update(data)
+    hasher.update(buffer_view(data))
     return hasher.intdigest()
 
 
