@@ -39,7 +39,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 _I64 = ctypes.c_int64
 _SZ = ctypes.c_size_t
-_SIGNATURES: dict[str, tuple[type | None, tuple]] = {
+_SIGNATURES: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "kv_abi_version": (_I, ()),
     "kv_runtime_version": (_I, ()),
     "kv_has_batch_memcpy": (_I, ()),
@@ -117,7 +117,8 @@ def load() -> ctypes.CDLL:
 
 
 def error_name(code: int) -> str:
-    return load().kv_error_name(code).decode()
+    name: bytes = load().kv_error_name(code)
+    return name.decode()
 
 
 def check(code: int, what: str) -> None:

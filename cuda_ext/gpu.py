@@ -117,9 +117,9 @@ class GpuBlockCopier:
         bytes (0: one launch per layer), the last launch what is left."""
         self.device = planes.device
         self._index = self.device.index if self.device.index is not None else 0
-        self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
+        self.stream = stream if stream is not None else torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self._stream_ptr = int(self.stream.cuda_stream)
-        self._ready = torch.cuda.Event()  # the dma path's: where the caller's stream stood
+        self._ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # the dma path's: where the caller's stream stood
         # One op's upload and launches at a time: another thread's upload
         # between them would overwrite the index they read.
         self._enqueue = threading.Lock()

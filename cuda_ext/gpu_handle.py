@@ -25,7 +25,7 @@ class _Registrations:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # (address, bytes) -> [device pointer, copiers using it, whether we registered it]
-        self._entries: dict[tuple[int, int], list] = {}
+        self._entries: dict[tuple[int, int], list[Any]] = {}
 
     def acquire(self, device: int, address: int, nbytes: int) -> int:
         with self._lock:

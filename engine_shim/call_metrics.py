@@ -111,7 +111,7 @@ class _Collector:
 
 
 if prometheus_client is not None:
-    prometheus_client.REGISTRY.register(_Collector())  # type: ignore[arg-type]
+    prometheus_client.REGISTRY.register(_Collector())
 
 
 def timed_call(op: str) -> Callable[[Callable[P, R]], Callable[P, R]]:

@@ -55,7 +55,7 @@ class Channel:
         self.endpoint = endpoint
         self.timeout = timeout
         curve = curve_client_keys() if curve is None else curve
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         if curve is not None:
             apply_curve(self._sock, curve)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)

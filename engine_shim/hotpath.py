@@ -40,7 +40,7 @@ import torch
 
 from contract import protocol as p
 from contract.blocks import KeyHasher, canonical_tokens
-from contract.ids import KEY_BYTES, BlockKeys, key_bytes
+from contract.ids import KEY_BYTES, BlockKey, BlockKeys, key_bytes
 from cuda_ext.copier import BlockCopier, CpuBlockCopier
 from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
 from engine_shim.transfer import LayeredTransfer, TransferHandle
@@ -99,7 +99,7 @@ class Tails:
             self._wake.clear()
             while queue and not self._stopped:
                 head, tokens, hasher = queue.popleft()
-                parent = head[-KEY_BYTES:] if head else None
+                parent = BlockKey(head[-KEY_BYTES:]) if head else None
                 try:
                     rest = hasher.hash_tokens(tokens, parent)
                 except ValueError:  # an id the lookup never read is out of range
@@ -155,7 +155,8 @@ class HotPath:
         by `tails`."""
         tpb = hasher.tokens_per_block
         total = tokens.size // tpb
-        done, chunk, parent = 0, FIRST_CHUNK, None
+        done, chunk = 0, FIRST_CHUNK
+        parent: BlockKey | None = None
         hashed: list[bytes] = []
         while done < total:
             n = min(chunk, total - done)
@@ -171,7 +172,7 @@ class HotPath:
                         self.note_seen(b"".join(hashed))
                 return done + found, total
             done += n
-            parent, chunk = kb[-KEY_BYTES:], chunk * 8
+            parent, chunk = BlockKey(kb[-KEY_BYTES:]), chunk * 8
         if observe and total:
             self.note_seen(b"".join(hashed))
         return done, total

@@ -91,6 +91,7 @@ def check_geometry(
     Free-form planes (`[N, elements]`, a padded engine page) are not checked."""
     first = kv if isinstance(kv, torch.Tensor) else kv[0]
     shape = tuple(first.shape)
+    told: tuple[int, ...]
     if layout == "mla":
         told, given = (tokens_per_block, head_dim), shape[1:]
         names = "(tokens_per_block, head_dim = latent dim)"

@@ -172,7 +172,7 @@ def _connector_class() -> type:
     from engine_shim.kvconnector.scheduler import SchedulerSide
     from engine_shim.kvconnector.worker import WorkerSide
 
-    class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc, valid-type]
+    class KVSidecarConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """kvsidecar's vLLM KV connector; see engine_shim.vllm_connector."""
 
         _cache_hit_source = CacheHitSource.HOST

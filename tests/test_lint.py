@@ -1,6 +1,5 @@
 """ruff and mypy are part of the suite: the tree stays lint-clean and formatted, and
-the contract, the shm pool and the sidecar daemon type-check ([tool.mypy] in
-pyproject.toml)."""
+what runs in a sidecar or an engine type-checks ([tool.mypy] in pyproject.toml)."""
 
 from __future__ import annotations
 

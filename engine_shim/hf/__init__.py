@@ -12,7 +12,8 @@ See docs/engines.md.
 
 from __future__ import annotations
 
-from engine_shim.hf.cached_lm import CachedLM, Generation, Prefill, PrefillInfo, TierTokens
+from engine_shim.client import TierTokens
+from engine_shim.hf.cached_lm import CachedLM, Generation, Prefill, PrefillInfo
 from engine_shim.hf.models import (
     kv_block_bytes,
     kv_geometry,

@@ -40,7 +40,7 @@ from transformers.cache_utils import DynamicLayer
 from engine_shim.channel import SidecarError, SidecarUnavailable
 from engine_shim.client import KVClient, TierTokens
 from engine_shim.hf.models import kv_geometry, weights_fingerprint
-from engine_shim.hf.paged import PagedKV
+from engine_shim.hf.paged import PagedKV, layer_kv
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class CachedLM:
             dtype=model.dtype,
             device=model.device,
         )
-        self.model_name = model_name or Path(config.name_or_path).name or config.model_type
+        self.model_name = model_name or Path(config.name_or_path or "").name or config.model_type
         self._revision = model_revision
         self.client: KVClient | None = None
         self._registration = 0
@@ -308,7 +308,8 @@ class CachedLM:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-        return out.logits[0, -1]
+        logits: torch.Tensor = out.logits[0, -1]
+        return logits
 
     # ---- the sidecar -------------------------------------------------------------------
 
@@ -357,7 +358,8 @@ def _check_kv_shapes(
         )
     want = (1, num_kv_heads, 1, head_dim)
     for i, layer in enumerate(cache.layers):
-        got = {tuple(layer.keys.shape), tuple(layer.values.shape)}
+        keys, values = layer_kv(layer)
+        got = {tuple(keys.shape), tuple(values.shape)}
         if got != {want}:
             raise ValueError(
                 f"{type(model).__name__}: layer {i} keeps K/V of {sorted(got)} per token, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -52,11 +53,11 @@ def tiny_llama(
     """The small test model: random weights drawn from `seed` (the same seed
     gives the same bytes on every run), in eval mode, on the CPU. The global
     torch RNG is left as it was."""
-    config = LlamaConfig(**TINY_LLAMA, attn_implementation=attn_implementation)
+    config = _llama_config(TINY_LLAMA, attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(dtype).eval()
+    return cast(LlamaForCausalLM, _to(model, dtype).eval())
 
 
 def llama3_8b(
@@ -72,12 +73,12 @@ def llama3_8b(
     minutes; "meta" builds only the shapes. The global torch RNG (and the
     device's) is left as it was."""
     device = torch.device(device)
-    config = LlamaConfig(**LLAMA3_8B, attn_implementation=attn_implementation)
+    config = _llama_config(LLAMA3_8B, attn_implementation)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         with device:
-            model = LlamaForCausalLM._from_config(config, dtype=dtype)
-    return model.eval()
+            model = LlamaForCausalLM._from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    return cast(LlamaForCausalLM, model.eval())
 
 
 def load_model(
@@ -88,7 +89,16 @@ def load_model(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds no config.json: pass a local model directory")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return model.to(device).eval()
+    return cast(PreTrainedModel, _to(model, device).eval())
+
+
+def _llama_config(geometry: dict[str, Any], attn_implementation: str) -> LlamaConfig:
+    return LlamaConfig(**{**geometry, "attn_implementation": attn_implementation})
+
+
+def _to(model: PreTrainedModel, where: torch.dtype | str | torch.device) -> torch.nn.Module:
+    """`model.to(where)`, typed: transformers' decorator on `to` hides its signature."""
+    return torch.nn.Module.to(model, where)
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:

@@ -91,7 +91,7 @@ class PagedKV:
         cache = DynamicCache()
         tokens = num_blocks * self.tokens_per_block
         for keys, values in self._keys_values:
-            filled = DynamicLayer()
+            filled = DynamicLayer()  # type: ignore[no-untyped-call]
             filled.dtype, filled.device, filled.is_initialized = keys.dtype, keys.device, True
             filled.keys, filled.values = keys.narrow(2, 0, tokens), values.narrow(2, 0, tokens)
             cache.layers.append(filled)
@@ -106,5 +106,15 @@ class PagedKV:
             raise ValueError(f"blocks [{first}, {end}) are outside the pool's {self.num_blocks}")
         a, b = first * self.tokens_per_block, end * self.tokens_per_block
         for kv, cached in zip(self.kv, cache.layers, strict=True):
-            kv[0, :, a:b].copy_(cached.keys[0, :, a:b])
-            kv[1, :, a:b].copy_(cached.values[0, :, a:b])
+            keys, values = layer_kv(cached)
+            kv[0, :, a:b].copy_(keys[0, :, a:b])
+            kv[1, :, a:b].copy_(values[0, :, a:b])
+
+
+def layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a filled full-attention cache layer (what a
+    `DynamicLayer` holds once the forward ran)."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise ValueError(f"the cache layer {type(layer).__name__} holds no keys and values")
+    return keys, values

@@ -56,7 +56,7 @@ def socket_path(engine_id: str, rank: int) -> Path:
 
 class RankRelay:
     def __init__(self, engine_id: str, tp_rank: int, tp_size: int) -> None:
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._rank = tp_rank
         self._inbox: dict[Tag, Any] = {}
         self._path: Path | None = None

@@ -130,7 +130,8 @@ class SchedulerSide:
         if hit <= num_computed:
             self._lookups.forget(request.request_id)
             return 0, False
-        self._pending[request.request_id] = _Pending(num_computed, keys[: hit // self.block_size])
+        hit_keys = BlockKeys(keys[: hit // self.block_size])
+        self._pending[request.request_id] = _Pending(num_computed, hit_keys)
         return hit - num_computed, self.settings.load_async
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:

@@ -118,7 +118,7 @@ class WorkerSide:
         if self._relay is None and self.parallel.relayed:
             self._relay = RankRelay(base, self.parallel.tp_rank, self.parallel.tp_size)
         if planes[0].is_cuda:
-            self._stream = torch.cuda.Stream(planes[0].device)
+            self._stream = torch.cuda.Stream(planes[0].device)  # type: ignore[no-untyped-call]
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     # ---- the step ------------------------------------------------------------------
@@ -197,7 +197,7 @@ class WorkerSide:
                 self._pool.submit(self._save, meta.step, spec, ready)
         self._saving = None
         for req_id in meta.finished:
-            self._finals.append(self._pool.submit(lambda r=req_id: r))
+            self._finals.append(self._pool.submit(str, req_id))  # req_id, after the jobs before
 
     def finished(self) -> tuple[set[str], set[str]]:
         """(requests whose saves are done, requests whose asynchronous load is
@@ -308,6 +308,7 @@ class WorkerSide:
         """Report this step's layered loads: what did not land is a load error."""
         jobs, self._layered_loads, self._load_points = self._layered_loads, [], {}
         for job in jobs:
+            assert isinstance(job.spec, LoadSpec)
             self._fail(job.spec, self._pool.submit(self._finish_layered, job).result())
 
     def _plan_layered_load(self, step: int, job: LayerJob) -> None:
@@ -367,7 +368,7 @@ class WorkerSide:
         """CUDA KV: an event where the caller's current stream stands now; else None."""
         if self._stream is None:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         return event
 

@@ -69,7 +69,7 @@ WARN_EVERY = 60.0
 """Seconds between two warnings of one kind (a sidecar that stays down)."""
 
 
-class KVSidecarStorage(HiCacheStorage):
+class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         """ConfigError (a ValueError naming the key) for a bad extra config
         or a parallel setup this backend does not serve. `kwargs`: the
