@@ -22,7 +22,7 @@ BENCH_MODULES = (
 )
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "bench",
         help="run a benchmark (prints a table, writes JSON with --json)",

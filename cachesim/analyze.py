@@ -142,7 +142,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     caps = result["capacities"]
     for policy, by_c in result["hit_ratio"].items():
-        style = {"linestyle": "--", "color": "black"} if policy == "opt" else {"marker": "o"}
+        style: dict[str, Any] = (
+            {"linestyle": "--", "color": "black"} if policy == "opt" else {"marker": "o"}
+        )
         ax.plot(caps, [by_c[str(c)] for c in caps], label=policy, **style)
     ax.axhline(result["infinite_hit_ratio"], color="grey", linestyle=":", label="unlimited")
     ax.set_xscale("log")

@@ -23,14 +23,14 @@ from importlib.metadata import version
 import libcachesim
 
 
-def read_int64(path: str) -> array:
+def read_int64(path: str) -> array[int]:
     values = array("q")
     with open(path, "rb") as f:
         values.frombytes(f.read())
     return values
 
 
-def leading_hits(cache: libcachesim.CacheBase, ids: array, offsets: array) -> int:
+def leading_hits(cache: libcachesim.CacheBase, ids: array[int], offsets: array[int]) -> int:
     request = libcachesim.Request()
     request.obj_size = 1
     # The C++ cache's own get: the Python wrapper's call costs as much again

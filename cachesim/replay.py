@@ -46,7 +46,7 @@ from cachesim.trace import (
     infinite_hit_ratio,
     load_mooncake,
 )
-from contract.ids import BlockKeys, keys_from_ints
+from contract.ids import BlockKeys, GpuBlockIds, keys_from_ints
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.plan import Plan
 from sidecar.control.planner import GlobalCacheEngine
@@ -84,7 +84,9 @@ class LiveReplay(Protocol):
     ) -> LivePass: ...
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     """The `replay` subcommand, returned so that `bench` can add `--live`
     (it needs a sidecar and a client, which this package does not import)."""
     p = subparsers.add_parser(
@@ -182,12 +184,12 @@ def replay(
     )
     engine = GlobalCacheEngine(cpu)
     offsets = trace.offsets.tolist()
-    gpu = np.arange(int(np.diff(trace.offsets).max(initial=0)), dtype=np.int64)
+    gpu = GpuBlockIds(np.arange(int(np.diff(trace.offsets).max(initial=0)), dtype=np.int64))
     hits = 0
     for r in range(len(offsets) - 1):
         now[0] = float(r)
         request = BlockKeys(keys[offsets[r] : offsets[r + 1]])
-        gpu_blocks = gpu[: request.size]
+        gpu_blocks = GpuBlockIds(gpu[: request.size])
         cpu.observe(request)  # the request's lookup, as an engine's comes first
         plan = engine.get(request, gpu_blocks)
         hits += plan.hit_blocks.total
@@ -395,7 +397,9 @@ def _print_live(result: dict[str, Any], capacities: list[int], policies: tuple[s
     print_table(["capacity", *(f"{p} {how}" for p in policies for how in ("replay", "live"))], rows)
 
 
-def _print(result: dict[str, Any], capacities: list[int], policies: tuple[str, ...], unique: int):
+def _print(
+    result: dict[str, Any], capacities: list[int], policies: tuple[str, ...], unique: int
+) -> None:
     print(
         f"{result['requests']:,} requests, {result['block_lookups']:,} block lookups of "
         f"{result['tokens_per_block']} tokens, {unique:,} distinct blocks; "

@@ -180,8 +180,10 @@ def expand_ids(hash_ids: np.ndarray, k: int) -> np.ndarray:
     """Replace each id h by its k children h*k + 0 .. h*k + k-1, in order."""
     hash_ids = np.asarray(hash_ids, dtype=np.int64)
     if k == 1:
-        return hash_ids.copy()
-    return (hash_ids[:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
+        same: np.ndarray = hash_ids.copy()
+        return same
+    children: np.ndarray = (hash_ids[:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
+    return children
 
 
 def request_index(offsets: np.ndarray) -> np.ndarray:

@@ -27,7 +27,10 @@ Load = Callable[[argparse.Namespace], Config]
 
 
 def add_parsers(
-    sub: argparse._SubParsersAction, config_args: ConfigArgs, fetch: Fetch, load: Load
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    config_args: ConfigArgs,
+    fetch: Fetch,
+    load: Load,
 ) -> None:
     """`config_args(parser)` adds the configuration flags; `fetch(args)` gets
     the stats (None: no sidecar answered); `load(args)` the Config."""
@@ -97,8 +100,8 @@ def _clear(args: argparse.Namespace, load: Load) -> int:
         return 1
     finally:
         channel.close()
-    removed, kept = reply.removed, reply.kept  # type: ignore[attr-defined]
-    what = "every namespace" if args.all else f"{reply.namespaces} namespace(s)"  # type: ignore[attr-defined]
+    removed, kept = reply.removed, reply.kept
+    what = "every namespace" if args.all else f"{reply.namespaces} namespace(s)"
     tiers = ", ".join(f"{t} {removed[t]}" for t in removed) or "nothing"
     print(f"kvsidecar clear: {what}: blocks dropped: {tiers}")
     if any(kept.values()):

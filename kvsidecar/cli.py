@@ -109,7 +109,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", help="ipc://PATH or tcp://127.0.0.1:PORT")
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
         help="run the sidecar daemon (until SIGTERM or Ctrl-C)",
@@ -143,7 +143,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_serve)
 
 
-def _add_cleanup(sub: argparse._SubParsersAction) -> None:
+def _add_cleanup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "cleanup",
         help="remove the shm segments, socket and lock file a crashed sidecar of this user left",
@@ -320,7 +320,8 @@ def _fetch(args: argparse.Namespace) -> dict[str, Any] | None:
     channel = Channel(endpoint, args.timeout)
     try:
         reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
-        return reply.stats  # type: ignore[attr-defined,no-any-return]
+        stats: dict[str, Any] = reply.stats
+        return stats
     except (SidecarUnavailable, SidecarError) as err:
         print(f"kvsidecar: no sidecar answered at {endpoint}: {err}", file=sys.stderr)
         return None

@@ -62,7 +62,7 @@ CONVERSATIONS = {
 }
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register `kvsidecar demo` on the `kvsidecar` subcommand parsers."""
     p = subparsers.add_parser(
         "demo",

@@ -28,7 +28,7 @@ def add_choice_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the temperature draws")
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     router = sub.add_parser("router", help="the cluster KV-aware router")
     router_sub = router.add_subparsers(dest="router_command", metavar="COMMAND")
     router_sub.required = True

@@ -34,7 +34,7 @@ from router.keys import BlockKey, Worker, WorkerId
 try:
     from router._cindex import Index as _CIndex
 except ImportError:  # the optional extension was not built
-    _CIndex = None
+    _CIndex = None  # type: ignore[misc, assignment]
 
 
 class NativeIndex(KvIndex):

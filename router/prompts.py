@@ -14,7 +14,7 @@ tokenized, and the proxy routes it by load alone.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 
 class PromptError(ValueError):
@@ -56,7 +56,8 @@ class PromptTokenizer:
             )
         except Exception as exc:  # the template's own errors (jinja, missing fields)
             raise PromptError(f"the chat template failed: {exc}") from None
-        ids = out["input_ids"] if not isinstance(out, list) else out
+        # tokenize=True: token ids, or a BatchEncoding holding them
+        ids = out if isinstance(out, list) else cast(Any, out)["input_ids"]
         if not _is_ids(ids):
             raise PromptError("the chat template gave no token ids")
         return list(ids)

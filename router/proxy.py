@@ -219,8 +219,8 @@ class _Collector:
             ("index_blocks", "Blocks the index holds for it", p.routing.blocks(), False),
         ]
         for name, doc, values, counter in per_worker:
-            kind = CounterMetricFamily if counter else GaugeMetricFamily
-            family = kind(f"kvsidecar_proxy_{name}", doc, labels=["worker"])
+            family_of = CounterMetricFamily if counter else GaugeMetricFamily
+            family = family_of(f"kvsidecar_proxy_{name}", doc, labels=["worker"])
             for wid, value in values.items():
                 family.add_metric([str(wid)], value)
             yield family

@@ -36,7 +36,7 @@ See docs/router.md.
 """
 
 
-def add_parser(router_sub: argparse._SubParsersAction) -> None:
+def add_parser(router_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = router_sub.add_parser(
         "proxy",
         help="an OpenAI-compatible HTTP front routing to the engine holding the prompt's KV",

@@ -105,13 +105,13 @@ class EventPump:
             self.subs.close()
             self.ctx.term()
 
-    def _drain(self, sock: zmq.Socket) -> None:
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
         """Up to MAX_DRAIN messages, the lock taken per DRAIN_STEP of them, so
         that a request waits for a few messages at most, not a flood."""
         for _ in range(MAX_DRAIN // DRAIN_STEP):
             with self.lock:
                 self.subs.drain(sock, DRAIN_STEP)
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
 
 
@@ -139,7 +139,9 @@ class ProxyRouting:
         self.lock = threading.Lock()
         self.upstreams = {s.worker_id: Upstream(s) for s in specs}
         self.hashers = [
-            h for h, kind in ((sidecar_keys, "sidecar"), (vllm_keys, "vllm")) if kind in kinds
+            h
+            for h, kind in ((sidecar_keys, "sidecar"), (vllm_keys, "vllm"))
+            if kind in kinds and h is not None  # (checked above: given where needed)
         ]
         self.down_seconds = down_seconds
         self.counts: Counter[str] = Counter()

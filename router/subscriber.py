@@ -44,7 +44,7 @@ import zmq
 from contract import events as wire
 from contract.endpoint import CurveClientKeys, apply_curve
 from contract.events import RouterEvent, WireError
-from router.index import RouterIndexError
+from router.dump import RouterIndexError
 from router.keys import Worker, worker
 from router.router import Router
 from router.vllm_events import VllmBatch, decode_vllm
@@ -66,7 +66,7 @@ class Source:
 @dataclass
 class _State:
     source: Source
-    sock: zmq.Socket
+    sock: zmq.Socket[bytes]
     epoch: str | None = None
     seq: int = -1
     resync_after: float = 0.0
@@ -84,7 +84,7 @@ class _State:
 class Subscriptions:
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.Context[zmq.Socket[bytes]],
         router: Router,
         sources: list[Source],
         resync_timeout: float = 2.0,
@@ -108,7 +108,7 @@ class Subscriptions:
         self.curve = curve
         self.token_keys = token_keys
         self.counts: Counter[str] = Counter()
-        self._states: dict[zmq.Socket, _State] = {}
+        self._states: dict[zmq.Socket[bytes], _State] = {}
         self._owners: dict[Worker, _State] = {}
         """Which source each worker's events come from."""
         try:
@@ -128,16 +128,16 @@ class Subscriptions:
             raise
 
     @property
-    def sockets(self) -> list[zmq.Socket]:
+    def sockets(self) -> list[zmq.Socket[bytes]]:
         return list(self._states)
 
-    def drain(self, sock: zmq.Socket, max_messages: int = 1000) -> None:
+    def drain(self, sock: zmq.Socket[bytes], max_messages: int = 1000) -> None:
         """Handle the messages waiting on `sock` (one of `sockets`), at most
         `max_messages`: a publisher sending without pause must not keep the
         caller from its other sockets (router serve's queries)."""
         st = self._states[sock]
         for _ in range(max_messages):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 break
             frames = sock.recv_multipart(zmq.NOBLOCK)
             try:
@@ -271,7 +271,7 @@ class Subscriptions:
         self.counts["resyncs"] += 1
         return True
 
-    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
+    def _secure(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
         if self.curve is not None and endpoint.startswith("tcp://"):
             apply_curve(sock, self.curve)
 
@@ -360,7 +360,7 @@ class Subscriptions:
             self.counts["events"] += 1
 
 
-def _check_endpoint(ctx: zmq.Context, endpoint: str) -> None:
+def _check_endpoint(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
     """ZMQError now, at start, if `endpoint` cannot be connected to at all."""
     probe = ctx.socket(zmq.REQ)
     try:

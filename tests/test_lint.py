@@ -1,5 +1,5 @@
 """ruff and mypy are part of the suite: the tree stays lint-clean and formatted, and
-what runs in a sidecar or an engine type-checks ([tool.mypy] in pyproject.toml)."""
+every package but the benchmarks type-checks ([tool.mypy] in pyproject.toml)."""
 
 from __future__ import annotations
 
