@@ -131,6 +131,38 @@ def test_the_same_through_a_three_node_cluster(tmp_path, redis_bin):
         cluster.cleanup()
 
 
+@pytest.mark.parametrize("settle", [False, True])
+def test_a_host_killed_while_writing_leaves_only_whole_values(tmp_path, server, settle):
+    """SIGKILL a sidecar right after a 24-block save, while its remote writes
+    are in flight (or once they have all been answered): another host then
+    loads the prefix byte-exact as far as the store holds it (all of it
+    once answered), and no value fails its check (a SET cut off with its
+    connection is never stored: Redis applies a command once all of it has
+    arrived)."""
+    n = 24
+    hosts = Hosts(tmp_path, server.url)
+    try:
+        a = hosts.start()
+        src = kv(3)
+        with client(a, src) as c:
+            assert c.save(tokens(n), np.arange(n)).wait() == n * BLOCK_TOKENS
+            if settle:
+                wait_for(lambda: settled(c))
+            a.kill()
+        b = hosts.start()
+        dst = kv(None)
+        with client(b, dst) as c:
+            looked = c.lookup(tokens(n)) // BLOCK_TOKENS
+            loaded = c.load(tokens(n), np.arange(n)).wait() // BLOCK_TOKENS
+            assert loaded == looked
+            assert loaded == n or not settle
+            assert blocks_of(dst, np.arange(loaded)) == blocks_of(src, np.arange(loaded))
+            assert remote(c)["checksum_failures"] == 0
+        assert b.stop() == 0
+    finally:
+        hosts.cleanup()
+
+
 FAST_RETRY = (
     "--set",
     "remote_timeout_seconds=0.3",
