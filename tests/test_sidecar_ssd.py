@@ -309,11 +309,11 @@ def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
 
 
 def test_a_sidecar_killed_while_writing_to_ssd_recovers_only_whole_blocks(tmp_path):
-    """SIGKILL while the write-through writes of a 48-block save are in
-    flight, once a round and later each time (at the earliest: before any
-    landed, then after a quarter, a half, three quarters of them). The
-    orphans a kill leaves (blocks whose parent never landed) are cleared at
-    restart. After every restart each prefix saved so far loads byte-exact
+    """SIGKILL right after a 48-block save returns, its write-through writes
+    then in flight (how many landed varies from run to run: 0, 12, 24 or
+    48 were seen), four rounds. The orphans a kill leaves (blocks whose
+    parent never landed) are cleared at restart. After every restart each
+    prefix saved so far loads byte-exact
     as far as the SSD recovered it, the rest is a miss, no block fails its
     checksum (a record goes valid only after its write is reaped), and the
     blocks earlier rounds recovered stay."""
@@ -325,9 +325,7 @@ def test_a_sidecar_killed_while_writing_to_ssd_recovers_only_whole_blocks(tmp_pa
             s = inst.start()
             with client(s.endpoint, kv(r)) as c:
                 assert c.save(tokens(n, start=5_000 * r), np.arange(n)).wait() == n * BLOCK_TOKENS
-                landed = sum(recovered) + r * n // 4
-                wait_for(lambda c=c, landed=landed: ssd_stats(c)["cached_blocks"] >= landed)
-                s.kill()
+                s.kill()  # (the tier's cached_blocks counts writes in flight: no use waiting on it)
             s = inst.start()
             dst = kv(None)
             with client(s.endpoint, dst) as c:

@@ -57,7 +57,7 @@ def tiny_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return cast(LlamaForCausalLM, _to(model, dtype).eval())
+    return cast(LlamaForCausalLM, model.to(dtype).eval())  # type: ignore[arg-type]
 
 
 def llama3_8b(
@@ -89,16 +89,11 @@ def load_model(
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} holds no config.json: pass a local model directory")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    return cast(PreTrainedModel, _to(model, device).eval())
+    return cast(PreTrainedModel, model.to(device).eval())  # type: ignore[arg-type]
 
 
 def _llama_config(geometry: dict[str, Any], attn_implementation: str) -> LlamaConfig:
     return LlamaConfig(**{**geometry, "attn_implementation": attn_implementation})
-
-
-def _to(model: PreTrainedModel, where: torch.dtype | str | torch.device) -> torch.nn.Module:
-    """`model.to(where)`, typed: transformers' decorator on `to` hides its signature."""
-    return torch.nn.Module.to(model, where)
 
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int]:
