@@ -425,6 +425,32 @@ def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
     assert s.stop() == 0
 
 
+def test_an_unreadable_block_is_dropped_once_and_its_prefix_still_loads(instance):
+    """The data file cut short under a running sidecar: reading the blocks
+    past its end fails (EIO, as a bad sector does). They are dropped, and
+    counted, the first time, so later loads neither fail nor read them
+    again, and the blocks before them still load."""
+    s = instance.start()
+    src = kv(6)
+    with client(s.endpoint, src) as c:
+        c.save(tokens(5), np.arange(5)).wait()
+        wait_for(lambda: on_ssd(c, 5))
+        fill_cpu(c, 16)  # the 5 blocks now live on SSD alone
+        wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+        data = [f for f in os.listdir(instance.ssd_dir) if f.endswith(".data")]
+        slot_bytes = 2 * 64 * 1024  # fresh SSD slots go out in order: block i in slot i
+        os.truncate(os.path.join(instance.ssd_dir, data[0]), 2 * slot_bytes)
+        dst = kv(None)
+        with client(s.endpoint, dst) as d:
+            for _ in range(2):
+                assert d.load(tokens(5), np.arange(40, 45)).wait() == 2 * BLOCK_TOKENS
+                assert blocks_of(dst, np.arange(40, 42)) == blocks_of(src, np.arange(2))
+                assert ssd_stats(d)["io_errors"] == 3  # blocks 2-4, once
+                assert ssd_stats(d)["checksum_failures"] == 0
+                assert d.lookup(tokens(5)) == 2 * BLOCK_TOKENS
+    assert s.stop() == 0
+
+
 def test_a_small_filesystem_caps_the_tier_and_nothing_breaks(tmp_path):
     with mounted_tmpfs(tmp_path / "small", "size=2m") as mnt:
         inst = Instance(str(mnt / "ssd"))

@@ -4,9 +4,13 @@ flight, and a queue that refuses bad use without changing state."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
+import signal
+import threading
+import time
 
 import pytest
 from test_ssd import SLOT, aligned, block, key, store
@@ -22,13 +26,18 @@ def aio_or_skip(s: ssd_store.SsdStore) -> None:
         pytest.skip("no O_DIRECT here, or Linux AIO refused")
 
 
-@pytest.mark.parametrize("path", ["aio", "one_by_one"])
-def test_a_run_of_reads_gives_what_reads_one_by_one_give(tmp_path, monkeypatch, path):
-    s = store(tmp_path, capacity=4 * SLOT)
+def read_through(path: str, s: ssd_store.SsdStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `s`'s reads through Linux AIO ("aio") or one `read` after another."""
     if path == "aio":
         aio_or_skip(s)
     else:
         monkeypatch.setattr(ssd_store._local, "queue", None, raising=False)
+
+
+@pytest.mark.parametrize("path", ["aio", "one_by_one"])
+def test_a_run_of_reads_gives_what_reads_one_by_one_give(tmp_path, monkeypatch, path):
+    s = store(tmp_path, capacity=4 * SLOT)
+    read_through(path, s, monkeypatch)
     for slot in range(8):
         s.write(slot, block(slot), key(slot + 1), key(slot), slot == 0)
     # Slot 5's bytes rot on disk (directory 1, its third slot).
@@ -46,6 +55,20 @@ def test_a_run_of_reads_gives_what_reads_one_by_one_give(tmp_path, monkeypatch, 
             assert bytes(b.block) == bytes(block(slot))
     assert bytes(run[3].block) == bytes(SLOT)  # a wrong key: not read at all
     assert s.read_run([]) == []
+    s.close()
+
+
+@pytest.mark.parametrize("path", ["aio", "one_by_one"])
+def test_blocks_the_device_cannot_read_are_none_and_the_run_goes_on(tmp_path, monkeypatch, path):
+    s = store(tmp_path, dirs=1, capacity=4 * SLOT)
+    read_through(path, s, monkeypatch)
+    for slot in range(4):
+        s.write(slot, block(slot), key(slot + 1), key(slot), slot == 0)
+    os.truncate(tmp_path / "d0" / "t.data", 2 * SLOT)  # slots 2 and 3: EIO
+    run = [ReadBlock(slot, aligned(), key(slot + 1)) for slot in (2, 0, 3, 1)]
+    assert s.read_run(run) == [None, True, None, True]
+    assert [bytes(b.block) for b in run[1::2]] == [bytes(block(0)), bytes(block(1))]
+    assert ssd_store.aio_queue() is None or ssd_store.aio_queue().pending == 0
     s.close()
 
 
@@ -86,6 +109,42 @@ def test_a_read_cut_short_by_the_end_of_the_file_is_an_error(tmp_path):
     finally:
         queue.close()
         os.close(fd)
+
+
+def test_a_wait_interrupted_by_signals_still_gets_every_completion_asked(tmp_path):
+    """A signal makes io_getevents return the completions it has so far:
+    `wait(n)` must go on until n are in (the store checks each write's
+    result, and reaps the rest later on the next user's behalf)."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    bufs = [aligned() for _ in range(32)]
+    os.posix_fallocate(fd, 0, len(bufs) * SLOT)
+    got: list[int] = []
+
+    def writer() -> None:
+        queue = aio.Queue(len(bufs))
+        try:
+            for _ in range(100):
+                for i, buf in enumerate(bufs):
+                    queue.submit(fd, buf, i * SLOT, True)
+                got.append(len(queue.wait(len(bufs))))
+                if queue.pending:
+                    queue.wait(queue.pending)
+        finally:
+            queue.close()
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+    thread = threading.Thread(target=writer)
+    try:
+        thread.start()
+        while thread.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pthread_kill(thread.ident, signal.SIGUSR1)
+            time.sleep(0.0005)
+    finally:
+        thread.join()
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(fd)
+    assert got == [len(bufs)] * 100
 
 
 def test_the_queue_refuses_bad_use_and_changes_nothing(tmp_path):

@@ -97,6 +97,64 @@ def test_resizes_over_striped_directories(tmp_path):
     s.close()
 
 
+def test_a_restart_of_the_shared_tier_short_of_space_keeps_its_extents_and_blocks(small_fs):
+    """Asked for more than the filesystem holds, the shared tier sizes its
+    extents by the room, which counts our own files: it grows as blocks are
+    written. A restart must keep the extent size the files were laid out in
+    (derived again, it would differ, and every block would be removed)."""
+    from contract.ids import KEY_DTYPE, BlockKeys
+    from shm.layout import BlockLayout
+    from sidecar.config import Config
+    from sidecar.tiers.ssd.space import SsdSpace
+
+    config = Config(instance="x", ssd_dirs=[str(small_fs / "ssd")], ssd_capacity_per_dir="64MiB")
+    layout = BlockLayout(2, SLOT // 2)
+    space = SsdSpace(config)
+    extent = space.extent_bytes
+    assert space.num_extents == 1 and extent < 8 << 20  # the room, not 64 MiB
+    tier = space.tier(layout)
+    assert tier is not None
+    engine, store = tier
+    slots = engine.allocate(8)
+    assert slots is not None and len(slots) == 8
+    for i, slot in enumerate(slots.tolist()):
+        store.write(slot, block(i), key(i), key(i - 1), i == 0)
+    keys = np.frombuffer(b"".join(key(i) for i in range(8)), dtype=KEY_DTYPE)
+    engine.insert(BlockKeys(keys), slots, ready=True)
+    space.close()
+    for _ in range(2):  # each restart sees more of our own files as room
+        space = SsdSpace(config)
+        assert space.extent_bytes == extent
+        tier = space.tier(layout)
+        assert tier is not None
+        assert tier[0].index.num_blocks == 8
+        for i, slot in enumerate(slots.tolist()):
+            buf = memoryview(mmap.mmap(-1, SLOT))
+            assert tier[1].read(slot, buf, key(i))
+            assert bytes(buf) == bytes(block(i))
+        space.close()
+
+
+def test_another_instance_whose_name_starts_with_this_ones_is_not_counted_as_room(small_fs):
+    """Instance "x" counts its own files as room (it may reuse their disk),
+    not those of instance "x-2" beside it."""
+    from shm.layout import BlockLayout
+    from sidecar.config import Config
+    from sidecar.tiers.ssd.space import SsdSpace
+
+    def space(instance: str) -> SsdSpace:
+        ssd = str(small_fs / "ssd")
+        return SsdSpace(Config(instance=instance, ssd_dirs=[ssd], ssd_capacity_per_dir="64MiB"))
+
+    other = space("x-2")
+    tier = other.tier(BlockLayout(2, SLOT // 2))
+    assert tier is not None and tier[0].allocate(1) is not None  # its one extent reserved
+    mine = space("x")
+    assert mine.num_extents * mine.extent_bytes < other.extent_bytes // 2
+    mine.close()
+    other.close()
+
+
 def test_another_slot_size_still_starts_empty(tmp_path):
     s = SsdStore([str(tmp_path)], 4 * SLOT, SLOT, SLOT, "t")
     fill(s)

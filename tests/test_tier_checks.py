@@ -61,6 +61,14 @@ def test_an_ssd_dir_under_a_pseudo_filesystem(path):
     refused(serve("--set", f"ssd_dirs={path}"), "ssd_dirs", path, "not on a disk")
 
 
+def test_one_dir_listed_twice(tmp_path):
+    d = tmp_path / "ssd"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    for again in (str(d), f"{d}/", f"{tmp_path}/link"):
+        refused(serve("--set", f"ssd_dirs={d},{again}"), "ssd_dirs", again, "again")
+
+
 def test_one_bad_dir_among_good_ones(tmp_path):
     good, bad = tmp_path / "good", tmp_path / "file"
     bad.write_text("x")

@@ -4,10 +4,11 @@ The SSD and remote tiers are built when the first engine registers (their
 slots are sized by its block layout), so a bad `ssd_dirs` or `remote_url`
 would only show then, as a tier silently left out. `check_tiers` finds them
 at start instead, raising ConfigError naming the key and value: every SSD
-directory exists or can be created, is a directory, is writable and is not
-on a pseudo filesystem; the remote URL parses and the secret file holds a
-secret. A store that is down is not an error: it only marks the tier
-unavailable until it answers (as at any time).
+directory exists or can be created, is a directory, is writable, is not
+on a pseudo filesystem and is not listed twice (under any path); the
+remote URL parses and the secret file holds a secret. A store that is down
+is not an error: it only marks the tier unavailable until it answers (as
+at any time).
 """
 
 from __future__ import annotations
@@ -32,10 +33,15 @@ PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
 def check_tiers(config: Config) -> None:
     """Raise ConfigError for the first tier setting that cannot work; log a
     warning for a remote tier without a secret."""
+    seen: dict[str, str] = {}
     for d in config.ssd_dirs:
         problem = _ssd_dir_problem(d)
         if problem is not None:
             raise ConfigError(f"ssd_dirs: {d!r} {problem}")
+        real = os.path.realpath(d)
+        if real in seen:  # its files would be locked against themselves
+            raise ConfigError(f"ssd_dirs: {d!r} is the directory {seen[real]!r} again")
+        seen[real] = d
     if config.remote_url is not None:
         problem = _url_problem(config.remote_url)
         if problem is not None:

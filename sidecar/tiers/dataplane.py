@@ -47,7 +47,8 @@ Job = Callable[[int, int], Any]
 
 class BadBlocks(Exception):
     """Blocks of a read that must not be served: they failed their key or
-    checksum (`corrupt`), or the store no longer has them (`missing`)."""
+    checksum (`corrupt`), or the store no longer has them or cannot read
+    them (`missing`)."""
 
     def __init__(self, failed: list[BlockKeys], corrupt: int, missing: int = 0) -> None:
         super().__init__(f"{corrupt} block(s) failed their checksum, {missing} missing")

@@ -149,17 +149,24 @@ static PyObject *Queue_wait(Queue *q, PyObject *args) {
     struct io_event events[MAX_DEPTH];
     aio_context_t ctx = q->ctx;
     long nr = q->pending;
-    long got;
+    long got = 0;
+    int err = 0;
+    /* A signal makes io_getevents return what it has so far (or EINTR):
+       wait again until min_nr are in. */
     do {
+        long n;
         Py_BEGIN_ALLOW_THREADS
-        got = syscall(SYS_io_getevents, ctx, (long)min_nr, nr, events, NULL);
+        n = syscall(SYS_io_getevents, ctx, (long)min_nr - got, nr - got, events + got, NULL);
         Py_END_ALLOW_THREADS
-    } while (got < 0 && errno == EINTR);
-    if (got < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    PyObject *out = PyList_New(got);
-    if (out == NULL)
-        return NULL;
+        if (n < 0 && errno != EINTR) {
+            err = errno;
+            break;
+        }
+        if (n > 0)
+            got += n;
+    } while (got < min_nr);
+    /* Every reaped slot is let go of before anything else can fail: a slot
+       left busy would never complete again. */
     for (long i = 0; i < got; i++) {
         int slot = (int)events[i].data;
         if (slot >= 0 && slot < q->depth && q->busy[slot]) {
@@ -167,7 +174,16 @@ static PyObject *Queue_wait(Queue *q, PyObject *args) {
             q->busy[slot] = 0;
             q->pending--;
         }
-        PyObject *item = Py_BuildValue("(iL)", slot, (long long)events[i].res);
+    }
+    if (err != 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *out = PyList_New(got);
+    if (out == NULL)
+        return NULL;
+    for (long i = 0; i < got; i++) {
+        PyObject *item = Py_BuildValue("(iL)", (int)events[i].data, (long long)events[i].res);
         if (item == NULL) {
             Py_DECREF(out);
             return NULL;

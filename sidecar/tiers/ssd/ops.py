@@ -68,15 +68,21 @@ class SsdOps:
                 [ReadBlock(int(op.src[i]), targets[i], keys[i]) for i in range(lo, hi)]
             )
             failed = [paths[lo + k] for k, good in enumerate(ok) if not good]
-            if failed:
-                raise BadBlocks(failed, corrupt=len(failed))
+            if failed:  # dropped: none is served, and none is read again
+                unreadable = ok.count(None)
+                raise BadBlocks(failed, corrupt=len(failed) - unreadable, missing=unreadable)
 
         return timed(self.latency["read"], read)
 
     def record_failure(self, error: BaseException) -> None:
         if isinstance(error, BadBlocks):
             self.counters["checksum_failures"] += error.corrupt
-            log.warning("SSD: %d block(s) failed their checksum; dropped", error.corrupt)
+            self.counters["io_errors"] += error.missing
+            log.warning(
+                "SSD: %d block(s) failed their checksum, %d could not be read (EIO); dropped",
+                error.corrupt,
+                error.missing,
+            )
         else:
             self.counters["io_errors"] += 1
             log.error("SSD I/O failed, the blocks are not cached: %r", error)

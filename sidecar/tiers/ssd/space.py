@@ -2,7 +2,8 @@
 
 Each directory gives the tier `ssd_capacity_per_dir` bytes (less when its
 filesystem lacks room), cut into extents of `ssd_extent_size` bytes (one
-extent is that many bytes in every directory). Every geometry has an SSD
+extent is that many bytes in every directory); a restart asking for the
+same keeps the extent size its files were laid out in. Every geometry has an SSD
 store of its own, its files named after its layout and sized to the whole
 budget but sparse, and a `CacheEngine` that joins one `ExtentArena` over
 the extents: a geometry owns whole extents, and the disk behind an extent
@@ -24,8 +25,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +72,14 @@ class SsdSpace:
         """Per geometry, its tier (None: the geometry has none)."""
         self._remove_old_format()
         per_dir = min(_room(d, config.ssd_capacity_per_dir, self.prefix) for d in self.dirs)
-        self.extent_bytes = extent_bytes(config, per_dir)
+        self.asked: list[str | int] = (
+            ["auto", config.ssd_capacity_per_dir]
+            if config.ssd_extent_size is None
+            else ["size", config.ssd_extent_size]
+        )
+        """What the extent size is derived from (besides the room), recorded
+        in each header."""
+        self.extent_bytes = self._kept_extent(per_dir) or extent_bytes(config, per_dir)
         self.num_extents = per_dir // self.extent_bytes
         self.arena = ExtentArena([self.extent_bytes] * self.num_extents, move=None)
         log.info(
@@ -126,7 +137,7 @@ class SsdSpace:
                 layout.block_bytes,
                 tag=self._tag(layout),
                 sparse=True,
-                extra=_header_extra(layout, self.extent_bytes),
+                extra=_header_extra(layout, self.extent_bytes, self.asked),
             )
         except (SsdError, ValueError) as err:
             log.error("SSD tier disabled for geometry %s: %s", layout, err)
@@ -170,22 +181,30 @@ class SsdSpace:
     def _tag(self, layout: BlockLayout) -> str:
         return f"{self.prefix}-{layout.num_layers}x{layout.layer_block_bytes}x{layout.tp_size}"
 
+    def _kept_extent(self, per_dir: int) -> int | None:
+        """The extent size of the files on disk, if it was derived from what
+        is asked for now (the same `ssd_extent_size`, or none and the same
+        capacity) and one extent still fits: a restart keeps it whatever the
+        free space says now. Derived again, it would move with the room,
+        which counts our own files: a tier started short of space would
+        lose its blocks on every restart."""
+        for _, _, extra in self._headers():
+            size = extra.get("extent_bytes")
+            if (
+                extra.get("asked") == self.asked
+                and isinstance(size, int)
+                and ALIGN <= size <= per_dir
+                and size % ALIGN == 0
+            ):
+                return size
+        return None
+
     def _layouts_on_disk(self) -> list[BlockLayout]:
         """Geometries whose files (of this format and extent size) the first
         directory holds, in name order. Files of this instance laid out in
         other extents are removed (a geometry would start them empty)."""
         found = []
-        for path in sorted(self.dirs[0].glob(f"{self.prefix}-*.json")):
-            header = read_header(path)
-            extra = header.get("extra") if header is not None else None
-            if not isinstance(extra, dict):
-                continue  # not a shared tier's header
-            try:
-                layout = BlockLayout(*extra["layout"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if path.stem != self._tag(layout):
-                continue
+        for stem, layout, extra in self._headers():
             if extra.get("extent_bytes") == self.extent_bytes:
                 found.append(layout)
                 continue
@@ -196,8 +215,24 @@ class SsdSpace:
             )
             for d in self.dirs:
                 for ext in ("data", "journal", "json"):
-                    (d / f"{path.stem}.{ext}").unlink(missing_ok=True)
+                    (d / f"{stem}.{ext}").unlink(missing_ok=True)
         return found
+
+    def _headers(self) -> Iterator[tuple[str, BlockLayout, dict[str, Any]]]:
+        """(file stem, geometry, what the header records of the shared
+        tier) of each of this instance's geometries in the first directory,
+        in name order (another instance's name may start with this one's)."""
+        for path in sorted(self.dirs[0].glob(f"{self.prefix}-*.json")):
+            header = read_header(path)
+            extra = header.get("extra") if header is not None else None
+            if not isinstance(extra, dict):
+                continue  # not a shared tier's header
+            try:
+                layout = BlockLayout(*extra["layout"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if path.stem == self._tag(layout):
+                yield path.stem, layout, extra
 
     def _remove_old_format(self) -> None:
         """The files of a sidecar from before the shared tier (one store
@@ -210,10 +245,11 @@ class SsdSpace:
                     p.unlink(missing_ok=True)
 
 
-def _header_extra(layout: BlockLayout, extent: int) -> dict[str, object]:
+def _header_extra(layout: BlockLayout, extent: int, asked: list[str | int]) -> dict[str, object]:
     return {
         "layout": [layout.num_layers, layout.layer_block_bytes, layout.tp_size],
         "extent_bytes": extent,
+        "asked": asked,
     }
 
 
@@ -222,7 +258,10 @@ def _room(path: Path, want: int, prefix: str) -> int:
     own files plus 95% of the free space, if less."""
     path.mkdir(parents=True, exist_ok=True)
     st = os.statvfs(path)
-    ours = sum(p.stat().st_blocks * 512 for p in path.glob(f"{prefix}-*") if p.is_file())
+    own = re.compile(re.escape(prefix) + r"-\d+x\d+x\d+\.(data|journal|json)")
+    ours = sum(
+        p.stat().st_blocks * 512 for p in path.iterdir() if own.fullmatch(p.name) and p.is_file()
+    )
     # 5% of the free space kept; the journals take up to 64 bytes a 4 KiB slot.
     room = int((ours + st.f_bavail * st.f_frsize * 0.95) * (1 - RECORD_BYTES / ALIGN))
     if room < want:

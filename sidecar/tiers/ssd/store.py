@@ -55,7 +55,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
@@ -353,27 +353,30 @@ class SsdStore:
                 _pwrite_all(d.fd, group[k].block[n:], offset + n)
         return digests
 
-    def read_run(self, blocks: Sequence[ReadBlock]) -> list[bool]:
+    def read_run(self, blocks: Sequence[ReadBlock]) -> list[bool | None]:
         """`read` each block, the next one's read in flight while this one
         is checked (Linux AIO, where the files are O_DIRECT; else one `read`
         after another): 256 KiB blocks 0.97x the raw reads' rate against
         0.95x (docs/measurements.md#ssd). A block whose key its slot does
-        not hold is not read. Whether each read back intact."""
-        ok = [self.keys[b.slot].tobytes() == b.key for b in blocks]
+        not hold is not read. Per block: True if it read back intact, False
+        if it failed its key or checksum, None if the device could not read
+        it (EIO: a bad sector, a file cut short); the blocks after one that
+        fails are still read."""
+        ok: list[bool | None] = [self.keys[b.slot].tobytes() == b.key for b in blocks]
         todo = [i for i, good in enumerate(ok) if good]
         queue = aio_queue() if self.direct else None
         if queue is None:
-            return [good and self.read(*b) for b, good in zip(blocks, ok, strict=True)]
+            return [good and _unless_eio(self.read, *b) for b, good in zip(blocks, ok, strict=True)]
         try:
             if todo:
                 queue.submit(*self._read_at(blocks[todo[0]]), False)
             for k, i in enumerate(todo):
                 b = blocks[i]
                 fd, _, offset = self._read_at(b)
-                _finish(queue, fd, b.block, offset)
+                read = _unless_eio(_finish, queue, fd, b.block, offset)
                 if k + 1 < len(todo):
                     queue.submit(*self._read_at(blocks[todo[k + 1]]), False)
-                ok[i] = self._intact(b.slot, b.block, b.key)
+                ok[i] = None if read is None else self._intact(b.slot, b.block, b.key)
         finally:
             _settle(queue)
         return ok
@@ -601,13 +604,26 @@ def aio_queue() -> Any:
     return queue
 
 
-def _finish(queue: Any, fd: int, view: memoryview, offset: int) -> None:
+def _finish(queue: Any, fd: int, view: memoryview, offset: int) -> bool:
     """Reap the one read in flight; a short one is completed in place."""
     ((_, done),) = queue.wait(1)
     if done < 0:
         raise OSError(-done, os.strerror(-done))
     if done < len(view):
         _pread_all(fd, view[done:], offset + done)
+    return True
+
+
+def _unless_eio(read: Callable[..., bool], *args: Any) -> bool | None:
+    """`read(*args)`, or None if the device could not read the block (EIO):
+    that block is lost, not the run. Other errors (the store closed, say)
+    are the run's."""
+    try:
+        return read(*args)
+    except OSError as err:
+        if err.errno != errno.EIO:
+            raise
+        return None
 
 
 def _settle(queue: Any) -> None:
