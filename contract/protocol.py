@@ -156,13 +156,16 @@ class Touch(_SessionRequest, tag="touch"):
     a policy that learns from requests (hot index flag OBSERVED) each
     lookup's whole key chain.
     Frames: [lookups: int64 pairs (blocks asked, CPU hit blocks)],
-    [keys: each load's prefix, back to back],
+    [keys: each load's prefix from its first block, back to back],
     [keys: each observed lookup's whole chain, back to back]."""
 
     load_blocks: list[int]
-    """Blocks of each load, in the order of the keys frame."""
+    """Blocks of each load's prefix, in the order of the keys frame."""
     seen_blocks: list[int]
     """Blocks of each observed lookup, in the order of the last frame."""
+    load_skip: list[int] = []
+    """Per load (none: 0 each), the leading blocks of its prefix the engine
+    already had: touched with the rest, not counted as loaded."""
 
 
 class Grant(_SessionRequest, tag="grant"):

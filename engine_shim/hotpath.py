@@ -124,6 +124,7 @@ class HotPath:
         self._lookups: list[int] = []
         """(blocks asked, CPU hit blocks) per lookup, flat."""
         self._loads: list[bytes] = []
+        self._load_skip: list[int] = []
         self._seen: list[bytes] = []
         """Observed lookups' whole chains (flag OBSERVED)."""
         self.tails = Tails(self.note_seen)
@@ -201,8 +202,8 @@ class HotPath:
         if found:
             copier.load(blocks[skip : skip + found], slots, layout, 0).synchronize()
             found = self.view.check(slots, gens)  # from a vacated slot on: a miss
-        if found:
-            self.note_load(kb[: found * KEY_BYTES])
+        if found:  # the chain from its first block: the sidecar matches from the root
+            self.note_load(keys[: (skip + found) * KEY_BYTES], skip)
         return found
 
     def note_lookup(self, asked: int, hit: int) -> None:
@@ -211,11 +212,13 @@ class HotPath:
                 self._since = time.monotonic()
             self._lookups += (asked, hit)
 
-    def note_load(self, keys: bytes) -> None:
+    def note_load(self, keys: bytes, skip: int = 0) -> None:
+        """A load of `keys` (a prefix's whole chain) past its first `skip` blocks."""
         with self._lock:
             if self._empty():
                 self._since = time.monotonic()
             self._loads.append(keys)
+            self._load_skip.append(skip)
 
     def note_seen(self, chain: bytes) -> None:
         """An observed lookup's whole key chain (from any thread)."""
@@ -241,13 +244,15 @@ class HotPath:
             if self._empty():
                 return None
             lookups, loads, seen = self._lookups, self._loads, self._seen
-            self._lookups, self._loads, self._seen = [], [], []
+            skips = self._load_skip
+            self._lookups, self._loads, self._seen, self._load_skip = [], [], [], []
         request = p.Touch(
             v=p.PROTOCOL_VERSION,
             id=0,
             session=session,
             load_blocks=[len(k) // KEY_BYTES for k in loads],
             seen_blocks=[len(k) // KEY_BYTES for k in seen],
+            load_skip=skips if any(skips) else [],
         )
         frames = [np.asarray(lookups, dtype=p.ID_DTYPE).tobytes(), b"".join(loads), b"".join(seen)]
         return request, frames
@@ -397,11 +402,12 @@ class HotLane:
         renewed within half a lease, and the sidecar has not forgotten the
         session since they were granted (else they are dropped here: the
         sidecar freed them, or holds them for a while as an orphan's)."""
+        heard_at = self.heard_at  # first: the heartbeat sets grants_lost, then heard_at
         if self.grants_lost:
             self.grants_lost = False
             index.granted.clear()
             index.grant_request, index.grant_low = None, GRANT_LOW
-        if time.monotonic() - self.heard_at > self._lease() / 2:
+        if time.monotonic() - heard_at > self._lease() / 2:
             return False
         if index.grant_request is not None:
             try:

@@ -104,6 +104,7 @@ class SidecarLink:
         finally:
             if self.registered is registration:  # taken now, or once a sidecar answers
                 self.registrations += 1
+                self.hot.grants_lost = True  # the sidecar takes back the session's grant
                 self._close_copier()  # it copies the previous registration's tensors
         self._set_up(reply)
 

@@ -148,7 +148,7 @@ class HotIndexView:
 
     def __init__(self, name: str) -> None:
         self._c = _lib()
-        with open_segment(name, create=False) as fd:
+        with open_segment(name, create=False, read_only=True) as fd:
             size = os.fstat(fd).st_size
             self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         try:

@@ -91,14 +91,15 @@ def check_room(place: Place, total: int) -> None:
 
 
 @contextlib.contextmanager
-def open_segment(name: str, *, create: bool) -> Iterator[int]:
+def open_segment(name: str, *, create: bool, read_only: bool = False) -> Iterator[int]:
     """An fd of segment `name` (validated), closed on exit. With `create`, a
     new empty segment of mode 0600; else an existing one, which for a path
-    must be a regular file on a memory filesystem."""
+    must be a regular file on a memory filesystem (`read_only`: opened so,
+    which its mode may be all that allows)."""
     if not is_file_path(name):
         try:
             flags = posix_ipc.O_CREX if create else 0
-            memory = posix_ipc.SharedMemory(name, flags, mode=SEGMENT_MODE)
+            memory = posix_ipc.SharedMemory(name, flags, mode=SEGMENT_MODE, read_only=read_only)
         except posix_ipc.ExistentialError as exc:
             raise (_exists(name) if create else _missing(name)) from exc
         try:
@@ -106,7 +107,8 @@ def open_segment(name: str, *, create: bool) -> Iterator[int]:
         finally:
             memory.close_fd()
         return
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    access = os.O_RDONLY if read_only else os.O_RDWR
+    flags = access | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
     try:
         fd = os.open(name, flags, SEGMENT_MODE)
     except FileExistsError as exc:

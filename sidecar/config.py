@@ -278,9 +278,10 @@ class Config:
         None,
         "name_or_id",
         "Unix group (name or gid) whose members' engines may use this sidecar: the runtime "
-        "directory it creates is 0750, the ipc socket and the shm segments 0660, all of this "
-        "group; the lock and key files stay owner-only. Any member can read and write every "
-        "cached block. None = the owner only (a 0700 directory, 0600 segments).",
+        "directory it creates is 0750, the ipc socket and the shm segments 0660 (the hot "
+        "indexes, which engines only read, 0640), all of this group; the lock and key files "
+        "stay owner-only. Any member can read and write every cached block. None = the owner "
+        "only (a 0700 directory, 0600 segments).",
         pattern=r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}",
         optional=True,
     )

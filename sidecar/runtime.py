@@ -51,6 +51,9 @@ SHARED_RUNTIME_DIR_MODE = 0o750
 """With `group` set: members may reach the socket, but not replace it or the lock."""
 SHARED_FILE_MODE = 0o660
 """With `group` set: the ipc socket and the shm segments."""
+SHARED_READ_MODE = 0o640
+"""With `group` set: the hot indexes, which engines only read (the sidecar
+trusts what it wrote there, so nobody else may write them)."""
 
 
 def ensure_runtime_dir(path: Path, gid: int | None = None) -> list[Path]:

@@ -155,6 +155,12 @@ def test_the_runtime_dir_socket_and_segments_are_the_groups_and_the_lock_the_own
         assert segments
         for name in segments:
             assert mode_gid(f"/dev/shm/{name}") == (0o660, gid)
+        # The hot index, made at the first registration: engines only read it.
+        client = sp.connect(s.endpoint, sp.make_kv(1))
+        hot = client._link.hot.index
+        assert hot is not None
+        assert mode_gid(f"/dev/shm{hot.name}") == (0o640, gid)
+        client.close()
         assert sp.stats_of(s)["pid"] == s.proc.pid  # type: ignore[union-attr]
         assert s.stop() == 0
         assert s.shm_segments() == []
@@ -194,6 +200,7 @@ except OSError as err:
     out["segment"] = type(err).__name__
 try:
     saver = sp.connect(endpoint, kv, timeout=float(sys.argv[5]))
+    out["hot index"] = saver._link.hot.index is not None  # mapped read-only
     out["saved"] = saver.save(sp.tokens(4), np.arange(4)).wait()
     saver.close()
     loader = sp.connect(endpoint, zeros, timeout=float(sys.argv[5]))
@@ -240,6 +247,7 @@ def test_an_engine_of_a_member_saves_and_loads_and_one_of_a_stranger_is_refused(
         assert member == {
             "uid": accounts.member.uid,
             "segment": "opened",
+            "hot index": True,
             "saved": 4 * sp.TOKENS_PER_BLOCK,
             "loaded": 4 * sp.TOKENS_PER_BLOCK,
             "same": True,

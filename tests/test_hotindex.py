@@ -150,6 +150,28 @@ def test_bad_input_changes_nothing() -> None:
     assert view.token and not os.path.exists(f"/dev/shm{name}")
 
 
+@pytest.mark.parametrize("writer", ["closed", "killed mid-section"])
+def test_a_withdrawn_table_is_never_trusted_again(writer: str) -> None:
+    """Withdrawing leaves the table's sequence odd, and never makes it even
+    on the way: a writer killed inside a section (sequence odd) may have
+    left an entry torn (its key with another block's slot), which a reader
+    would otherwise trust while the generations are bumped."""
+    lib = hotindex._lib()
+    size = lib.segment_bytes(16, 4)
+    table = bytearray(size)
+    lib.init(table, 16, 4, hotindex.OPEN | hotindex.LOADS, 7)
+    lib.publish(table, KEYS[0] + KEYS[1], np.array([0, 1], dtype=np.int64))
+    header = np.frombuffer(table, dtype=np.uint64, count=8)
+    if writer != "closed":
+        header[3] += 1  # the sequence (H_SEQ) odd: a section begun, never ended
+    before = int(header[3])
+    lib.withdraw(table)
+    after = int(header[3])
+    assert after % 2 == 1
+    assert after == (before if before % 2 else before + 1)  # odd all along
+    assert lib.probe(table, KEYS[0]) == 0  # refused: a miss
+
+
 def test_closed_table_is_withdrawn() -> None:
     """A reader still mapping a closed table finds it closed, and a load it
     had in flight fails its check."""

@@ -138,6 +138,33 @@ def test_a_cpu_miss_is_asked_where_a_lower_tier_may_hold_it(open_client):
         shutil.rmtree(ssd, ignore_errors=True)
 
 
+def test_a_load_past_a_skip_refreshes_its_whole_prefix_for_the_eviction_policy(open_client):
+    """As a planned load does: the Touch carries the prefix from its first
+    block (the sidecar matches from the root), so under LRU the prompt
+    loaded last outlives the blocks saved before it."""
+    tpb = sp.TOKENS_PER_BLOCK
+    s = Sidecar("--set", "eviction_policy=lru", "--set", "evict_ratio=0", capacity="1MiB").start()
+    try:
+        saver = open_client(s.endpoint, make_kv(1), hot_path=False)
+        reader = open_client(s.endpoint, make_kv(None))
+        prompt = tokens(4, start=29_000)
+        assert saver.save(prompt, np.arange(4)).wait() == 4 * tpb  # the oldest blocks
+        for i in range(6):
+            saver.save(tokens(32, start=1000 * i), np.arange(32)).wait()
+        loaded = reader.load(prompt, np.arange(4), skip_tokens=2 * tpb)
+        assert loaded.done and loaded.wait() == 4 * tpb  # through the hot index
+        assert reader.stats()["transfers"]["loaded_blocks"] == 2  # sends the Touch first
+        for i in range(3):  # a third of the tier more: the oldest blocks go
+            saver.save(tokens(32, start=100_000 + 1000 * i), np.arange(32)).wait()
+        assert saver.lookup(tokens(32)) < 32 * tpb
+        assert saver.lookup(prompt) == 4 * tpb
+        saver.close()
+        reader.close()
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
 def test_a_malformed_touch_is_refused_and_changes_nothing(sidecar, open_client):
     c = open_client(sidecar.endpoint, make_kv(6))
     before = stats_of(sidecar)["hits"]
@@ -158,6 +185,13 @@ def test_a_malformed_touch_is_refused_and_changes_nothing(sidecar, open_client):
             )
             frames = [np.asarray(pairs, dtype=np.int64).tobytes(), keys, seen_keys]
             with pytest.raises(SidecarError):
+                channel.call(request, frames)
+        frames = [np.asarray([2, 1], dtype=np.int64).tobytes(), bytes(32), b""]
+        for skip in ([1, 0], [2], [-1]):  # not one per load; the whole load; below 0
+            request = p.Touch(
+                v=1, id=0, session=c.session, load_blocks=[2], seen_blocks=[], load_skip=skip
+            )
+            with pytest.raises(SidecarError, match="load_skip"):
                 channel.call(request, frames)
     finally:
         channel.close()
@@ -278,6 +312,40 @@ def test_two_engines_saving_one_prefix_store_it_once(sidecar, open_client):
     b.close()
     used, cached = cpu_tier(sidecar)
     assert used == cached
+
+
+@pytest.mark.parametrize("engine_id", [None, "one-engine"])  # None: a new one each time
+def test_registering_again_gives_the_grant_back_and_no_save_writes_into_it(engine_id, open_client):
+    """The grant of a session that registers again (another engine, or the
+    same rank again) is the sidecar's once more: the client forgets it
+    (before, it kept writing into slots the sidecar had handed to other
+    blocks, whose loads then read its bytes), and it is freed once the
+    client closes (before, the same rank's was leaked for good)."""
+    tpb = sp.TOKENS_PER_BLOCK
+    s = Sidecar(capacity="1MiB").start()  # 256 slots: a rank is granted 16
+    try:
+        a_kv, b_kv = make_kv(13), make_kv(14)
+        a = open_client(s.endpoint, a_kv, engine_id=engine_id)
+        a.save(tokens(1, start=90_000), np.arange(1)).wait()
+        wait_for(lambda: granted(a) > 0)
+        a.register(a_kv, **sp.MODEL, engine_id=engine_id)
+        assert granted(a) == 0  # forgotten; asked for again with the next save
+        b = open_client(s.endpoint, b_kv, hot_path=False)
+        prompts = [tokens(8, start=1000 * (i + 1)) for i in range(30)]  # the tier over
+        for i, prompt in enumerate(prompts):
+            b.save(prompt, np.arange(8 * (i % 8), 8 * (i % 8) + 8)).wait()
+        assert a.save(tokens(16, start=50_000), np.arange(16)).wait() == 16 * tpb
+        dst = make_kv(None)
+        c = open_client(s.endpoint, dst)
+        for i, prompt in enumerate(prompts):
+            n = c.load(prompt, np.arange(8)).wait() // tpb
+            assert same_blocks(dst, np.arange(n), b_kv, np.arange(8 * (i % 8), 8 * (i % 8) + n))
+        for client in (a, b, c):
+            client.close()
+        assert cpu_tier(s)[0] == cpu_tier(s)[1]  # no slot held by anyone
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
 
 
 def hold_grants_worker(endpoint: str, conn) -> None:

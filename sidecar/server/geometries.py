@@ -21,7 +21,7 @@ from shm.pool import ShmPool
 from shm.segments import SEGMENT_MODE
 from sidecar.config import Config, group_id
 from sidecar.control.arena import ExtentArena
-from sidecar.runtime import SHARED_FILE_MODE, instance_paths
+from sidecar.runtime import SHARED_READ_MODE, instance_paths
 from sidecar.server.hotpath import HotIndexes
 from sidecar.tiers.build import open_tiered_cache
 from sidecar.tiers.ssd.space import SsdSpace
@@ -57,7 +57,7 @@ class Geometries:
         gid = group_id(config.group)
         self.hot = HotIndexes(
             instance_paths(config).shm_prefix,
-            SEGMENT_MODE if gid is None else SHARED_FILE_MODE,
+            SEGMENT_MODE if gid is None else SHARED_READ_MODE,
             gid,
             config.write_policy,
         )

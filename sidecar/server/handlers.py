@@ -515,9 +515,9 @@ class Handlers:
         cpu = self._realm(self._session(req)).cache.cpu
         for keys in chains:  # for `auto`'s shadows, worked off between requests
             cpu.observe(keys, defer=True)
-        for keys in loads:  # recency and hit counts, as a load's GET gives them
+        for keys, skipped in loads:  # recency and hit counts, as a load's GET gives them
             cpu.match(keys, touch=True)
-            self.transfers["loaded_blocks"] += len(keys)
+            self.transfers["loaded_blocks"] += len(keys) - skipped
         self.transfers["loads"] += len(loads)
         return Answer(r.Ok(id=req.id))
 
@@ -548,7 +548,7 @@ class Handlers:
         return Answer(reply)
 
     def _unregister(self, req: p.Unregister, _: list[bytes]) -> Answer:
-        self.engines.drop(self._session(req), "unregistered")
+        self.engines.unregister(self._session(req))
         return Answer(r.Ok(id=req.id))
 
     def _stats(self, req: p.Stats, _: list[bytes]) -> Answer:

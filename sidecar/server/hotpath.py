@@ -90,9 +90,10 @@ class HotIndexes:
 
 def parse_touch(
     req: p.Touch, arrays: list[bytes]
-) -> tuple[list[tuple[int, int]], list[BlockKeys], list[BlockKeys]]:
+) -> tuple[list[tuple[int, int]], list[tuple[BlockKeys, int]], list[BlockKeys]]:
     """A Touch's lookups ((blocks asked, CPU hit blocks) each), loads (their
-    keys) and observed lookups (their chains); ProtocolError for a malformed one."""
+    prefix's keys, and how many of them were skipped) and observed lookups
+    (their chains); ProtocolError for a malformed one."""
     pairs, keys, seen = arrays
     if len(pairs) % 16:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "lookups frame is not int64 pairs")
@@ -101,10 +102,16 @@ def parse_touch(
     if ((hit < 0) | (hit > asked) | (asked > p.MAX_BLOCKS_PER_REQUEST)).any():
         raise ProtocolError(ErrorCode.BAD_VALUE, "a lookup's hits must be in [0, blocks asked]")
     loads = _split_keys(keys, req.load_blocks, "load_blocks")
+    skips = req.load_skip or [0] * len(loads)
+    if len(skips) != len(loads) or any(
+        not 0 <= n < len(k) for n, k in zip(skips, loads, strict=True)
+    ):
+        raise ProtocolError(ErrorCode.BAD_VALUE, "load_skip must be one per load, below its blocks")
     chains = _split_keys(seen, req.seen_blocks, "seen_blocks")
     if any(len(c) > p.MAX_BLOCKS_PER_REQUEST for c in chains):
         raise ProtocolError(ErrorCode.BAD_VALUE, "an observed lookup is longer than a request")
-    return list(zip(asked.tolist(), hit.tolist(), strict=True)), loads, chains
+    pairs_out = list(zip(asked.tolist(), hit.tolist(), strict=True))
+    return pairs_out, list(zip(loads, skips, strict=True)), chains
 
 
 def _split_keys(frame: bytes, sizes: list[int], field: str) -> list[BlockKeys]:

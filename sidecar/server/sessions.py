@@ -243,10 +243,15 @@ class Engines:
         rolled back; while its process lives (or its pid is unknown here),
         their slots stay held until it reports or goes (`orphans`). A
         session registering again as another engine or rank leaves its old
-        place first, as if it had unregistered."""
+        place first, as if it had unregistered. A session registering again
+        gives up the slots granted to it (its client forgets them): held as
+        an orphan's, not freed, since the heartbeat's thread may register
+        again while the client's own copies into them."""
         prior = self.sessions.get(session_id)
-        if prior is not None and (prior.group.engine_id, prior.rank) != (engine_id, kv.tp_rank):
-            self.drop(prior, "registered again as another engine or rank")
+        if prior is not None:
+            self._drop_grant(prior, may_write=True)
+            if (prior.group.engine_id, prior.rank) != (engine_id, kv.tp_rank):
+                self.drop(prior, "registered again as another engine or rank")
         group = self.groups.get(engine_id)
         if group is None:
             group = self.groups[engine_id] = EngineGroup(engine_id, ns, kv, realm, ns_id)
@@ -320,6 +325,14 @@ class Engines:
             del group.sessions[session.rank]
         if not group.sessions:
             self.groups.pop(group.engine_id, None)
+
+    def unregister(self, session: Session) -> None:
+        """The rank left, saying so: dropped, and it copies into no orphan's
+        slots any more (a client closes when no thread of its copies)."""
+        self.drop(session, "unregistered")
+        for orphan_id, orphan in list(self.orphans.items()):
+            if orphan.writers.pop(session.session_id, None) is not None and not orphan.writers:
+                self._release(orphan_id)
 
     def _drop_grant(self, session: Session, may_write: bool) -> None:
         """A departed rank's granted slots go back: at once if it cannot be
