@@ -25,6 +25,18 @@ from contract.protocol import ErrorCode
 _NOBLOCK, _RCVTIMEO = int(zmq.NOBLOCK), int(zmq.RCVTIMEO)
 
 
+MAX_TIMEOUT = 3600.0
+"""The longest client timeout settings accept (seconds): beyond it a call
+waits for ever in effect."""
+
+
+def timeout_problem(value: object) -> str | None:
+    """What is wrong with `value` as a client timeout setting (None: nothing)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT:
+        return None  # (NaN is not)
+    return f"timeout must be a number of seconds in (0, {MAX_TIMEOUT}], got {value!r}"
+
+
 class SidecarUnavailable(ConnectionError):
     """The sidecar is not running, not reachable or did not answer in time."""
 

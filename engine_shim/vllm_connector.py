@@ -234,6 +234,10 @@ def _connector_class() -> type:
             assert self._scheduler is not None
             return self._scheduler.build_meta(scheduler_output)
 
+        def update_connector_output(self, connector_output: Any) -> None:
+            assert self._scheduler is not None
+            self._scheduler.load_failed(set(connector_output.invalid_block_ids or ()))
+
         def request_finished(
             self, request: Any, block_ids: list[int]
         ) -> tuple[bool, dict[str, Any] | None]:

@@ -54,6 +54,8 @@ def test_settings_take_sglangs_keys_and_its_model_name() -> None:
         ({"interface_v1": False}, "interface_v1"),
         ({"timeout": 0}, "timeout"),
         ({"timeout": True}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
         ({"endpoint": "localhost:5555"}, "endpoint"),
         ({"tenant": 3}, "tenant"),
         ({"admin_token_file": ""}, "admin_token_file"),

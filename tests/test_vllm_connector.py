@@ -28,6 +28,7 @@ from vllm_helpers import (
 
 import engine_shim.vllm_connector as glue
 from engine_shim.client import KVClient, SidecarUnavailable
+from engine_shim.kvconnector.lookups import Lookups
 from engine_shim.kvconnector.metadata import ConnectorMeta, LoadSpec
 from engine_shim.kvconnector.scheduler import SchedulerSide
 from engine_shim.kvconnector.settings import ConnectorSettings
@@ -324,8 +325,11 @@ def test_bad_settings_are_refused():
         {"block_keys": "hashes"},
         {"load_async": "yes"},
         {"timeout": 0},
+        {"timeout": float("nan")},
+        {"timeout": float("inf")},
         {"model_revision": ""},
         {"endpoint": 5},
+        {"endpoint": ""},
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ConnectorSettings.from_extra_config(bad, **base)
@@ -517,6 +521,69 @@ def test_a_short_synchronous_load_is_reported_before_wait_for_save(make_pair):
     assert worker.finished() == (set(), set())
     assert worker.load_errors() == set()  # not reported again next step
     assert np.array_equal(blocks_of(kv, [8])[0], blocks_of(kv, [0])[0])
+
+
+def test_a_short_synchronous_load_offers_nothing_of_its_step_and_what_failed_again(make_pair):
+    """The load's step computes past blocks that may not have loaded: none
+    of it is offered then (the sidecar would store what the engine held
+    there). Once vLLM reports the blocks that failed, the request offers
+    again from the first, as it recomputes them."""
+    sched, worker, _ = make_pair(seed=8, load_async=False)
+    tokens = prompt(3 * BLOCK + 1)
+    cached(sched, worker, tokens, [0, 1, 2])
+    longer = [*tokens[: 3 * BLOCK], *prompt(2 * BLOCK + 1, start=9000)]
+    req = request("b", longer)
+    assert sched.num_new_matched_tokens(req, 0) == (3 * BLOCK, False)
+    table = [8, 9, 10, 11, 12, 13]
+    tables_of(sched)["b"] = table
+    sched.after_alloc(req, table, 3 * BLOCK)
+    assert sched._client.delete(tokens[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
+    meta = step(sched, worker, {"b": len(longer) - 3 * BLOCK})  # the rest of the prompt
+    assert meta.loads and not meta.saves
+    assert worker.load_errors() == {9, 10}
+    sched.load_failed({9, 10})  # vLLM: b computes again from its block 1
+    req.num_computed_tokens = BLOCK
+    meta = step(sched, worker, {"b": len(longer) - BLOCK})
+    (spec,) = meta.saves
+    assert len(spec.keys) == 5 and spec.new_blocks == 4  # blocks 1-4, recomputed now
+    assert spec.block_ids.tolist() == table[:5]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_lookup_that_raises_is_a_logged_miss(pair, monkeypatch, caplog, background):
+    """Not an exception in vLLM's scheduler (which would stop the engine)."""
+    sched, _, _ = pair
+    client = sched._client
+
+    def broken(keys):
+        raise RuntimeError("the restarted sidecar's shm could not be mapped")
+
+    monkeypatch.setattr(client, "lookup_keys", broken)
+    lookups = Lookups(client, background=background)
+    try:
+        keys = client.block_keys(np.asarray(prompt(BLOCK), dtype=np.int64))
+        deadline = time.monotonic() + DEADLINE
+        while (hit := lookups.poll("r", keys)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        assert hit == 0 and "a lookup failed" in caplog.text
+    finally:
+        lookups.close()
+
+
+def test_a_preempted_request_needs_no_delayed_free_for_its_earlier_saves(pair):
+    """Its saves land before its blocks are used again (handle_preemptions):
+    aborted later (say while it loads, resumed), vLLM must not be told to
+    keep its blocks for them, or it frees the request twice."""
+    sched, worker, _ = pair
+    req = request("a", prompt(2 * BLOCK + 1))
+    tables_of(sched)["a"] = [0, 1, 2]
+    sched.after_alloc(req, [0, 1, 2], 0)
+    assert step(sched, worker, {"a": len(req.all_token_ids)}).saves
+    req.num_computed_tokens = len(req.all_token_ids)
+    meta = sched.build_meta(StepOutput({}, {"a"}))  # preempted
+    worker.handle_preemptions(meta)
+    assert sched.finished(req) is False
 
 
 @pytest.mark.parametrize("use_block_hashes", [False, True])

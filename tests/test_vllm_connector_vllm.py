@@ -386,6 +386,72 @@ def test_a_short_synchronous_load_is_reported_in_its_own_step(tmp_path, sidecar)
         engine.close()
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"load_async": False}, {"load_async": False, "layer_wise": True}, {}],
+    ids=["sync", "sync-layer-wise", "async"],
+)
+def test_blocks_a_short_load_left_unloaded_never_reach_the_sidecar(tmp_path, sidecar, extra):
+    """b hits a's 3 blocks and computes 2 more; blocks 1 and 2 are evicted
+    before its load. vLLM recomputes them, and what the sidecar keeps of b
+    is what b's forward wrote over its real tokens: c, with b's prefix,
+    loads it and gets the KV of its tokens (before, a synchronous load's
+    step saved the engine blocks that never loaded)."""
+    engine = Engine(tmp_path, sidecar.endpoint, block_keys="tokens", **extra)
+    try:
+        base = prompt(3 * BLOCK + 1, start=1700)
+        engine.add("a", base)
+        engine.run(lambda: finished(engine, "a"))
+        engine.scheduler.reset_prefix_cache()
+        longer = [*base[: 3 * BLOCK], *prompt(2 * BLOCK + 1, start=9000)]
+        engine.add("b", longer)
+        client = engine.scheduler.connector._scheduler._client
+
+        def evict_before_the_load(out) -> None:
+            if out.kv_connector_metadata.loads:
+                assert client.delete(base[: 2 * BLOCK]) == 2  # blocks 1 and 2 go
+
+        engine.run(lambda: finished(engine, "b"), before_forward=evict_before_the_load)
+        engine.assert_kv_of("b", longer)
+        engine.worker._worker.drain()
+        engine.scheduler.reset_prefix_cache()
+        engine.add("c", [*longer, 5, 6])
+        engine.run(lambda: finished(engine, "c"))
+        assert min(engine.computed["c"]) == 5 * BLOCK  # every block of b's loaded
+        engine.assert_kv_of("c", [*longer, 5, 6])
+    finally:
+        engine.close()
+
+
+def test_a_resumed_request_aborted_while_it_loads_is_freed_once(tmp_path, sidecar):
+    """a offered saves, was preempted, resumed with a load of its own
+    blocks, and is aborted while that load runs: vLLM keeps its blocks for
+    the load alone (before, the connector asked it to keep them for the
+    saves too, and the second report failed vLLM's check)."""
+    engine = Engine(tmp_path, sidecar.endpoint)
+    try:
+        engine.add("a", prompt(3 * BLOCK + 5, start=300), max_tokens=40)
+        engine.step()
+        engine.step()
+        engine.worker._worker.drain()
+        scheduler = engine.scheduler
+        scheduler.reset_prefix_cache(reset_running_requests=True)  # a is preempted
+        aborted = []
+
+        def abort_while_it_loads(out) -> None:
+            if out.kv_connector_metadata.loads and not aborted:
+                assert scheduler.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+                aborted.append(True)
+
+        engine.run(lambda: bool(aborted) and finished(engine, "a"), abort_while_it_loads)
+        engine.worker._worker.drain()
+        for _ in range(3):  # a report for the freed request would fail vLLM's check here
+            engine.step()
+    finally:
+        engine.close()
+
+
 def test_a_hybrid_model_is_refused_naming_the_group(engine):
     """Full attention beside a sliding-window group (vLLM's hybrid manager
     on): refused when vLLM makes the connector, naming the group."""
@@ -418,5 +484,5 @@ def test_a_hybrid_model_is_refused_naming_the_group(engine):
 def test_a_bad_extra_config_key_stops_vllm_naming_it(tmp_path, sidecar):
     with pytest.raises(ValueError, match="load_asynch"):
         Engine(tmp_path, sidecar.endpoint, load_asynch=True)
-    with pytest.raises(ValueError, match="timeout must be a positive number"):
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds in \(0, 3600"):
         Engine(tmp_path, sidecar.endpoint, timeout=-1)

@@ -11,12 +11,15 @@ scheduled this step is not looked up again.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from contract.ids import BlockKeys
 from engine_shim.client import KVClient
+
+log = logging.getLogger(__name__)
 
 
 class _InFlight(NamedTuple):
@@ -41,14 +44,14 @@ class Lookups:
         result = self._results.get(req_id)
         if result is None:
             if self._pool is None:
-                result = self._client.lookup_keys(keys)
+                result = self._lookup(keys)
             else:
-                future = self._pool.submit(self._client.lookup_keys, keys)
+                future = self._pool.submit(self._lookup, keys)
                 result = _InFlight(future, time.monotonic() + self._client.timeout)
             self._results[req_id] = result
         if isinstance(result, _InFlight):
             if result.future.done():
-                result = result.future.result()  # lookup_keys never raises
+                result = result.future.result()
             elif time.monotonic() < result.deadline:
                 return None
             else:
@@ -56,6 +59,16 @@ class Lookups:
                 result = 0
             self._results[req_id] = result
         return result
+
+    def _lookup(self, keys: BlockKeys) -> int:
+        """`lookup_keys`, which answers a miss for a sidecar that is down or
+        refuses; anything else it raises (mapping a restarted sidecar's shm,
+        say) is logged and a miss too, not an error in vLLM's scheduler."""
+        try:
+            return self._client.lookup_keys(keys)
+        except Exception:
+            log.exception("kvsidecar: a lookup failed; counted as a miss")
+            return 0
 
     def forget(self, req_id: str) -> None:
         """Drop the result (or the lookup in flight, whose answer is ignored)."""

@@ -168,11 +168,20 @@ class SchedulerSide:
         for req_id in preempted:
             running = self._running.get(req_id)
             if running is not None:  # its blocks are gone; re-tracked when it resumes
-                running.offered = 0
+                # The saves it was offered need no delayed free any more: the
+                # workers let them land before the blocks are used again
+                # (handle_preemptions). Else a resumed request aborted while
+                # it loads would be freed twice, once for the load.
+                running.offered, running.saving = 0, False
+        # A request loading synchronously runs in its load's step, whose
+        # forward reads the blocks even where the load fell short: nothing
+        # it computes then is offered, until vLLM has heard of the blocks
+        # that failed (`load_failed`).
+        loading = set() if self.settings.load_async else {spec.req_id for spec in self._loads}
         saves = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             running = self._running.get(req_id)
-            if running is not None and n > 0:
+            if running is not None and n > 0 and req_id not in loading:
                 spec = self._fill_save(running, running.request.num_computed_tokens + n)
                 if spec is not None:
                     saves.append(spec)
@@ -182,6 +191,21 @@ class SchedulerSide:
         )
         self._loads, self._finished = [], []
         return meta
+
+    def load_failed(self, invalid_blocks: set[int]) -> None:
+        """Engine blocks whose load failed (every rank's, as vLLM reports
+        them): vLLM recomputes each request from its first such block, and
+        that block is offered again once computed (it may have been counted
+        as loaded)."""
+        if not invalid_blocks:
+            return
+        for req_id, running in self._running.items():
+            if not running.offered:  # a preempted one holds no blocks
+                continue
+            table = self._block_table(req_id)[: running.offered]
+            bad = next((i for i, block in enumerate(table) if block in invalid_blocks), None)
+            if bad is not None:
+                running.offered = bad
 
     def finished(self, request: Any) -> bool:
         """The request is done (finished, aborted or dropped). True: keep its

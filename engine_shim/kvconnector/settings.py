@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine_shim.channel import timeout_problem
+
 BLOCK_KEYS = ("auto", "engine", "tokens")
 LAYER_WISE_DEFAULT = False
 """`layer_wise`'s default: the faster on `kvsidecar bench connector`
@@ -60,13 +62,13 @@ class ConnectorSettings:
                 raise ValueError(f"{f.name} must be a non-empty string, got {value!r}")
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"{f.name} must be true or false, got {value!r}")
-        if self.endpoint is not None and not isinstance(self.endpoint, str):
-            raise ValueError(f"endpoint must be a string, got {self.endpoint!r}")
+        if self.endpoint is not None and (not isinstance(self.endpoint, str) or not self.endpoint):
+            raise ValueError(f"endpoint must be a non-empty string, got {self.endpoint!r}")
         if self.block_keys not in BLOCK_KEYS:
             raise ValueError(f"block_keys must be one of {BLOCK_KEYS}, got {self.block_keys!r}")
-        timeout = self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        problem = timeout_problem(self.timeout)
+        if problem is not None:
+            raise ValueError(problem)
 
     @classmethod
     def from_extra_config(

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine_shim.channel import timeout_problem
+
 SGLANG_KEYS = frozenset(
     {
         "backend_name",
@@ -74,9 +76,9 @@ class StorageSettings:
                 raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
         if self.endpoint is not None and not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ConfigError(f"endpoint must start with ipc:// or tcp://, got {self.endpoint!r}")
-        timeout = self.timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        problem = timeout_problem(self.timeout)
+        if problem is not None:
+            raise ConfigError(problem)
 
     @classmethod
     def from_extra_config(
