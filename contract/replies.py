@@ -112,7 +112,9 @@ class CommitReply(Ok, kw_only=True):
     """Blocks made ready from the engine's slots."""
     dropped: int
     """Blocks whose slots went back free: another engine stored or is
-    storing them, or the prefix before them is gone."""
+    storing them, the prefix before them is gone, or a quota is full."""
+    cached: int = 0
+    """Leading blocks of the chain ready in the CPU tier after the commit."""
 
 
 class CompleteReply(Ok, kw_only=True):

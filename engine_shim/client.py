@@ -153,8 +153,9 @@ class KVClient:
         `layout_detail` tells apart engine layouts that give one cuda_ext
         layout different byte orders (it joins the namespace). With TP,
         every rank registers with the same `engine_id` and its own `tp_rank`.
-        Raises SidecarUnavailable if the sidecar does not answer (these
-        tensors are registered when it does), SidecarError if it refuses
+        Raises SidecarUnavailable if the sidecar does not answer, or is
+        shutting down (these tensors are registered with the sidecar that
+        answers next), SidecarError if it refuses
         (e.g. a layout another engine disagrees with): a client registered
         before then keeps its registration, as the sidecar does."""
         if self._link.closed:

@@ -281,8 +281,9 @@ def token_array(token_ids: Any) -> np.ndarray:
     return canonical_tokens(token_ids)
 
 
-Handle = Callable[[int, "int | None"], TransferHandle]
-"""(tokens, the id of the reply to wait for or None) -> a handle with no plan."""
+Handle = Callable[[int, "int | None", "Callable[[Any], int] | None"], TransferHandle]
+"""(tokens, the id of the reply to wait for or None, tokens as that reply
+says or None) -> a handle with no plan."""
 
 
 class HotLane:
@@ -453,10 +454,12 @@ class HotLane:
     ) -> TransferHandle:
         """Commit the blocks past `first` in one message, not awaited."""
         if not slots.size:
-            return self._handle(num_tokens, None)
+            return self._handle(num_tokens, None, None)
         ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
         self.grants_usable(index)  # ask for more, if few are left
-        return self._handle(num_tokens, ack)
+        tpb = num_tokens // (len(kb) // KEY_BYTES)
+        # What the sidecar kept: a quota, or an eviction since the count, may drop blocks.
+        return self._handle(num_tokens, ack, lambda reply: min(num_tokens, reply.cached * tpb))
 
     def save(
         self,

@@ -14,7 +14,7 @@ sidecar that has restarted since is never reported: it died with it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,7 @@ class SidecarLink:
             self.channel,
             session,
             lease=lambda: self.lease_seconds,
-            handle=lambda num_tokens, ack: self.handle(None, num_tokens, ack),
+            handle=lambda num_tokens, ack, count: self.handle(None, num_tokens, ack, count=count),
         )
         """The hot index of the sidecar whose pool is mapped, and what goes through it."""
         self.heartbeat: Heartbeat | None = None
@@ -93,12 +93,15 @@ class SidecarLink:
     def take(self, registration: Registration) -> None:
         """Register `registration` in place of the one held, whole. Refused
         (SidecarError): the previous one is back as it was, as the sidecar
-        keeps it. Unanswered (SidecarUnavailable): the new one stays, and is
-        registered when a sidecar answers."""
+        keeps it. Unanswered, or refused by a sidecar that is shutting down
+        (SidecarUnavailable): the new one stays, and is registered when a
+        sidecar answers."""
         previous, self.registered = self.registered, registration
         try:
             reply, _ = self.channel.call(registration.request(self.session))
-        except SidecarError:
+        except SidecarError as err:
+            if err.code is ErrorCode.SHUTTING_DOWN:  # going away: as if it had not answered
+                raise SidecarUnavailable(f"the sidecar is shutting down: {err}") from err
             self.registered = previous
             raise
         finally:
@@ -293,10 +296,21 @@ class SidecarLink:
         return self.copier, self.layout
 
     def handle(
-        self, plan: PlanOps | None, num_tokens: int, ack: int | None, copies: Sequence[Copy] = ()
+        self,
+        plan: PlanOps | None,
+        num_tokens: int,
+        ack: int | None,
+        copies: Sequence[Copy] = (),
+        count: Callable[[Any], int] | None = None,
     ) -> TransferHandle:
         return TransferHandle(
-            plan, num_tokens, ack, copies, report=self._report, wait_reply=self.channel.wait_reply
+            plan,
+            num_tokens,
+            ack,
+            copies,
+            report=self._report,
+            wait_reply=self.channel.wait_reply,
+            count=count,
         )
 
     def _report(self, plan: PlanOps, copies: Sequence[Copy]) -> int:

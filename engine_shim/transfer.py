@@ -138,12 +138,14 @@ class TransferHandle:
         copies: Sequence[Copy] = (),
         *,
         report: Callable[[PlanOps, Sequence[Copy]], int],
-        wait_reply: Callable[[int, float | None], object],
+        wait_reply: Callable[[int, float | None], tuple[Any, list[bytes]]],
+        count: Callable[[Any], int] | None = None,
     ) -> None:
         """`ack`: the id of the sidecar's reply to the plan's report, once
         sent; `wait_reply(ack, timeout)` waits for it. `copies`: queued
         copies not reported yet, which `report(plan, copies)` waits for and
-        tells the sidecar of, returning the id of its reply."""
+        tells the sidecar of, returning the id of its reply. `count(reply)`:
+        `num_tokens` as that reply says (None: as given)."""
         self.plan = plan
         self.num_tokens = num_tokens
         """Load: tokens now in the engine's KV cache. Save: tokens now cached."""
@@ -151,6 +153,7 @@ class TransferHandle:
         self._copies = list(copies)
         self._report = report
         self._wait_reply = wait_reply
+        self._count = count
 
     @property
     def done(self) -> bool:
@@ -173,8 +176,10 @@ class TransferHandle:
             assert self.plan is not None
             self._ack = self._report(self.plan, copies)
         if self._ack is not None:
-            self._wait_reply(self._ack, timeout)
+            reply, _ = self._wait_reply(self._ack, timeout)
             self._ack = None
+            if self._count is not None:
+                self.num_tokens = self._count(reply)
         return self.num_tokens
 
 

@@ -348,6 +348,28 @@ def test_registering_again_gives_the_grant_back_and_no_save_writes_into_it(engin
         s.cleanup()
 
 
+def test_a_committed_save_counts_only_what_the_sidecar_kept(open_client):
+    """A namespace's quota takes 4 of a save's 8 new blocks: the handle says
+    so (before, it counted every block, and SGLang took the dropped pages
+    for backed up)."""
+    tpb = sp.TOKENS_PER_BLOCK
+    s = Sidecar("--set", "namespace_limits=tenant=trial cpu=64KiB", capacity="1MiB").start()
+    try:  # 4 KiB blocks: the tenant may hold 16
+        planned = open_client(s.endpoint, make_kv(15), tenant="trial", hot_path=False)
+        prompt = tokens(20, start=40_000)
+        assert planned.save(prompt[: 12 * tpb], np.arange(12)).wait() == 12 * tpb
+        hot = open_client(s.endpoint, make_kv(15), tenant="trial")
+        hot.save(tokens(1, start=90_000), np.arange(1)).wait()
+        wait_for(lambda: granted(hot) >= 8)
+        handle = hot.save(prompt, np.arange(20))
+        assert handle.plan is None  # through the grant
+        assert handle.wait() == 16 * tpb
+        assert hot.lookup(prompt) == 16 * tpb
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
 def hold_grants_worker(endpoint: str, conn) -> None:
     """An engine that takes a grant, says so, and waits to be killed."""
     c = connect(endpoint, make_kv(11))

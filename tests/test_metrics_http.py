@@ -17,10 +17,19 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_servers import RedisServer, ensure_redis
-from sidecar_proc import TOKENS_PER_BLOCK, Sidecar, connect, free_port, make_kv, tokens
+from sidecar_proc import (
+    MODEL,
+    TOKENS_PER_BLOCK,
+    Sidecar,
+    connect,
+    free_port,
+    make_kv,
+    tokens,
+)
 
 from contract import protocol as p
-from engine_shim.channel import Channel
+from engine_shim import KVClient
+from engine_shim.channel import Channel, SidecarUnavailable
 from sidecar.metrics.http_server import version
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -193,6 +202,46 @@ def test_readyz_is_503_while_draining():
             assert get(port, "/healthz") == (200, "ok\n")  # alive while it drains
             channel.close()
         # The client's unregister gave the plan up: the drain ends at once.
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_an_engine_registering_while_the_sidecar_drains_registers_with_the_next_one():
+    """A refusal by a sidecar that is shutting down is no answer (a rolling
+    restart): the registration stays, and is made with the sidecar that
+    answers next (before, it was dropped, and SGLang's attach failed)."""
+    port = free_port()
+    s = Sidecar("--metrics-port", str(port), "--set", "drain_seconds=60").start()
+    try:
+        with connect(s.endpoint, make_kv(1)) as c:
+            channel = Channel(s.endpoint, 5.0)  # a plan in flight holds the drain
+            save = p.Save(v=p.PROTOCOL_VERSION, id=0, session=c.session)
+            keys = c.block_keys(tokens(2))
+            channel.call(save, [p.keys_frame(keys), p.ids_frame(np.arange(2))])
+            assert s.proc is not None
+            s.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: get(port, "/readyz")[0] == 503)
+            late = KVClient.connect(s.endpoint, timeout=5.0)
+            with pytest.raises(SidecarUnavailable, match="shutting down"):
+                late.register(make_kv(2), **MODEL)
+            assert late._link.register_args is not None  # kept
+            channel.close()
+        assert s.stop() == 0
+        s.start()
+        try:
+
+            def answered() -> bool:  # once its socket has reconnected
+                try:
+                    return late.stats()["pid"] != 0
+                except SidecarUnavailable:
+                    return False
+
+            wait_for(answered)
+            assert late.save(tokens(2), np.arange(2)).wait() == 2 * TOKENS_PER_BLOCK
+            assert late.lookup(tokens(2)) == 2 * TOKENS_PER_BLOCK
+        finally:
+            late.close()
         assert s.stop() == 0
     finally:
         s.cleanup()

@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang_helpers import (
@@ -106,6 +107,38 @@ def test_pages_saved_here_load_byte_exact_in_another_process(
     assert loaded == expected
 
 
+def test_sglangs_own_prefetch_query_from_the_first_page_hits(sidecar: Sidecar) -> None:
+    """SGLang's HybridCacheController (its radix cache's, for every model)
+    asks a request whose host match is empty with prefix_keys None, not []:
+    that is the first page, and its hits count (before, it was read as
+    "SGLang not told to pass them" and missed)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    pool = host_pool(page_size=4)
+    store = backend(pool, sidecar.endpoint)
+    ids = list(range(5000, 5040))
+    keys = list(get_hash_str(ids, None, page_size=4))
+    where = pool.alloc(40)
+    fill(pool, where, seed=5)
+    try:
+        assert store.batch_set_v1(keys, where, info([])) == [True] * 10
+        controller = SimpleNamespace(storage_backend=store, page_size=4)
+        operation = SimpleNamespace(
+            token_ids=ids,
+            last_hash=None,
+            prefix_keys=[],
+            assume_stored=False,
+            pool_transfers=None,
+            pool_storage_result=PoolTransferResult(0, {}),
+        )
+        hashes, hit_tokens = HybridCacheController._storage_hit_query(controller, operation)
+        assert (len(hashes), hit_tokens) == (10, 40)
+    finally:
+        store.close()
+
+
 def test_exists_is_the_longest_prefix_and_a_set_needs_its_prefix(sidecar: Sidecar) -> None:
     pool = host_pool(page_size=4)
     store = backend(pool, sidecar.endpoint)
@@ -128,11 +161,15 @@ def test_exists_is_the_longest_prefix_and_a_set_needs_its_prefix(sidecar: Sideca
         # Loading past what is stored: the leading pages only.
         got = store.batch_get_v1(keys[4:8], where[16:32], info(keys[:4]))
         assert got == [True, True, False, False]
-        # Without prefix_keys (SGLang not told to pass them) every call misses.
-        assert store.batch_exists(keys, None) == 0
+        # Without prefix_keys a read starts at the first page (SGLang's
+        # prefetch passes None for an empty prefix); a set is refused (SGLang
+        # was not told to pass them: its backups pass [] from the first page).
+        assert store.batch_exists(keys, None) == 6
+        assert store.batch_exists(keys[2:], None) == 0  # keyed from the first page: a miss
+        assert store.batch_get_v1(keys[:2], where[32:40], None) == [True, True]
         assert store.batch_set_v1(keys[:1], where[:4], None) == [False]
         metrics = store.get_stats()
-        assert metrics.backup_pgs == [6] and metrics.prefetch_pgs == [2]
+        assert metrics.backup_pgs == [6] and metrics.prefetch_pgs == [2, 2]
         assert store.get_stats().backup_pgs == []
     finally:
         store.close()
@@ -334,13 +371,23 @@ def test_bad_host_indices_are_a_failed_call_not_an_exception(sidecar: Sidecar) -
         store.close()
 
 
+def _mxfp8_pool() -> type:
+    """SGLang's MXFP8 host pool (its constructor needs CUDA: the test makes
+    one bare): an MHATokenToKVPoolHost whose pages' scales lie outside
+    kv_buffer."""
+    from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+
+    return MHATokenToKVPoolMXFP8Host
+
+
 @pytest.mark.parametrize(
     ("pool", "said"),
     [
         (lambda: host_pool("mla"), "is_mla_model"),
         (lambda: object(), "MHATokenToKVPoolHost"),
+        (lambda: object.__new__(_mxfp8_pool()), "not MHATokenToKVPoolMXFP8Host"),
     ],
-    ids=["mla-pool-for-an-mha-config", "not-a-host-pool"],
+    ids=["mla-pool-for-an-mha-config", "not-a-host-pool", "mxfp8-scales-outside-kv-buffer"],
 )
 def test_a_pool_it_cannot_serve_fails_the_attach(pool: object, said: str) -> None:
     from sglang.srt.mem_cache.storage import StorageBackendFactory

@@ -89,7 +89,9 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take SGLang's host KV pool and register its pages with the sidecar
         (now, or when it comes up). ValueError for a pool it cannot serve."""
-        if not isinstance(mem_pool_host, MHATokenToKVPoolHost | MLATokenToKVPoolHost):
+        # Exactly these: a subclass may keep part of a page outside
+        # kv_buffer (MHATokenToKVPoolMXFP8Host's scales), which would be lost.
+        if type(mem_pool_host) not in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
             raise ValueError(
                 "kvsidecar stores MHATokenToKVPoolHost and MLATokenToKVPoolHost pools, "
                 f"not {type(mem_pool_host).__name__}"
@@ -212,7 +214,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return 0
         client, geometry = self._ready()
-        chain = PageChain.of(keys, _prefix(extra_info), client.digest_keys)
+        chain = PageChain.of(keys, _prefix(extra_info, reading=True), client.digest_keys)
         return chain.hits(client.lookup_keys(chain.keys), geometry.page_size)
 
     def _move(
@@ -226,7 +228,7 @@ class KVSidecarStorage(HiCacheStorage):  # type: ignore[misc]
             return []
         client, geometry = self._ready()
         pages = _host_pages(host_indices, len(keys), geometry)
-        chain = PageChain.of(keys, _prefix(extra_info), client.digest_keys)
+        chain = PageChain.of(keys, _prefix(extra_info, reading=kind == "get"), client.digest_keys)
         ps = geometry.page_size
         start = time.perf_counter()
         transfer = client.load_keys if kind == "get" else client.save_keys
@@ -353,8 +355,15 @@ def _shard_of(config: HiCacheStorageConfig) -> RankShard:
     )
 
 
-def _prefix(extra_info: HiCacheStorageExtraInfo | None) -> list[str] | None:
-    return None if extra_info is None else extra_info.prefix_keys
+def _prefix(extra_info: HiCacheStorageExtraInfo | None, *, reading: bool) -> list[str] | None:
+    """The call's `prefix_keys`. A read without them starts at the first
+    page: SGLang 0.5.23's prefetch (HybridCacheController, used for every
+    model) passes None for an empty prefix. Keyed from the first page, a
+    page past it only misses (SGLang's page hashes are chain hashes, so no
+    other page's key equals it). A write without them is refused: SGLang was
+    not told to pass them, and its backups from the first page pass []."""
+    prefix = None if extra_info is None else extra_info.prefix_keys
+    return [] if prefix is None and reading else prefix
 
 
 def _host_pages(host_indices: torch.Tensor, num_pages: int, geometry: HostGeometry) -> np.ndarray:

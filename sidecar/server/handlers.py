@@ -535,10 +535,11 @@ class Handlers:
         keys = p.parse_keys(arrays[0])
         cache = self._realm(session).cache
         slots = p.parse_ids(arrays[1], "slots", len(keys) - req.first, cache.cpu.mempool.space)
-        stored, dropped = commit(session, cache, keys, slots, req.first, session.group.ns_id)
+        ns = session.group.ns_id
+        stored, dropped, cached = commit(session, cache, keys, slots, req.first, ns)
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += stored
-        return Answer(r.CommitReply(id=req.id, stored=stored, dropped=dropped))
+        return Answer(r.CommitReply(id=req.id, stored=stored, dropped=dropped, cached=cached))
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> Answer:
         self._session(req)

@@ -167,9 +167,10 @@ def commit(
     slots: np.ndarray,
     first: int,
     ns: int,
-) -> tuple[int, int]:
+) -> tuple[int, int, int]:
     """Make the blocks the rank copied into its granted `slots` (those of
-    keys[first:]) ready; (stored, dropped). A block the tier has (another
+    keys[first:]) ready; (stored, dropped, leading blocks of `keys` ready
+    now). A block the tier has (another
     engine stored it since the rank looked) or cannot take (the prefix
     before it is gone, or is being saved by a plan right now) is dropped:
     its slot is free again. Stored blocks are written down to the lower
@@ -202,4 +203,4 @@ def commit(
     kept[ready - first : ready - first + stored] = True
     dropped = slots[~kept]
     cpu.mempool.free(dropped)
-    return stored, int(dropped.size)
+    return stored, int(dropped.size), ready + stored
