@@ -161,7 +161,7 @@ class ProxyRouting:
         `exclude` (NoWorkers if none is left). Records the hit figures."""
         try:
             families = self.keys(tokens)
-        except ValueError:  # a token id out of the hashers' range: route by load
+        except (ValueError, OverflowError):  # an id out of the hashers' range: route by load
             self.counts["unhashable_prompts"] += 1
             families = []
         now = time.monotonic()

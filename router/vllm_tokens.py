@@ -60,8 +60,12 @@ class TokenKeyer:
             parent = known.get(event.parent)
             if parent is None:
                 raise Untokenized("BlockStored continues a block this rank's map lacks")
-        ids = np.asarray(tokens.token_ids, dtype=np.int64)
-        return Stored(split_keys(self.hasher.hash_tokens(ids, parent).tobytes()), parent)
+        try:
+            ids = np.asarray(tokens.token_ids, dtype=np.int64)
+            keys = self.hasher.hash_tokens(ids, parent)
+        except (ValueError, OverflowError) as err:  # an id out of range: this event only
+            raise Untokenized(f"BlockStored with token ids the router cannot hash: {err}") from err
+        return Stored(split_keys(keys.tobytes()), parent)
 
     def commit(self, w: Worker, event: RouterEvent, keyed: RouterEvent) -> None:
         """Record what `translate` gave for `event`, now applied."""

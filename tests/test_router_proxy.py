@@ -219,6 +219,13 @@ def test_bad_bodies_are_refused_and_not_forwarded(fleet: Fleet) -> None:
     # A prompt the tokenizer cannot read is the engine's to judge: routed by load.
     status, body = http(fleet.url + "/v1/completions", {"prompt": {"odd": 1}})
     assert status == 500  # the stand-in fails on it, and the proxy passes that back
+    # Token ids past int64 cannot be hashed: routed by load too (before, the
+    # proxy's own error, a 500 that reached no engine).
+    before = fleet.metric("kvsidecar_proxy_outcomes_total", '{kind="unhashable_prompts"}', 0)
+    status, body = http(fleet.url + "/v1/completions", {"model": "tiny", "prompt": [2**64]})
+    assert "engine" in body, body  # an engine answered, whatever it made of the ids
+    after = fleet.metric("kvsidecar_proxy_outcomes_total", '{kind="unhashable_prompts"}', 0)
+    assert after == before + 1
 
 
 def test_an_engine_down_is_skipped(tokenizer: Path) -> None:

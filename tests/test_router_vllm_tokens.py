@@ -3,6 +3,8 @@ both encodings, and followed over a real ZMQ PUB by the subscriber."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import zmq
@@ -87,7 +89,10 @@ def test_a_prompt_matches_what_vllm_stored_in_pieces() -> None:
     assert keyer.blocks() == 0
 
 
-def test_the_subscriber_keys_vllm_events_by_tokens() -> None:
+@pytest.fixture
+def vllm_feed() -> Iterator[tuple[zmq.Socket, Router, Subscriptions]]:
+    """A publisher standing in for vLLM, and a router subscribed to it that
+    keys its blocks by their tokens."""
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.LINGER, 0)
@@ -97,26 +102,49 @@ def test_the_subscriber_keys_vllm_events_by_tokens() -> None:
     subs = Subscriptions(ctx, router, [Source(endpoint, None, 5)], token_keys=TokenKeyer(HASHER))
     try:
         wait_subscribed(pub)
-        toks = list(range(48))
-        batch = ArrayBatch(
-            1.0,
-            [
-                BlockStored([1, 2, 3], None, toks, 16, None),
-                BlockStored([4], 3, toks[:16], 16, 7),  # a LoRA's block: not keyed
-            ],
-        )
-        pub.send_multipart(frames(0, batch))
-        wait_until(lambda: subs.counts["events"] == 1, subs)
-        assert subs.counts["untokenized_events"] == 1
-        assert router.find_matches(token_keys([*toks, *range(16)])).scores == {W0: 3}
-        pub.send_multipart(frames(5, ArrayBatch(1.0, [BlockRemoved([1])])))  # a gap
-        wait_until(lambda: subs.counts["gaps"] == 1, subs)
-        assert router.find_matches(token_keys(toks)).scores == {}
-        assert subs.token_keys is not None and subs.token_keys.blocks() == 0
+        yield pub, router, subs
     finally:
         subs.close()
         pub.close(0)
         ctx.term()
+
+
+def test_the_subscriber_keys_vllm_events_by_tokens(vllm_feed) -> None:
+    pub, router, subs = vllm_feed
+    toks = list(range(48))
+    batch = ArrayBatch(
+        1.0,
+        [
+            BlockStored([1, 2, 3], None, toks, 16, None),
+            BlockStored([4], 3, toks[:16], 16, 7),  # a LoRA's block: not keyed
+        ],
+    )
+    pub.send_multipart(frames(0, batch))
+    wait_until(lambda: subs.counts["events"] == 1, subs)
+    assert subs.counts["untokenized_events"] == 1
+    assert router.find_matches(token_keys([*toks, *range(16)])).scores == {W0: 3}
+    pub.send_multipart(frames(5, ArrayBatch(1.0, [BlockRemoved([1])])))  # a gap
+    wait_until(lambda: subs.counts["gaps"] == 1, subs)
+    assert router.find_matches(token_keys(toks)).scores == {}
+    assert subs.token_keys is not None and subs.token_keys.blocks() == 0
+
+
+def test_a_store_whose_token_ids_cannot_be_hashed_is_skipped_and_the_batch_goes_on(
+    vllm_feed,
+) -> None:
+    """Before, its error dropped the rest of the batch (here the removal)
+    with the sequence counted: the removed block stayed matched."""
+    pub, router, subs = vllm_feed
+    toks = list(range(16))
+    pub.send_multipart(frames(0, ArrayBatch(1.0, [BlockStored([1], None, toks, 16, None)])))
+    wait_until(lambda: subs.counts["events"] == 1, subs)
+    assert router.find_matches(token_keys(toks)).scores == {W0: 1}
+    bad = [[-1] * 16, [2**63] * 16]  # below 0; past int64
+    batch = [BlockStored([2 + i], None, ids, 16, None) for i, ids in enumerate(bad)]
+    pub.send_multipart(frames(1, ArrayBatch(1.0, [*batch, BlockRemoved([1])])))
+    wait_until(lambda: subs.counts["events"] == 2, subs)
+    assert subs.counts["untokenized_events"] == 2 and subs.counts["bad_messages"] == 0
+    assert router.find_matches(token_keys(toks)).scores == {}
 
 
 @pytest.mark.parametrize("size", [8, 32])
