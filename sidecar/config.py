@@ -292,6 +292,23 @@ class Config:
         prefixes=ENDPOINT_PREFIXES,
         optional=True,
     )
+    max_geometries: int = config_key(
+        32,
+        "int",
+        "Block geometries (layers x block bytes x TP size) the sidecar serves at most: each "
+        "has its tiers, hot index, I/O threads and files for the sidecar's life. A register "
+        "of one more is refused.",
+        low=1,
+        high=1024,
+    )
+    max_namespaces: int = config_key(
+        65536,
+        "int",
+        "Namespaces (model, revision, tenant) the sidecar tracks at most; a register of one "
+        "more is refused.",
+        low=1,
+        high=2**24,
+    )
     lease_seconds: float = config_key(
         10.0,
         "float",

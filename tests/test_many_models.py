@@ -10,9 +10,12 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 import sidecar_proc as sp
 import torch
 from sidecar_proc import Sidecar, connect, stats_of, tokens
+
+from engine_shim import SidecarError
 
 B_MODEL = {
     "model_name": "other",
@@ -248,3 +251,23 @@ def test_every_geometry_has_the_ssd_tier_and_they_share_its_budget(tmp_path) -> 
             if s is not None:
                 s.cleanup()
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_geometry_the_cpu_tier_refuses_opens_no_ssd_store(tmp_path) -> None:
+    """Its blocks (2 MiB here) do not fit a CPU extent (1 MiB): the register
+    is refused with layout_mismatch and changes nothing, SSD files included."""
+    ssd = tmp_path / "ssd"
+    s = Sidecar(
+        "--set", f"ssd_dirs={ssd}",
+        "--set", "ssd_capacity_per_dir=64MiB",
+        "--set", "cpu_extent_size=1MiB",
+    ).start()  # fmt: skip
+    try:
+        big = [torch.zeros((4, 2, 1024, 8, 64)) for _ in range(2)]  # 2 x 1 MiB a block
+        with pytest.raises(SidecarError) as refused:
+            connect(s.endpoint, big, tokens_per_block=1024, num_kv_heads=8, head_dim=64)
+        assert refused.value.code == "layout_mismatch"
+        assert not list(ssd.glob("*"))
+        assert s.stop() == 0
+    finally:
+        s.cleanup()

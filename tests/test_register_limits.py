@@ -116,3 +116,36 @@ def test_the_largest_allowed_values_register():
     finally:
         channel.close()
         sidecar.cleanup()
+
+
+def test_geometries_and_namespaces_past_their_limits_are_refused_and_change_nothing():
+    """What a geometry or a namespace holds stays for the sidecar's life (a
+    geometry: its tiers, hot index, I/O threads, files): any client could
+    register new ones until the sidecar ran out of file descriptors."""
+    s = Sidecar("--set", "max_geometries=2", "--set", "max_namespaces=2").start()
+    channel = Channel(s.endpoint, 5.0)
+    try:
+        for layers in (1, 2):
+            channel.call(
+                register(layout(num_layers=layers, layer_block_bytes=4096), engine_id=f"g{layers}")
+            )
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(s.shm_prefix)]
+        with pytest.raises(SidecarError, match="max_geometries") as info:
+            channel.call(register(layout(num_layers=3, layer_block_bytes=4096), engine_id="g3"))
+        assert info.value.code == "bad_value"
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(s.shm_prefix)] == segments
+        channel.call(register(layout(num_layers=1, layer_block_bytes=4096), engine_id="h1"))
+        channel.call(
+            register(layout(num_layers=1, layer_block_bytes=4096, tenant="b"), engine_id="b1")
+        )
+        with pytest.raises(SidecarError, match="max_namespaces"):
+            channel.call(
+                register(layout(num_layers=1, layer_block_bytes=4096, tenant="c"), engine_id="c1")
+            )
+        channel.call(
+            register(layout(num_layers=2, layer_block_bytes=4096, tenant="b"), engine_id="b2")
+        )
+        assert s.stop() == 0
+    finally:
+        channel.close()
+        s.cleanup()

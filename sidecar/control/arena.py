@@ -95,6 +95,10 @@ class ExtentArena:
         """Slots of `stride` the whole arena holds (a geometry's address space)."""
         return int((self.sizes // stride).sum())
 
+    def fits(self, stride: int) -> bool:
+        """Whether a slot of `stride` bytes fits every extent (`join` takes it)."""
+        return bool((self.sizes // stride).all())
+
     def join(
         self,
         engine: CacheEngine,

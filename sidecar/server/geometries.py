@@ -72,7 +72,9 @@ class Geometries:
         an extent of the CPU tier."""
         realm = self.realms.get(layout)
         if realm is None:
-            ssd = self.ssd.tier(layout) if self.ssd is not None else None
+            # A geometry the CPU tier refuses (below) opens no SSD store first.
+            fits = self.arena.fits(layout.slot_stride)
+            ssd = self.ssd.tier(layout) if self.ssd is not None and fits else None
             realm = open_tiered_cache(
                 self.config, self.pool, layout, self._on_plan_ended, self.arena, ssd
             )

@@ -223,10 +223,12 @@ class Handlers:
         namespace = namespace_of(kv)
         layout = _layout_of(kv)
         self.engines.check_join(req.engine_id, req.session, kv, namespace)
+        name = NamespaceName(kv.model_name, kv.model_revision, kv.tenant)
+        self._check_room(layout, name)
         # Checks done (a new geometry's cache checks that its blocks fit before
         # it changes anything): from here on the request changes state.
         realm = self.geometries.cache_of(layout)
-        ns = self.namespaces.id_of(NamespaceName(kv.model_name, kv.model_revision, kv.tenant))
+        ns = self.namespaces.id_of(name)
         self.namespaces.apply(realm, ns)
         pid = req.pid if req.pid_ns and req.pid_ns == pid_namespace() else 0
         self.engines.join(req.engine_id, req.session, kv, namespace, pid, realm, ns)
@@ -241,6 +243,25 @@ class Handlers:
             hot_index=self.geometries.hot.name_of(layout),
         )
         return Answer(reply)
+
+    def _check_room(self, layout: BlockLayout, name: NamespaceName) -> None:
+        """ProtocolError(BAD_VALUE) if a register would take a geometry or a
+        namespace past `max_geometries` / `max_namespaces`: what either holds
+        stays for the sidecar's life, so any client could exhaust it."""
+        if layout not in self.geometries.realms and (
+            len(self.geometries.realms) >= self.config.max_geometries
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_VALUE,
+                f"this sidecar serves {self.config.max_geometries} block geometries already "
+                "(max_geometries)",
+            )
+        if not self.namespaces.knows(name) and len(self.namespaces) >= self.config.max_namespaces:
+            raise ProtocolError(
+                ErrorCode.BAD_VALUE,
+                f"this sidecar tracks {self.config.max_namespaces} namespaces already "
+                "(max_namespaces)",
+            )
 
     def _lookup(self, req: p.Lookup, arrays: list[bytes], probed: bool = False) -> Answer | None:
         # Every lookup of every engine runs this while the others wait: kept flat.

@@ -36,6 +36,13 @@ class Namespaces:
         self.hits: Counter[int] = Counter()
         """Per namespace: of those, blocks found (in any tier)."""
 
+    def knows(self, name: NamespaceName) -> bool:
+        return name in self._ids
+
+    def __len__(self) -> int:
+        """Namespaces seen so far."""
+        return len(self._ids)
+
     def id_of(self, name: NamespaceName) -> int:
         """The namespace's number, given on first sight (from 1)."""
         ns = self._ids.get(name)
