@@ -400,12 +400,37 @@ def tp_rank1_worker(endpoint: str, seed: int, inbox, outbox) -> str:
         client.close()
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for a server a test starts later.
+
+    Picked below the kernel's ephemeral range: bind(0) hands out an
+    ephemeral port, which any outgoing connection (to Redis, to a sidecar)
+    may take before the test's server binds it. Ports handed out before in
+    this process are skipped; other test processes pick at random."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    low = max(low, 2048)
+    picker = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(1000):
+        port = picker.randrange(1024 + low // 4, low)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port below {low}")
 
 
 def local_sidecar_owner(workdir: str, conn) -> None:
