@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -301,3 +302,91 @@ def test_eviction_cost_does_not_grow_with_the_index(policy):
     big_time = min(evict_time(big, 500) for _ in range(3))
     small_time = min(evict_time(build_leaves(policy, 1000), 500) for _ in range(3))
     assert big_time <= 20 * small_time, (big_time, small_time)
+
+
+# ---- nodes that move between candidate heaps ----------------------------------------
+
+
+@pytest.fixture(params=["c", "python"])
+def heap(request, monkeypatch):
+    """Run the test on the C candidate heap, then on the Python reference."""
+    import sidecar.control.policies as policies
+    import sidecar.control.s3fifo as s3fifo
+
+    if request.param == "python":
+        monkeypatch.setattr(policies, "NodeHeap", policies.LazyHeap)
+        monkeypatch.setattr(s3fifo, "NodeHeap", policies.LazyHeap)
+    elif policies.NodeHeap is policies.LazyHeap:
+        pytest.skip("sidecar.control._nodeheap is not built")
+    return request.param
+
+
+def ticking():
+    """A clock one second further on at each reading."""
+    ticks = itertools.count(1)
+    return lambda: float(next(ticks))
+
+
+def candidates(index) -> dict[int, int]:
+    return {ns: space.policy.num_candidates for ns, space in index._spaces.items()}
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_a_tree_taken_over_by_a_namespace_is_evicted_whole(policy, heap):
+    """A request of namespace 5 extending a namespace-0 tree (blocks the SSD
+    tier recovered) moves the tree's candidates to namespace 5's policy. The
+    old heap keeps stale entries: when heaps counted tokens each from 1, one
+    came back to life under a token the new heap handed out, and candidate
+    counts went wrong (a block no eviction could take; an AssertionError in
+    s3fifo and arc evicting namespace 5)."""
+    from contract.ids import keys_from_ints
+    from sidecar.control.cache_engine import CacheEngine
+
+    engine = CacheEngine("ssd", 100, policy, 1.0, 0.0, clock=ticking())
+    index = engine.index
+
+    def put(ns: int, *ids: int) -> None:
+        keys = keys_from_ints(np.array(ids))
+        present = index.match(keys).num_blocks
+        index.insert(keys, engine.allocate(len(keys) - present), ready=True, ns=ns)
+
+    for ids in ((1, 2), (1, 2, 3), (1, 2, 4), (50,)):
+        put(0, *ids)
+    put(5, 100)
+    put(5, 101)
+    put(5, 1, 2, 3, 9)  # takes over the tree under (1, 2)
+    assert sum(candidates(index).values()) == 5  # (4), (9), (50), (100), (101)
+    assert index.evict(100).num_blocks == 8 and index.num_blocks == 0
+    assert set(candidates(index).values()) == {0}
+    assert index.evict(1, ns=5).num_blocks == 0
+
+
+@pytest.mark.parametrize("policy", ["s3fifo_blocks", "auto"])
+def test_a_split_moving_its_tail_back_to_s_keeps_both_queues_counts(policy, heap):
+    """S3-FIFO-blocks moves a split node's unused tail from M back to S,
+    leaving a stale entry in M's heap. With per-heap token counts, S's next
+    token equalled it: M popped the node, S's count stayed 1 with nothing
+    behind it, and every later eviction raised mid-way (its victims' slots
+    never freed). `auto` follows this policy first."""
+    from contract.ids import keys_from_ints
+    from sidecar.control.cache_engine import CacheEngine
+
+    engine = CacheEngine("cpu", 20, policy, 1.0, 0.0, clock=ticking())
+    index = engine.index
+    first, second = keys_from_ints(np.arange(1000, 1010)), keys_from_ints(np.array([1, 2, 3]))
+
+    def put(keys) -> None:
+        present = index.match(keys).num_blocks
+        index.insert(keys, engine.allocate(len(keys) - present), ready=True)
+
+    put(first)
+    index.match(first, touch=True)
+    put(second)
+    engine.evict(3)
+    index.match(first, touch=True)
+    index.match(first, touch=True)
+    put(second)  # back from the ghost, into M
+    index.match(second[:2], touch=True)  # splits off (3), sent back to S
+    engine.evict(100)
+    assert index.num_blocks == 0 and engine.mempool.num_used == 0
+    assert set(candidates(index).values()) == {0}

@@ -29,10 +29,15 @@ typedef struct {
     Py_ssize_t len;  /* entries, live and stale */
     Py_ssize_t cap;
     Py_ssize_t size; /* live entries: nodes whose heap_token is set */
-    int64_t seq;
 } NodeHeap;
 
 static PyObject *str_heap_token;
+
+/* Tokens come from one counter for every heap in the process (next_token()
+ * gives the Python heaps theirs): a node moved to another heap leaves a
+ * stale entry in the old one, and a token that heap could also hand out
+ * would bring that entry back to life (popped from both heaps, or neither). */
+static int64_t last_token = 0;
 
 static inline int entry_less(const Entry *a, const Entry *b) {
     if (a->k0 != b->k0) return a->k0 < b->k0;
@@ -126,12 +131,12 @@ static PyObject *NodeHeap_push(NodeHeap *self, PyObject *const *args, Py_ssize_t
     if (old == NULL) return NULL;
     int was_live = old != Py_None;
     Py_DECREF(old);
-    PyObject *token = PyLong_FromLongLong(self->seq + 1);
+    int64_t seq = ++last_token; /* taken first: setting the token may run Python code */
+    PyObject *token = PyLong_FromLongLong(seq);
     if (token == NULL) return NULL;
     int rc = set_token(node, token);
     Py_DECREF(token);
     if (rc < 0) return NULL;
-    self->seq++;
     if (!was_live) self->size++;
     /* Room is made only now: the attribute calls above run Python code
      * (a property) that may itself push into this heap. */
@@ -146,7 +151,7 @@ static PyObject *NodeHeap_push(NodeHeap *self, PyObject *const *args, Py_ssize_t
     e->k0 = k0;
     e->k1 = k1;
     e->k2 = k2;
-    e->seq = self->seq;
+    e->seq = seq;
     Py_INCREF(node);
     e->node = node;
     self->len++;
@@ -271,8 +276,19 @@ static PyTypeObject NodeHeapType = {
     .tp_as_sequence = &NodeHeap_as_sequence,
 };
 
+static PyObject *next_token(PyObject *module, PyObject *unused) {
+    return PyLong_FromLongLong(++last_token);
+}
+
+static PyMethodDef nodeheap_functions[] = {
+    {"next_token", next_token, METH_NOARGS,
+     "next_token() -> a heap token no heap in this process has handed out."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef nodeheap_module = {
-    PyModuleDef_HEAD_INIT, "_nodeheap", "C candidate heap for the eviction policies.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_nodeheap", "C candidate heap for the eviction policies.", -1,
+    nodeheap_functions,
 };
 
 PyMODINIT_FUNC PyInit__nodeheap(void) {

@@ -2,6 +2,9 @@
 
 from sidecar.control.node import RadixNode
 
+def next_token() -> int:
+    """A heap token no heap in this process has handed out."""
+
 class NodeHeap:
     @property
     def size(self) -> int:

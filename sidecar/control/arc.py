@@ -31,6 +31,7 @@ from __future__ import annotations
 import heapq
 
 from sidecar.control.node import RadixNode
+from sidecar.control.policies import next_token
 from sidecar.control.two_queues import TwoQueues
 
 RECENT, FREQUENT = 0, 1
@@ -66,7 +67,6 @@ class ArcPolicy(TwoQueues):
         self._heaps: tuple[list[_Entry], list[_Entry]] = ([], [])
         """T1 by recency, T2 by (aged own hits, recency)."""
         self._candidates = [0, 0]
-        self._token = 0
         self._last_touch = -1
         self.epoch = 0
         """Aging epochs so far: each halved every own-hit count."""
@@ -121,8 +121,7 @@ class ArcPolicy(TwoQueues):
             self._candidates[state.candidate_queue] -= 1
             self._candidates[state.queue] += 1
         state.candidate_queue = state.queue
-        self._token += 1
-        node.heap_token = self._token
+        node.heap_token = next_token()
         heapq.heappush(self._heaps[state.queue], self._entry(node, state))
         if len(self._heaps[0]) + len(self._heaps[1]) > 2 * self.num_candidates + 1024:
             for heap in self._heaps:

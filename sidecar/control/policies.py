@@ -24,12 +24,23 @@ Names and semantics follow FlexKV, so its configs carry over:
 from __future__ import annotations
 
 import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Protocol
 
 from contract.ids import BlockKeys
 from sidecar.control.node import RadixNode
+
+next_token: Callable[[], int]
+"""A `node.heap_token` no candidate heap in this process has handed out.
+One counter for every heap: a node moved to another heap (a namespace's
+takeover, S3-FIFO's split) leaves a stale entry in the old one, which a
+token that heap could also hand out would bring back to life."""
+try:
+    from sidecar.control._nodeheap import next_token
+except ImportError:  # the C heaps take theirs from the same counter
+    next_token = itertools.count(1).__next__
 
 
 class RequestObserver(Protocol):
@@ -132,7 +143,6 @@ class LazyHeap:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, float, int, int, RadixNode]] = []
-        self._seq = 0
         self.size = 0
 
     def __len__(self) -> int:
@@ -141,9 +151,8 @@ class LazyHeap:
     def push(self, node: RadixNode, k0: float, k1: float, k2: int) -> None:
         if node.heap_token is None:
             self.size += 1
-        self._seq += 1
-        node.heap_token = self._seq
-        heapq.heappush(self._heap, (k0, k1, k2, self._seq, node))
+        token = node.heap_token = next_token()
+        heapq.heappush(self._heap, (k0, k1, k2, token, node))
         if len(self._heap) > 2 * self.size + 1024:
             self._heap = [e for e in self._heap if e[4].heap_token == e[3]]
             heapq.heapify(self._heap)
