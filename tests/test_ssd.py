@@ -321,3 +321,37 @@ def test_a_restart_with_other_extents_removes_the_files_laid_out_in_the_old_ones
     assert other.num_extents == 2 and not other.tiers
     assert not list(tmp_path.glob("kvsidecar-x-*"))
     other.close()
+
+
+def test_every_tier_gets_every_eviction_setting(tmp_path):
+    """The remote tier's index once went without `hit_reward_seconds`: with
+    `lru` it ranked a block hit three times like one never hit."""
+    from shm_helpers import checked_prefix
+
+    from shm.layout import BlockLayout
+    from shm.pool import ShmPool
+    from sidecar.config import Config
+    from sidecar.control.arena import ExtentArena
+    from sidecar.tiers.build import open_tiered_cache
+
+    config = Config(
+        eviction_policy="lru",
+        hit_reward_seconds=30.0,
+        evict_start_threshold=0.5,
+        evict_ratio=0.25,
+        remote_url="redis://127.0.0.1:1/0",  # connected on first use: never here
+    )
+    layout = BlockLayout(num_layers=2, layer_block_bytes=4096)
+    with checked_prefix("tiers") as prefix, ShmPool.create(prefix, 1 << 20) as pool:
+        arena = ExtentArena(pool.segment_sizes, None)
+        tiered = open_tiered_cache(config, pool, layout, lambda *_: None, arena, None)
+        try:
+            engines = [tiered.cache.cpu, *tiered.cache.lower.values()]
+            assert [e.name for e in engines] == ["cpu", "remote"]
+            for engine in engines:
+                node = engine.index.root  # any node: the policy ranks its fields
+                node.last_access, node.hit_count = 100.0, 3
+                assert engine.index.policy._priority(node)[0] == 190.0, engine.name
+                assert (engine.evict_start_threshold, engine.evict_ratio) == (0.5, 0.25)
+        finally:
+            tiered.close()

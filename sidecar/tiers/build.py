@@ -14,9 +14,9 @@ from shm.pool import ShmPool
 from sidecar.config import Config, ConfigError
 from sidecar.control.admission import DoubleGetRule
 from sidecar.control.arena import ExtentArena
-from sidecar.control.cache_engine import CacheEngine
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.tiers.dataplane import DataPlane, TierOps
+from sidecar.tiers.engines import tier_engine
 from sidecar.tiers.io_pool import IoPool
 from sidecar.tiers.remote.redis import RedisConnector
 from sidecar.tiers.remote.store import RemoteStore
@@ -50,15 +50,7 @@ def open_tiered_cache(
     Raises ProtocolError (LAYOUT_MISMATCH) if a block does not fit an
     extent of the CPU tier."""
     c = config
-    cpu = CacheEngine(
-        "cpu",
-        0,
-        c.eviction_policy,
-        c.evict_start_threshold,
-        c.evict_ratio,
-        c.hit_reward_seconds,
-        record_events=c.events_endpoint is not None,
-    )
+    cpu = tier_engine("cpu", 0, c, record_events=c.events_endpoint is not None)
     try:
         arena.join(cpu, layout.slot_stride)
     except ValueError as err:
@@ -78,9 +70,7 @@ def open_tiered_cache(
     remote_engine = None
     if c.remote_url is not None:
         num = min(c.remote_capacity // layout.slot_stride, REMOTE_INDEX_MAX_BLOCKS)
-        remote_engine = CacheEngine(
-            "remote", num, c.eviction_policy, c.evict_start_threshold, c.evict_ratio
-        )
+        remote_engine = tier_engine("remote", num, c)
     cache = GlobalCacheEngine(
         cpu,
         ssd_engine,

@@ -38,6 +38,7 @@ from shm.layout import BlockLayout
 from sidecar.config import Config
 from sidecar.control.arena import ExtentArena
 from sidecar.control.cache_engine import CacheEngine
+from sidecar.tiers.engines import tier_engine
 from sidecar.tiers.ssd.store import ALIGN, RECORD_BYTES, Record, SsdError, SsdStore, read_header
 
 log = logging.getLogger("kvsidecar")
@@ -142,10 +143,7 @@ class SsdSpace:
         except (SsdError, ValueError) as err:
             log.error("SSD tier disabled for geometry %s: %s", layout, err)
             return None
-        engine = CacheEngine(
-            "ssd", 0, c.eviction_policy, c.evict_start_threshold, c.evict_ratio,
-            c.hit_reward_seconds,
-        )  # fmt: skip
+        engine = tier_engine("ssd", 0, c)
         stripe = per_extent * len(self.dirs)
         member = self.arena.join(
             engine,
