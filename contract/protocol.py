@@ -132,6 +132,10 @@ class Save(_SessionRequest, tag="save"):
     """The first `skip` keys are a prefix the engine holds no bytes for
     (their block ids are placeholders): only blocks past it are stored, and
     only while that whole prefix is ready in the CPU tier."""
+    shared_early: bool = False
+    """The requester hands the plan to the engine's other TP ranks before it
+    reports its own copies (a layer-wise save): if it gives the plan up,
+    they may still be copying into its slots."""
 
 
 class Complete(_SessionRequest, tag="complete"):

@@ -48,6 +48,7 @@ from engine_shim.link import SidecarLink, plan_ops
 from engine_shim.registration import Registration, check_geometry
 from engine_shim.transfer import LayeredTransfer, PlanOps, TransferHandle
 from shm import hotindex
+from shm.copy import has_repeats
 
 __all__ = ["KVClient", "TierTokens"]
 
@@ -236,6 +237,22 @@ class KVClient:
         t = self._tokens_per_block
         return TierTokens(reply.cpu * t, reply.ssd * t, reply.remote * t)
 
+    def _checked(
+        self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, skip_tokens: int
+    ) -> tuple[BlockKeys, np.ndarray]:
+        """A load's or save's keys and engine block ids, checked as the
+        sidecar checks them, before anything is asked or copied (the hot path
+        asks nothing): ValueError unless `skip_tokens` is block-aligned within
+        the request and every block id past it is distinct (a save would store
+        one engine block under several keys; a load would copy into it twice)."""
+        keys, blocks = keys_and_blocks(keys, block_ids)
+        tpb = self._tokens_per_block
+        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
+            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
+        if has_repeats(blocks[skip_tokens // tpb :]):
+            raise ValueError("block_ids repeat: each block needs its own engine block")
+        return keys, blocks
+
     def load(
         self,
         token_ids: Sequence[int] | np.ndarray | torch.Tensor,
@@ -254,10 +271,8 @@ class KVClient:
         self, keys: BlockKeys, block_ids: Sequence[int] | np.ndarray, *, skip_tokens: int = 0
     ) -> TransferHandle:
         """`load` for precomputed keys: one key per full block."""
-        keys, blocks = keys_and_blocks(keys, block_ids)
+        keys, blocks = self._checked(keys, block_ids, skip_tokens)
         tpb = self._tokens_per_block
-        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
-            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
         link = self._link
         if self._hot_flags() & hotindex.LOADS:
             assert link.copier is not None and link.layout is not None
@@ -291,10 +306,8 @@ class KVClient:
         it are stored only while the sidecar holds that whole prefix in its
         CPU tier, else nothing is (`handle.num_tokens` then falls short of
         `skip_tokens`)."""
-        keys, blocks = keys_and_blocks(keys, block_ids)
+        keys, blocks = self._checked(keys, block_ids, skip_tokens)
         tpb = self._tokens_per_block
-        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
-            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
         link = self._link
         if not skip_tokens and self._hot_flags() & hotindex.SAVES:
             assert link.copier is not None and link.layout is not None
@@ -314,10 +327,8 @@ class KVClient:
     ) -> LayeredTransfer:
         """`load_keys`, planned now, its copies queued layer by layer
         (`LayeredTransfer.copy_layers`) and reported by `finish().wait()`."""
-        keys, blocks = keys_and_blocks(keys, block_ids)
+        keys, blocks = self._checked(keys, block_ids, skip_tokens)
         tpb = self._tokens_per_block
-        if skip_tokens % tpb or not 0 <= skip_tokens <= len(keys) * tpb:
-            raise ValueError(f"skip_tokens must be a multiple of {tpb} within the request")
         request = self._link.req(p.Load, skip=skip_tokens // tpb)
         reply, arrays = self._link.call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = plan_ops(reply, arrays, "load")
@@ -328,7 +339,7 @@ class KVClient:
     ) -> LayeredTransfer:
         """`save_keys`, planned now (before the forward computes the blocks),
         its copies queued layer by layer as the layers are computed."""
-        keys, blocks = keys_and_blocks(keys, block_ids)
+        keys, blocks = self._checked(keys, block_ids, 0)
         copier, layout = self._link.copier, self._link.layout
         flags = self._hot_flags()
         if flags & hotindex.SAVES and isinstance(copier, CpuBlockCopier):
@@ -337,9 +348,9 @@ class KVClient:
             transfer = self._link.hot.layered_save(copier, layout, keys, blocks, num_tokens)
             if transfer is not None:
                 return transfer
-        reply, arrays = self._link.call(
-            self._link.req(p.Save, skip=0), [p.keys_frame(keys), p.ids_frame(blocks)]
-        )
+        # The other ranks get the plan before this one has copied a layer.
+        request = self._link.req(p.Save, skip=0, shared_early=True)
+        reply, arrays = self._link.call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = plan_ops(reply, arrays, "save")
         stored = reply.skipped_blocks + reply.stored_blocks + reply.in_flight_blocks
         return self._link.layered(plan, stored * self._tokens_per_block)

@@ -14,6 +14,7 @@ sidecar that has restarted since is never reported: it died with it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,10 @@ from engine_shim.transfer import (
 )
 from shm.layout import BlockLayout
 from shm.pool import ShmPool, ShmPoolError
+
+MAX_RAN = 4096
+"""Plans a rank remembers having run (about 0.5 MiB in all): far more than
+an engine has in flight, so a plan delivered twice is still known."""
 
 
 class SidecarLink:
@@ -72,6 +77,11 @@ class SidecarLink:
         """The hot index of the sidecar whose pool is mapped, and what goes through it."""
         self.heartbeat: Heartbeat | None = None
         self.closed = False
+        self._ran: dict[tuple[str, int], None] = {}
+        """The latest plans this rank ran or gave back (boot, plan id), oldest
+        first: a plan runs once (run again, a save would copy the engine's
+        blocks as they are now into slots that may hold other blocks)."""
+        self._ran_lock = threading.Lock()
 
     def req(self, kind: type, **fields: Any) -> Any:
         return kind(v=p.PROTOCOL_VERSION, id=0, session=self.session, **fields)
@@ -242,6 +252,7 @@ class SidecarLink:
         if plan is None:
             return self.handle(None, num_tokens, None)
         copier, layout = self._plan_copier(plan)
+        self._run_once(plan.boot_id, plan.plan_id)
         try:
             copies = queue_copies(plan, copier, layout, self.registration().tp_rank)
         except Exception as err:
@@ -267,6 +278,7 @@ class SidecarLink:
                 fail=lambda err: None,
             )
         copier, layout = self._plan_copier(plan)
+        self._run_once(plan.boot_id, plan.plan_id)
         planes, tp_rank = copier.copied_planes, self.registration().tp_rank
 
         def finish(copies: Sequence[Copy]) -> TransferHandle:
@@ -283,6 +295,17 @@ class SidecarLink:
             finish=finish,
             fail=lambda err: self.fail(plan, err),
         )
+
+    def _run_once(self, boot_id: str, plan_id: int) -> None:
+        """ValueError if this rank ran or gave back that plan already (a
+        relay that delivered it twice, a retry); else it counts as run."""
+        key = (boot_id, plan_id)
+        with self._ran_lock:
+            if key in self._ran:
+                raise ValueError(f"plan {plan_id} was run or given back by this rank already")
+            self._ran[key] = None
+            if len(self._ran) > MAX_RAN:
+                del self._ran[next(iter(self._ran))]
 
     def _plan_copier(self, plan: PlanOps) -> tuple[BlockCopier, BlockLayout]:
         """The copier and layout to run `plan` with; a restarted sidecar's
@@ -344,6 +367,9 @@ class SidecarLink:
     def give_back(self, plan_id: int) -> None:
         """A load or save was answered after this client stopped waiting: no
         copy ran for that plan, so cancel it (its locks and slots go back)."""
+        if self.boot_id is not None:
+            with contextlib.suppress(ValueError):  # given back twice: told once
+                self._run_once(self.boot_id, plan_id)
         with contextlib.suppress(SidecarUnavailable):  # gone, and its plans with it
             self.channel.send(self.req(p.Cancel, plan_id=plan_id), reply=False)
 

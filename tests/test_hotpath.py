@@ -266,6 +266,35 @@ def test_saves_commit_into_granted_slots_and_the_grant_goes_back(sidecar, open_c
     assert cpu_tier(sidecar) == (cached, cached)
 
 
+@pytest.mark.parametrize("hot_path", [True, False])
+def test_repeated_engine_blocks_are_refused_before_anything_is_asked_or_copied(
+    hot_path, sidecar, open_client
+):
+    """A save of one engine block under two keys would serve one block's KV
+    for another's tokens; the hot path copied and committed it (only the
+    sidecar refused it, on the protocol path). Both refuse it now, first."""
+    c = open_client(sidecar.endpoint, make_kv(12), hot_path=hot_path)
+    assert c.save(tokens(1, start=7000), np.arange(1)).wait() == sp.TOKENS_PER_BLOCK
+    if hot_path:
+        wait_for(lambda: granted(c) > 0)
+
+    def state() -> tuple[dict[str, int], tuple[int, int]]:
+        requests = stats_of(sidecar)["requests"]
+        return {k: n for k, n in requests.items() if k != "stats"}, cpu_tier(sidecar)
+
+    before = state()
+    for call in (c.save, c.load):
+        with pytest.raises(ValueError, match="block_ids repeat"):
+            call(tokens(3, start=7100), [4, 5, 4])
+    with pytest.raises(ValueError, match="block_ids repeat"):
+        c.layered_save_keys(c.block_keys(tokens(2, start=7100)), [6, 6])
+    assert state() == before
+    assert c.lookup(tokens(3, start=7100)) == 0
+    # Repeats in a skipped prefix are placeholders, never read: allowed.
+    skip = 2 * sp.TOKENS_PER_BLOCK
+    assert c.load(tokens(3, start=7200), [0, 0, 1], skip_tokens=skip).wait() == skip
+
+
 def test_a_rank_holding_its_share_of_a_small_tier_asks_again_only_after_using_half(
     open_client,
 ):

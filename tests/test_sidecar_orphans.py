@@ -228,6 +228,79 @@ def test_a_requester_giving_up_before_its_copy_frees_the_slots_at_once(give_up):
         s.cleanup()
 
 
+def test_a_layer_wise_save_given_up_by_its_requester_waits_for_the_ranks_copying_it():
+    """A layer-wise save goes to the other ranks before the requester has
+    copied a layer: when the requester fails, rank 1 may still be copying
+    layers into its slots. Those slots are held until rank 1 reports (before,
+    they were freed at once, the next save got them, and rank 1's next layer
+    overwrote that save's block)."""
+    s = Sidecar(capacity="4MiB").start()  # 8 slots of 2 ranks x 256 KiB
+    kvs = [sp.big_kv(1.0), sp.big_kv(2.0)]
+    leader, follower = tp_pair(s, "tp", kvs)
+    try:
+        saving = leader.layered_save_keys(leader.block_keys(tokens(2)), [0, 1])
+        copying = follower.execute_layered(saving.plan)
+        copying.copy_layers(1)  # rank 1 has copied layer 0
+        leader._link.fail(saving.plan, RuntimeError("rank 0's copy of layer 0 failed"))
+        wait_for(lambda: stats_of(s)["orphaned_plans"] == 1)
+        for kv, value in zip(kvs, (3.0, 4.0), strict=True):  # the next save's blocks
+            for layer in kv:
+                layer[2:4] = value
+        handle = leader.save(tokens(2, start=100), [2, 3])
+        follower.execute(handle.plan).wait()
+        assert handle.wait() == 2 * sp.TOKENS_PER_BLOCK
+        copying.copy_layers(2)  # rank 1's last layer lands in the held slots, not the new ones
+        with pytest.raises(SidecarError):
+            copying.finish().wait()
+        wait_for(lambda: stats_of(s)["orphaned_plans"] == 0)
+        handle = leader.load(tokens(2, start=100), [10, 11])
+        follower.execute(handle.plan).wait()
+        assert handle.wait() == 2 * sp.TOKENS_PER_BLOCK
+        for kv, value in zip(kvs, (3.0, 4.0), strict=True):
+            for layer in kv:
+                assert bool((layer[10:12] == value).all()), "the given-up save's bytes"
+    finally:
+        leader.close()
+        follower.close()
+        assert s.stop() == 0
+        s.cleanup()
+
+
+def test_a_plan_runs_once_per_rank():
+    """A save plan delivered twice (a relay, a retry) is refused by the rank
+    before it copies: run again after it completed, it copied the engine's
+    blocks as they are now over the published ones (the sidecar could only
+    refuse the report that followed). A plan given back is not run either."""
+    s = Sidecar(capacity="4MiB").start()
+    kvs = [sp.big_kv(1.0), sp.big_kv(2.0)]
+    leader, follower = tp_pair(s, "tp", kvs)
+    try:
+        handle = leader.save(tokens(2), [0, 1])
+        follower.execute(handle.plan).wait()
+        assert handle.wait() == 2 * sp.TOKENS_PER_BLOCK
+        for kv in kvs:  # the engine reuses its blocks
+            for layer in kv:
+                layer[0:2] = 9.0
+        for rank in (leader, follower):
+            with pytest.raises(ValueError, match="run or given back by this rank already"):
+                rank.execute(handle.plan)
+        late = raw_save(leader, 3)  # blocks 0-2 of tokens(3): one new block
+        follower.cancel(late)
+        with pytest.raises(ValueError, match="already"):
+            follower.execute(late)
+        load = leader.load(tokens(2), [10, 11])
+        follower.execute(load.plan).wait()
+        assert load.wait() == 2 * sp.TOKENS_PER_BLOCK
+        for kv, value in zip(kvs, (1.0, 2.0), strict=True):
+            for layer in kv:
+                assert bool((layer[10:12] == value).all()), "overwritten by the second run"
+    finally:
+        leader.close()
+        follower.close()
+        assert s.stop() == 0
+        s.cleanup()
+
+
 def test_a_load_parked_for_a_cpu_slot_is_retried_when_a_save_becomes_an_orphan(tmp_path):
     """The rollback of an orphaned save unlocks the prefix it had locked,
     which a load waiting for a CPU slot may evict: it is served then, not

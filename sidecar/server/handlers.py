@@ -371,7 +371,7 @@ class Handlers:
         session = self._session(req)
         keys, gpu = self._keys_and_blocks(session, arrays, req.skip)
         plan = self._realm(session).cache.put(keys, gpu, session.group.ns_id, req.skip)
-        ops, op_arrays = self._engine_ops(session, plan)
+        ops, op_arrays = self._engine_ops(session, plan, req.shared_early)
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += plan.stored_blocks
         reply = r.SaveReply(
@@ -463,7 +463,9 @@ class Handlers:
             self._resume(identity, req.id, retried)
         self._adopt_background()
 
-    def _engine_ops(self, session: Session, plan: Plan) -> tuple[list[r.PlanOp], list[bytes]]:
+    def _engine_ops(
+        self, session: Session, plan: Plan, shared_early: bool = False
+    ) -> tuple[list[r.PlanOp], list[bytes]]:
         """Track an unfinished plan; its engine-side ops, and their source and
         destination ids as array frames."""
         ops: list[r.PlanOp] = []
@@ -472,7 +474,7 @@ class Handlers:
             dataplane = self._realm(session).dataplane
             if dataplane is not None:
                 dataplane.adopt(plan)  # its sidecar ops start when their deps are done
-            state = self.engines.track(plan, session)
+            state = self.engines.track(plan, session, shared_early)
             for op in plan.graph.ops:
                 if op.op_id in state.reported:
                     ops.append(r.PlanOp(op.op_id, op.kind))

@@ -36,13 +36,19 @@ class PlanState:
     """Engine-side op id -> ranks that reported it done."""
     requester: str
     """The session that asked for the plan. The other ranks get the plan from
-    it, after its own copies succeeded (KVClient.save returns it then)."""
+    it, after its own copies succeeded (KVClient.save returns it then),
+    unless `shared_early`."""
+    shared_early: bool = False
+    """The other ranks got the plan before the requester reported (a
+    layer-wise save, `Save.shared_early`)."""
 
     @classmethod
-    def of(cls, plan: Plan, group: EngineGroup, requester: str) -> PlanState:
+    def of(
+        cls, plan: Plan, group: EngineGroup, requester: str, shared_early: bool = False
+    ) -> PlanState:
         engine_ops = (op for op in plan.graph.ops if op.kind in ENGINE_OPS)
         ops: dict[int, set[int]] = {op.op_id: set() for op in engine_ops}
-        return cls(plan, group, ops, requester)
+        return cls(plan, group, ops, requester, shared_early)
 
     def check_report(self, rank: int, op_ids: list[int]) -> None:
         """ProtocolError unless every op id is an engine op this rank has not reported."""
@@ -264,9 +270,9 @@ class Engines:
         self.sessions[session_id] = session
         return session
 
-    def track(self, plan: Plan, session: Session) -> PlanState:
+    def track(self, plan: Plan, session: Session, shared_early: bool = False) -> PlanState:
         group = session.group
-        state = PlanState.of(plan, group, session.session_id)
+        state = PlanState.of(plan, group, session.session_id, shared_early)
         self.plans[plan.plan_id] = state
         group.plans[plan.plan_id] = state
         return state
@@ -294,10 +300,12 @@ class Engines:
         back. Other ranks of a save may still be copying into its slots:
         then those slots are held until they report (`orphans`). A requester
         giving up before it reported its own copies has not handed the plan
-        to any other rank yet (KVClient.save returns it only after them);
-        once any rank has reported, the plan was handed out."""
+        to any other rank yet (KVClient.save returns it only after them),
+        unless it said it would (`shared_early`: a layer-wise save); once
+        any rank has reported, the plan was handed out."""
         state = self.plans[plan_id]
-        if session.session_id == state.requester and not any(state.reported.values()):
+        handed_out = state.shared_early or any(state.reported.values())
+        if session.session_id == state.requester and not handed_out:
             self.end(plan_id, cancel=True)
             return
         writers = self._writers(state, session, may_write=False)
