@@ -5,7 +5,9 @@ The control plane tags every block with its namespace's number
 (`sidecar.control`, "Namespaces" in docs/control-plane.md); number 0 is
 blocks whose namespace is not known (recovered from SSD after a restart,
 until a request of their namespace touches them). Quotas are configured in
-bytes and applied in blocks of each geometry's slot size, per tier.
+bytes and applied in blocks of each geometry's slot size, per tier and per
+geometry (a namespace in two geometries may hold its quota in each: not a
+quota across them, docs/sidecar.md).
 """
 
 from __future__ import annotations
