@@ -85,6 +85,30 @@ def default_runtime_dir() -> Path:
     return Path(f"/tmp/kvsidecar-{os.getuid()}")
 
 
+def check_own_dir(path: Path) -> None:
+    """ValueError unless `path` is missing or a directory of this user that
+    no one else may write to. The default runtime directory falls back to
+    /tmp, where anyone may create it first and serve a sidecar of their own
+    there: an engine would send it its KV and load what it chose."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    problem = None
+    if not os.path.isdir(path) or os.path.islink(path):
+        problem = "is not a directory"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"may be written by others (mode {st.st_mode & 0o777:o})"
+    if problem is not None:
+        raise ValueError(
+            f"{path}, the default runtime directory, {problem}: it may hold another "
+            f"user's sidecar. Set ${RUNTIME_DIR_VAR} (or $XDG_RUNTIME_DIR) to the "
+            "sidecar's directory"
+        )
+
+
 def instance_paths(runtime_dir: str | None, instance: str) -> InstancePaths:
     return InstancePaths(Path(runtime_dir) if runtime_dir else default_runtime_dir(), instance)
 
@@ -107,7 +131,10 @@ def default_endpoint(environ: Mapping[str, str] | None = None) -> str:
     runtime_dir = _optional(env.get(RUNTIME_DIR_VAR))
     if runtime_dir is not None and not runtime_dir.startswith("/"):
         raise ValueError(f"${RUNTIME_DIR_VAR}={runtime_dir!r} must be an absolute path")
-    return instance_paths(runtime_dir, instance).default_endpoint
+    paths = instance_paths(runtime_dir, instance)
+    if runtime_dir is None:  # a directory nobody named: it must be ours
+        check_own_dir(paths.runtime_dir)
+    return paths.default_endpoint
 
 
 def _optional(text: str | None) -> str | None:

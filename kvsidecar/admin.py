@@ -24,6 +24,7 @@ TIERS = ("cpu", "ssd", "remote")
 ConfigArgs = Callable[[argparse.ArgumentParser], None]
 Fetch = Callable[[argparse.Namespace], "dict[str, Any] | None"]
 Load = Callable[[argparse.Namespace], Config]
+Timeout = Callable[[str], float]
 
 
 def add_parsers(
@@ -31,9 +32,11 @@ def add_parsers(
     config_args: ConfigArgs,
     fetch: Fetch,
     load: Load,
+    timeout: Timeout,
 ) -> None:
     """`config_args(parser)` adds the configuration flags; `fetch(args)` gets
-    the stats (None: no sidecar answered); `load(args)` the Config."""
+    the stats (None: no sidecar answered); `load(args)` the Config;
+    `timeout` is the argparse type of --timeout."""
     p = sub.add_parser(
         "clear",
         help="drop cached blocks: every one, or a model's, revision's or tenant's (admin)",
@@ -50,7 +53,7 @@ def add_parsers(
     p.add_argument("--revision", default="", help="the model revision engines registered")
     p.add_argument("--tenant", default="", help="the tenant engines registered")
     p.add_argument("--all", action="store_true", help="every namespace (no selector needed)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (default 10)")
+    p.add_argument("--timeout", type=timeout, default=10.0, help="seconds to wait (default 10)")
     p.set_defaults(func=lambda args: _clear(args, load))
     p = sub.add_parser(
         "namespaces",
@@ -59,7 +62,7 @@ def add_parsers(
         "bytes per tier, configured quotas and TTL, lookups and hits.",
     )
     config_args(p)
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait (default 2)")
+    p.add_argument("--timeout", type=timeout, default=2.0, help="seconds to wait (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=lambda args: _namespaces(args, fetch))
 

@@ -6,6 +6,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -44,14 +45,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_text, description=help_text)
         _config_args(p)
-        p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait (default 2)")
+        p.add_argument(
+            "--timeout", type=timeout_seconds, default=2.0, help="seconds to wait (default 2)"
+        )
         if name == "stats":
             p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=_status if name == "status" else _stats)
     _add_cleanup(sub)
     from kvsidecar.admin import add_parsers as add_admin_parsers
 
-    add_admin_parsers(sub, _config_args, _fetch, _load)
+    add_admin_parsers(sub, _config_args, _fetch, _load, timeout_seconds)
     keygen = sub.add_parser(
         "keygen",
         help="make a CURVE key pair for a sidecar or a client (DIR/NAME.key, NAME.key_secret)",
@@ -94,6 +97,22 @@ def _version() -> str:
         return version("kvsidecar")
     except PackageNotFoundError:
         return "(not installed: no package metadata)"
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type: seconds a command waits for the sidecar, a finite
+    number in (0, MAX_TIMEOUT], as every client timeout (engine_shim.channel)."""
+    from engine_shim.channel import MAX_TIMEOUT, timeout_problem
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if timeout_problem(value) is not None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds in (0, {MAX_TIMEOUT:g}]"
+        )
+    return value
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -178,6 +197,7 @@ def _load(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Con
 def _serve(args: argparse.Namespace) -> int:
     """Run the daemon; its every line (start-up, logs, errors, stop) goes to
     stderr in --log-format (kvsidecar/logs.py)."""
+    import posix_ipc
     import zmq
 
     from shm.segments import ShmPoolError
@@ -210,7 +230,8 @@ def _serve(args: argparse.Namespace) -> int:
     except (InstanceRunning, UnsafeRuntimeDir) as err:
         log.error("%s", err)
         return 1
-    except (OSError, ShmPoolError, zmq.ZMQError) as err:  # a port in use, no room, ...
+    # A port in use, no room, another user's file under our shm names, ...
+    except (OSError, ShmPoolError, zmq.ZMQError, posix_ipc.Error) as err:
         log.error("cannot start: %s", err)
         return 1
     config, pool = server.config, server.parts.pool
@@ -251,6 +272,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
+    import posix_ipc
+
     from sidecar.cleanup import clean_instance, instances_in
     from sidecar.runtime import InstanceRunning, UnsafeRuntimeDir, instance_paths
 
@@ -271,6 +294,9 @@ def _cleanup(args: argparse.Namespace) -> int:
         except UnsafeRuntimeDir as err:
             print(f"kvsidecar: {err}", file=sys.stderr)
             return 1
+        except (OSError, posix_ipc.Error) as err:  # no access, a read-only file system, ...
+            print(f"kvsidecar: cannot clean up instance {name!r}: {err}", file=sys.stderr)
+            return 1
         _print_removed(removed)
     if not names:
         print(f"kvsidecar: no instance of uid {os.getuid()} in {paths.runtime_dir}")
@@ -290,6 +316,8 @@ def _print_removed(removed: Removed) -> None:
         )
     else:
         print(f"instance {removed.instance!r}: nothing to remove")
+    for reason in removed.kept:
+        print(f"kept {reason}")
 
 
 def _keygen(args: argparse.Namespace) -> int:

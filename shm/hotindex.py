@@ -76,9 +76,11 @@ def remove_stale(shm_prefix: str) -> list[str]:
             with (
                 contextlib.suppress(OSError, ShmPoolError, ValueError),
                 open_segment("/" + entry, create=False) as fd,
-                mmap.mmap(fd, os.fstat(fd).st_size) as mapping,
             ):
-                _lib().withdraw(mapping)
+                if os.fstat(fd).st_uid != os.getuid():
+                    continue  # another user's file under our name: never written (logged below)
+                with mmap.mmap(fd, os.fstat(fd).st_size) as mapping:
+                    _lib().withdraw(mapping)
     return remove_stale_segments(prefix)
 
 

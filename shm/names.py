@@ -15,6 +15,7 @@ outside their directory.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from pathlib import Path
@@ -24,6 +25,8 @@ import posix_ipc
 SHM_DIR = Path("/dev/shm")
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,250}")
+
+log = logging.getLogger("kvsidecar")
 
 
 def validate_prefix(prefix: str) -> str:
@@ -82,17 +85,21 @@ def segment_name(prefix: str, index: int, directory: str | None = None) -> str:
 
 def remove_stale_segments(prefix: str, directory: str | None = None) -> list[str]:
     """Unlink every segment named `{prefix}.<n>` in `directory` (None: POSIX
-    shm); returns the names removed, in the form `segment_name` gives.
+    shm) that this user owns; returns the names removed, in the form
+    `segment_name` gives.
 
     Only for a sidecar that has proved (by a lock it holds) that no live
-    instance owns `prefix`. Never touches any other name.
+    instance owns `prefix`. Never touches any other name. A file of another
+    user under one of these names (a squatter in the sticky /dev/shm, or a
+    sidecar of another user sharing a runtime directory) is left in place
+    and logged as a warning: we may not remove it, and it is not ours to.
     """
     pattern = re.compile(re.escape(validate_prefix(prefix)) + r"\.(0|[1-9][0-9]*)")
     where = SHM_DIR if directory is None else Path(validate_directory(directory))
     removed = []
     with contextlib.suppress(FileNotFoundError):
         for entry in sorted(os.listdir(where)):
-            if not pattern.fullmatch(entry):
+            if not pattern.fullmatch(entry) or not _ours(where / entry):
                 continue
             if directory is None:
                 with contextlib.suppress(posix_ipc.ExistentialError):
@@ -103,3 +110,22 @@ def remove_stale_segments(prefix: str, directory: str | None = None) -> list[str
                     os.unlink(where / entry)
                     removed.append(f"{directory}/{entry}")
     return removed
+
+
+def _ours(path: Path) -> bool:
+    """Whether this user owns `path` (not followed if a link); a file of
+    another user is logged as a warning. False if it is gone."""
+    try:
+        owner = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return False
+    if owner != os.getuid():
+        log.warning(
+            "shm segment %s belongs to uid %d, not to this user (uid %d): left in place; "
+            "if no process of that user needs it, have it removed",
+            path,
+            owner,
+            os.getuid(),
+        )
+        return False
+    return True

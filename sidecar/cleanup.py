@@ -5,17 +5,22 @@ the next sidecar of the same name removes them when it starts. `kvsidecar
 cleanup` does the same without starting one: it takes the instance lock
 exactly as a starting sidecar does (`InstanceLock`, whose flock the kernel
 drops when its holder dies), so it removes nothing while a live process
-holds the name, then removes the leftovers and releases the lock.
+holds the name, then removes the leftovers and releases the lock. A lock
+file can be removed under a live sidecar (a /tmp cleaner), so the instance's
+socket is tried too: one that accepts a connection is live, and nothing is
+removed either.
 
 Only this user's instances in one runtime directory are in reach: the shm
 names carry the uid and a digest of the runtime directory
-(`contract.endpoint`).
+(`contract.endpoint`), and only files this user owns are removed.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import socket
 import stat
 from pathlib import Path
 from typing import NamedTuple
@@ -23,7 +28,7 @@ from typing import NamedTuple
 from contract.endpoint import INSTANCE_PATTERN, InstancePaths
 from shm import hotindex
 from shm.names import SHM_DIR, is_file_path, remove_stale_segments, segment_name
-from sidecar.runtime import InstanceLock, ensure_runtime_dir, remove_created
+from sidecar.runtime import InstanceLock, InstanceRunning, ensure_runtime_dir, remove_created
 
 
 class Removed(NamedTuple):
@@ -37,26 +42,42 @@ class Removed(NamedTuple):
     freed_bytes: int
     """The segments' sizes added up: shared memory given back once no
     process maps them any more."""
+    kept: tuple[str, ...] = ()
+    """What was left in place and why, one line each: another user's socket."""
 
 
 def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
     """Remove the shm segments (in `shm_dir`, None: POSIX shm), the socket
     and the lock file of the instance `paths` names, after proving with its
-    lock that no live process holds it.
+    lock, and by connecting to its socket, that no live process holds it.
+    Only this user's files are removed: a segment of another user under
+    the instance's names is logged as a warning, its socket is kept (and
+    listed in `kept`).
 
-    Raises InstanceRunning, having removed nothing, while one does; and
-    UnsafeRuntimeDir for a runtime directory a sidecar would refuse. A
-    missing runtime directory is made for the lock and removed again.
+    Raises InstanceRunning, having removed nothing, while a process holds
+    the lock or listens on the socket; UnsafeRuntimeDir for a runtime
+    directory a sidecar would refuse; OSError as the file system does. A
+    missing runtime directory holds no lock, so no live sidecar has these
+    names: then only the segments are removed, and the directory is not
+    made (systemd removes its RuntimeDirectory with the service, and the
+    sidecar's user may not make it again).
     """
+    if not os.path.lexists(paths.runtime_dir):
+        segments, freed = _remove_segments(paths, shm_dir)
+        return Removed(paths.instance, segments, (), freed)
     had_lock = paths.lock_path.exists()
     created = ensure_runtime_dir(paths.runtime_dir)
+    files: list[Path] = []
+    kept: list[str] = []
     try:
         lock = InstanceLock(paths)
         try:
-            sizes = _segment_sizes(paths.shm_prefix, shm_dir)
-            segments = tuple(remove_stale_segments(paths.shm_prefix, shm_dir))
-            segments += tuple(hotindex.remove_stale(paths.shm_prefix))
-            files = [paths.socket_path] if _remove_socket(paths.socket_path) else []
+            socket_owner = _dead_socket_owner(paths)
+            segments, freed = _remove_segments(paths, shm_dir)
+            if socket_owner == os.getuid() and _remove_socket(paths.socket_path):
+                files.append(paths.socket_path)
+            elif socket_owner is not None:
+                kept.append(f"{paths.socket_path}: the socket of uid {socket_owner}, not ours")
             if _remove_file(paths.admin_token_path):
                 files.append(paths.admin_token_path)
         finally:
@@ -65,8 +86,41 @@ def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
         remove_created(created)
     if had_lock:
         files.append(paths.lock_path)
-    freed = sum(sizes.get(name, 0) for name in segments)
-    return Removed(paths.instance, segments, tuple(files), freed)
+    return Removed(paths.instance, segments, tuple(files), freed, tuple(kept))
+
+
+def _remove_segments(paths: InstancePaths, shm_dir: str | None) -> tuple[tuple[str, ...], int]:
+    """Remove the instance's segments and hot indexes: (their names, their bytes)."""
+    sizes = _segment_sizes(paths.shm_prefix, shm_dir)
+    segments = tuple(remove_stale_segments(paths.shm_prefix, shm_dir))
+    segments += tuple(hotindex.remove_stale(paths.shm_prefix))
+    return segments, sum(sizes.get(name, 0) for name in segments)
+
+
+def _dead_socket_owner(paths: InstancePaths) -> int | None:
+    """The uid owning the instance's socket, a socket nothing listens on;
+    None if there is no socket there. Raises InstanceRunning if a process
+    listens on it: the lock file may have been removed under a live
+    sidecar (a /tmp cleaner), or another instance serves that path."""
+    path = paths.socket_path
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(info.st_mode):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)  # a full backlog answers EAGAIN, not a wait
+        code = probe.connect_ex(str(path))
+    if code == errno.ECONNREFUSED:
+        return info.st_uid
+    if code == errno.ENOENT:
+        return None
+    answer = "it accepted a connection" if code == 0 else os.strerror(code)
+    raise InstanceRunning(
+        f"a live process listens on {path}, the socket of instance {paths.instance!r} "
+        f"({answer}); stop it first"
+    )
 
 
 def instances_in(runtime_dir: Path, shm_dir: str | None = None) -> list[str]:
@@ -120,7 +174,8 @@ def _segment_sizes(prefix: str, shm_dir: str | None) -> dict[str, int]:
 
 
 def _remove_socket(path: Path) -> bool:
-    """Unlink `path` if it is a socket (never anything else); whether it was."""
+    """Unlink `path` if it is a socket (never anything else); whether it was.
+    Only for a socket `_dead_socket_owner` found dead and ours."""
     try:
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             return False

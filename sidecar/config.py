@@ -73,6 +73,8 @@ CONFIG_VAR = "KVSIDECAR_CONFIG"
 _NOT_KEYS = frozenset((CONFIG_VAR, *CLIENT_ONLY_VARS))
 """KVSIDECAR_ variables that are not configuration keys."""
 _warned_variables: set[str] = set()
+ENDPOINT_KEYS = ("endpoint", "events_endpoint", "events_resync_endpoint")
+"""The keys naming a socket the sidecar binds."""
 
 log = logging.getLogger("kvsidecar")
 
@@ -288,7 +290,9 @@ class Config:
     endpoint: str | None = config_key(
         None,
         "str",
-        "ZeroMQ endpoint to serve; None = ipc://<runtime_dir>/<instance>.sock.",
+        "ZeroMQ endpoint to serve: ipc://PATH or tcp://HOST:PORT (1 <= PORT <= 65535; off "
+        "loopback, or an abstract ipc://@name, only with allow_remote_endpoints); "
+        "None = ipc://<runtime_dir>/<instance>.sock.",
         prefixes=ENDPOINT_PREFIXES,
         optional=True,
     )
@@ -370,8 +374,9 @@ class Config:
     allow_remote_endpoints: bool = config_key(
         False,
         "bool",
-        "Allow tcp:// endpoints off loopback (anything but 127.0.0.0/8, ::1, localhost); "
-        "they then need curve_secret_key_file and curve_authorized_keys_dir.",
+        "Allow tcp:// endpoints off loopback (anything but 127.0.0.0/8, ::1, localhost), "
+        "which then need curve_secret_key_file and curve_authorized_keys_dir, and abstract "
+        "ipc://@name endpoints, which any local user may connect to (no CURVE, no group).",
     )
     curve_secret_key_file: str | None = config_key(
         None,
@@ -418,28 +423,42 @@ class Config:
                 f"remote_write_streams ({self.remote_write_streams}) must not exceed "
                 f"remote_io_threads ({self.remote_io_threads}): each stream is one thread"
             )
-        self._check_remote_endpoints()
+        self._check_endpoints()
         try:
             parse_rules(self.namespace_limits)
         except ValueError as err:
             raise ConfigError(f"namespace_limits: {err}") from None
-        bound = [e for e in (self.endpoint, self.events_endpoint, self.events_resync_endpoint) if e]
+        bound = [e for e in (getattr(self, key) for key in ENDPOINT_KEYS) if e]
         if len(set(bound)) != len(bound):
             raise ConfigError(
                 "endpoint, events_endpoint and events_resync_endpoint must all differ "
                 f"(each is bound by its own socket), got {bound}"
             )
 
-    def _check_remote_endpoints(self) -> None:
-        """tcp:// off loopback only when allowed, and then only with CURVE."""
+    def _check_endpoints(self) -> None:
+        """A tcp:// endpoint names a port, and one off loopback is bound only
+        when allowed, and then only with CURVE. An abstract ipc://@name socket
+        has no file permissions (any local user may connect, `group` cannot
+        narrow that, and CURVE covers tcp:// only): bound only when allowed."""
         if (self.curve_secret_key_file is None) != (self.curve_authorized_keys_dir is None):
             raise ConfigError(
                 "curve_secret_key_file and curve_authorized_keys_dir go together: set both "
                 "(kvsidecar keygen makes the key files), or neither"
             )
-        for key in ("endpoint", "events_endpoint", "events_resync_endpoint"):
+        for key in ENDPOINT_KEYS:
             value = getattr(self, key)
-            if value is None or is_loopback(value):
+            if value is None:
+                continue
+            if value.startswith("tcp://"):
+                _check_tcp_port(key, value)
+            if value.startswith("ipc://@") and not self.allow_remote_endpoints:
+                raise ConfigError(
+                    f"{key} {value!r} is an abstract unix socket: it has no file permissions, "
+                    "so any local user could connect to it (group cannot restrict it); use "
+                    "ipc://PATH (a socket file in a private directory), or set "
+                    "allow_remote_endpoints=true to accept that"
+                )
+            if is_loopback(value):
                 continue
             if not self.allow_remote_endpoints:
                 raise ConfigError(
@@ -483,6 +502,18 @@ def group_id(group: str | None) -> int | None:
             f"group: {group!r} names no group on this host (getent group {group}); "
             "allowed: an existing group name or a numeric gid"
         ) from None
+
+
+def _check_tcp_port(key: str, endpoint: str) -> None:
+    """ConfigError unless `endpoint` (tcp://HOST:PORT) names a host and a port
+    in 1..65535: ZeroMQ would take 0 or * for "any free port" (which engines
+    cannot find) and a larger number modulo 65536."""
+    host, colon, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if not (colon and host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(
+            f"{key}: {endpoint!r} is not tcp://HOST:PORT with 1 <= PORT <= 65535 "
+            "(a fixed port: engines must know where to connect)"
+        )
 
 
 SPECS: dict[str, FieldSpec] = {f.name: f.metadata[SPEC] for f in fields(Config)}

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import stat
 from pathlib import Path
@@ -282,3 +283,18 @@ def read_admin_token(path: Path) -> str:
     """The token a running sidecar wrote; OSError (e.g. PermissionError for
     another user, FileNotFoundError with no sidecar) as open raises it."""
     return path.read_text(encoding="ascii").strip()
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, and
+    return the limit now in force. Engines' connections, SSD files and the
+    metrics port's connections share it, and libzmq aborts the process when
+    it runs out (systemd's default soft limit is 1,024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (OSError, ValueError) as err:
+            log.warning("open files limit stays at %d: %s", soft, err)
+    return soft

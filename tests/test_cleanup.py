@@ -5,7 +5,10 @@ Real sidecars, killed for real; cleanup runs as its own process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 import sidecar_proc as sp
 from sidecar_proc import DEADLINE, Sidecar
 
+from contract.endpoint import InstancePaths
 from sidecar.cleanup import instances_in
 
 
@@ -125,3 +129,115 @@ def test_cleanup_without_instance_cleans_the_configured_one(instance: str | None
             assert s.shm_segments() != []
     finally:
         s.cleanup()
+
+
+# --- what is not provably dead, or not ours, stays ------------------------------------
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+def test_cleanup_leaves_a_live_sidecar_whose_lock_file_was_removed(sidecar: Sidecar) -> None:
+    """A /tmp cleaner may remove the lock file under a live sidecar: the lock
+    proves nothing then, but its socket still answers."""
+    os.unlink(Path(sidecar.runtime_dir, f"{sidecar.instance}.lock"))
+    before = leftovers(sidecar)
+    done = cleanup(sidecar.runtime_dir, "--instance", sidecar.instance)
+    assert done.returncode == 1, done.stdout
+    assert "a live process listens on" in done.stderr and "nothing removed" in done.stderr
+    every = cleanup(sidecar.runtime_dir, "--all")
+    assert every.returncode == 0, every.stderr
+    assert f"the socket of instance {sidecar.instance!r}" in every.stderr
+    assert f"instance {sidecar.instance!r}" not in every.stdout
+    assert leftovers(sidecar) == before
+    assert sp.stats_of(sidecar)["pid"] == sidecar.proc.pid  # type: ignore[union-attr]
+
+
+def dead_socket(path: Path) -> None:
+    """A socket file nothing listens on, as a killed process leaves one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))
+
+
+@needs_root
+def test_cleanup_keeps_another_users_socket_and_says_so() -> None:
+    runtime_dir = sp.tmp_dir()
+    instance = f"t{os.getpid()}-theirs"
+    path = Path(runtime_dir, f"{instance}.sock")
+    try:
+        dead_socket(path)
+        os.chown(path, NOBODY, -1, follow_symlinks=False)
+        done = cleanup(runtime_dir, "--instance", instance)
+        assert done.returncode == 0, done.stderr
+        assert f"kept {path}: the socket of uid {NOBODY}, not ours" in done.stdout
+        assert os.listdir(runtime_dir) == [path.name]
+        os.chown(path, os.getuid(), -1, follow_symlinks=False)
+        done = cleanup(runtime_dir, "--instance", instance)
+        assert done.returncode == 0, done.stderr
+        assert f"removed {path}" in done.stdout and os.listdir(runtime_dir) == []
+    finally:
+        shutil.rmtree(runtime_dir)
+
+
+def segment_files(runtime_dir: str, instance: str, owners: list[int]) -> list[str]:
+    """/dev/shm files named as the instance's segments 0, 1, ... are, one per
+    owner, each of 4 KiB."""
+    prefix = InstancePaths(Path(runtime_dir), instance).shm_prefix
+    paths = [f"/dev/shm/{prefix}.{i}" for i in range(len(owners))]
+    for path, owner in zip(paths, owners, strict=True):
+        with open(path, "wb") as f:
+            f.write(bytes(4096))
+        os.chown(path, owner, -1)
+    return paths
+
+
+@needs_root
+def test_cleanup_leaves_another_users_segment_under_the_instances_name() -> None:
+    """Another user's file squatting a name in sticky /dev/shm: not ours to
+    remove (without root, unlinking it fails); a warning names it."""
+    runtime_dir = sp.tmp_dir()
+    instance = f"t{os.getpid()}-squat"
+    ours, theirs = segment_files(runtime_dir, instance, [os.getuid(), NOBODY])
+    try:
+        done = cleanup(runtime_dir, "--instance", instance)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+        assert f"{theirs} belongs to uid {NOBODY}" in done.stderr
+        assert f"removed shm segment /{os.path.basename(ours)}" in done.stdout
+        assert "4KiB of shared memory freed" in done.stdout
+        assert not os.path.exists(ours) and os.stat(theirs).st_uid == NOBODY
+    finally:
+        for path in (ours, theirs):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        os.rmdir(runtime_dir)
+
+
+# --- after a crash under systemd: the runtime directory is gone ------------------------
+
+UNMAKEABLE = f"/sys/kvs-t{os.getpid()}/run"
+"""A runtime directory that does not exist and cannot be made (not by root
+either), as systemd's RuntimeDirectory after the service stopped, for its user."""
+
+
+@pytest.mark.parametrize("every", [False, True], ids=["instance", "all"])
+def test_cleanup_without_the_runtime_directory_removes_the_segments_only(every: bool) -> None:
+    instance = f"t{os.getpid()}-gone"
+    (segment,) = segment_files(UNMAKEABLE, instance, [os.getuid()])
+    try:
+        done = cleanup(UNMAKEABLE, *(["--all"] if every else ["--instance", instance]))
+        assert done.returncode == 0, done.stderr
+        assert f"instance {instance!r}: removed 1 shm segment(s) and 0 file(s)" in done.stdout
+        assert not os.path.exists(segment) and not os.path.exists(UNMAKEABLE)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment)
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no /sys/kernel")
+def test_cleanup_that_cannot_take_the_lock_says_why_in_one_line() -> None:
+    """A runtime directory where no lock file can be made (not ours, or
+    read-only to us): one line and exit 1, not a traceback."""
+    done = cleanup("/sys/kernel", "--instance", f"t{os.getpid()}-ro")
+    assert done.returncode == 1
+    assert done.stderr.startswith("kvsidecar: ") and done.stderr.count("\n") == 1, done.stderr

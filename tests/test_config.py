@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -427,3 +428,59 @@ def test_remote_write_streams_may_not_exceed_the_remote_threads() -> None:
     assert load_config(overrides={"remote_io_threads": 3, "remote_write_streams": 3})
     with pytest.raises(ConfigError, match=r"remote_write_streams \(5\) must not exceed"):
         load_config(overrides={"remote_io_threads": 4, "remote_write_streams": 5})
+
+
+# --- endpoints: a port engines can find, and only sockets the host's permissions guard ---
+
+ENDPOINT_KEYS = ["endpoint", "events_endpoint", "events_resync_endpoint"]
+
+
+def endpoint_overrides(key: str, value: str) -> dict[str, object]:
+    """`key` set to `value`; a resync endpoint comes with an events endpoint."""
+    overrides: dict[str, object] = {key: value}
+    if key == "events_resync_endpoint":
+        overrides["events_endpoint"] = "ipc:///tmp/kvs-events.pub"
+    return overrides
+
+
+@pytest.mark.parametrize("key", ENDPOINT_KEYS)
+@pytest.mark.parametrize(
+    "value",
+    [
+        "tcp://127.0.0.1:99999",  # ZeroMQ would listen on 99999 % 65536
+        "tcp://localhost:0",  # ... and on a random port here
+        "tcp://127.0.0.1:*",
+        "tcp://127.0.0.1:65536",
+        "tcp://127.0.0.1:-1",
+        "tcp://127.0.0.1:",
+        "tcp://127.0.0.1",
+        "tcp://:5555",
+    ],
+)
+def test_a_tcp_endpoint_needs_a_port_from_1_to_65535(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"{key}: '{re.escape(value)}' is not tcp://HOST:PORT"):
+        load_config(env={}, overrides=endpoint_overrides(key, value))
+
+
+@pytest.mark.parametrize("key", ENDPOINT_KEYS)
+@pytest.mark.parametrize("port", [1, 5555, 65535])
+def test_a_tcp_endpoint_with_a_port_in_range_loads(key: str, port: int) -> None:
+    value = f"tcp://127.0.0.1:{port}"
+    assert getattr(load_config(env={}, overrides=endpoint_overrides(key, value)), key) == value
+
+
+@pytest.mark.parametrize("key", ENDPOINT_KEYS)
+def test_an_abstract_ipc_endpoint_is_refused_unless_remote_endpoints_are_allowed(
+    key: str,
+) -> None:
+    """An abstract socket has no file: any local user may connect, and `group`
+    cannot narrow that. Like an endpoint off loopback, it needs the opt-in."""
+    overrides = endpoint_overrides(key, "ipc://@kvsidecar-test")
+    with pytest.raises(ConfigError, match=rf"{key} 'ipc://@kvsidecar-test' is an abstract"):
+        load_config(env={}, overrides=overrides)
+    with pytest.raises(ConfigError, match="allow_remote_endpoints"):
+        load_config(env={env_var(key): "ipc://@kvsidecar-test"}, overrides=overrides)
+    allowed = load_config(env={}, overrides={**overrides, "allow_remote_endpoints": True})
+    assert getattr(allowed, key) == "ipc://@kvsidecar-test"
+    path = "ipc:///tmp/kvs-test.sock"  # a socket file: the runtime directory guards it
+    assert getattr(load_config(env={}, overrides=endpoint_overrides(key, path)), key) == path

@@ -104,6 +104,33 @@ def test_engine_side_ignores_the_service_variables(tmp_path: Path) -> None:
     assert default_endpoint(env) == f"ipc://{tmp_path}/default.sock"
 
 
+def test_an_engine_refuses_a_default_runtime_dir_someone_else_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no runtime directory named, the default falls back to
+    /tmp/kvsidecar-<uid>, which any user may create first and serve a
+    sidecar of their own in: the engine sent it its KV."""
+    import os
+
+    from contract import endpoint
+
+    planted = tmp_path / "kvsidecar-planted"
+    monkeypatch.setattr(endpoint, "default_runtime_dir", lambda: planted)
+    assert default_endpoint({}) == f"ipc://{planted}/default.sock"  # not made yet: fine
+    planted.mkdir(mode=0o700)
+    assert default_endpoint({}) == f"ipc://{planted}/default.sock"  # ours
+    planted.chmod(0o777)
+    with pytest.raises(ValueError, match="may be written by others"):
+        default_endpoint({})
+    planted.chmod(0o700)
+    if os.getuid() == 0:
+        os.chown(planted, 65534, 65534)
+        with pytest.raises(ValueError, match="belongs to uid 65534"):
+            default_endpoint({})
+    named = {"KVSIDECAR_RUNTIME_DIR": str(planted)}  # named: the operator's choice
+    assert default_endpoint(named) == f"ipc://{planted}/default.sock"
+
+
 def test_serve_starts_beside_a_kubernetes_service(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

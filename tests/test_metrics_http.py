@@ -339,3 +339,56 @@ def test_ssd_and_remote_histograms_count_their_jobs(tmp_path, redis_server):
     finally:
         for h in hosts:
             h.cleanup()
+
+
+def test_idle_metrics_connections_by_the_hundred_leave_the_engines_served():
+    """The metrics port shares the sidecar's file descriptors with the
+    engines' socket: idle connections past its limit made libzmq abort the
+    sidecar at the next engine's connect. Past MAX_CONNECTIONS they are now
+    closed at once, and an idle one is closed after IDLE_SECONDS."""
+    import resource
+    import socket
+
+    from sidecar.metrics.http_server import MAX_CONNECTIONS
+
+    port = free_port()
+    s = Sidecar("--metrics-port", str(port)).start()
+    idle: list[socket.socket] = []
+    try:
+        assert s.proc is not None
+        resource.prlimit(s.proc.pid, resource.RLIMIT_NOFILE, (200, 200))
+        for _ in range(300):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+            conn.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            idle.append(conn)
+        # The ones past the cap were closed unanswered: they read EOF.
+        wait_for(lambda: sum(closed(c) for c in idle) >= len(idle) - MAX_CONNECTIONS)
+        with connect(s.endpoint, make_kv(3)) as client:  # a new connection to the sidecar
+            assert client.save(tokens(2), np.arange(2)).wait() == 2 * TOKENS_PER_BLOCK
+        assert s.proc.poll() is None
+        for conn in idle:
+            conn.close()
+        wait_for(lambda: answers(port))
+        assert s.stop() == 0
+    finally:
+        for conn in idle:
+            conn.close()
+        s.cleanup()
+
+
+def closed(conn) -> bool:
+    """Whether the peer closed `conn` (EOF waiting), without blocking."""
+    conn.setblocking(False)
+    try:
+        return conn.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def answers(port: int) -> bool:
+    try:
+        return get(port, "/healthz") == (200, "ok\n")
+    except OSError:  # closed unanswered: every connection is still taken
+        return False

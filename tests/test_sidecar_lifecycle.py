@@ -213,10 +213,17 @@ def test_tcp_endpoint():
         s.cleanup()
 
 
-def test_an_ipc_endpoint_is_never_taken_from_a_live_sidecar_and_is_removed_at_stop(tmp_path):
+@pytest.mark.parametrize("key", ["endpoint", "events_endpoint", "events_resync_endpoint"])
+def test_an_ipc_endpoint_is_never_taken_from_a_live_sidecar_and_is_removed_at_stop(key, tmp_path):
+    """The event endpoints too: libzmq unlinks what is at an ipc path before
+    it binds, so they overwrote a regular file, took a live sidecar's events
+    socket over, and their files stayed after a stop."""
     endpoint = f"ipc://{tmp_path}/shared.sock"
-    first = Sidecar("--endpoint", endpoint)
-    second = Sidecar("--endpoint", endpoint)  # another instance name, same socket path
+    args = ["--endpoint", endpoint] if key == "endpoint" else ["--set", f"{key}={endpoint}"]
+    if key == "events_resync_endpoint":
+        args += ["--set", f"events_endpoint=ipc://{tmp_path}/{{}}.pub"]
+    first = Sidecar(*[a.replace("{}", "first") for a in args])
+    second = Sidecar(*[a.replace("{}", "second") for a in args])  # same socket path
     try:
         first.start()
         with pytest.raises(RuntimeError, match="served by another live process"):
@@ -224,6 +231,7 @@ def test_an_ipc_endpoint_is_never_taken_from_a_live_sidecar_and_is_removed_at_st
         assert stats_of(first)["pid"] == first.proc.pid
         assert first.stop() == 0
         assert not (tmp_path / "shared.sock").exists()
+        assert not list(tmp_path.glob("*.pub"))
         second.start()  # the path is free again
         assert second.stop() == 0
         (tmp_path / "shared.sock").write_text("not a socket")

@@ -5,11 +5,17 @@ prometheus-client's WSGI app serves `/metrics`; a small WSGI app in front
 routes the probes and answers 404 for any other path. The server is
 prometheus-client's thread-per-request WSGI server on one daemon thread;
 everything it answers is read-only (the published stats snapshot, a flag).
+It shares the process's file descriptors with the engines' socket, so a
+connection is dropped once idle for `IDLE_SECONDS`, and past
+`MAX_CONNECTIONS` at once new ones are closed unanswered: idle connections
+by the thousand once used up the descriptors, and libzmq aborted the
+sidecar at the next engine's connect.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -27,6 +33,8 @@ from prometheus_client import (
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from sidecar.metrics.prometheus import StatsCollector
+
+log = logging.getLogger("kvsidecar")
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
@@ -74,7 +82,16 @@ def routes(metrics: WsgiApp, ready: Callable[[], bool]) -> WsgiApp:
     return app
 
 
+MAX_CONNECTIONS = 64
+"""Connections served at once; more are closed at once, unanswered."""
+
+IDLE_SECONDS = 10.0
+"""A connection that sends nothing for this long is closed."""
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_SECONDS
+
     def log_message(self, format: str, *args: Any) -> None:
         """Probes come every few seconds: no line per request."""
 
@@ -88,6 +105,29 @@ def serve_metrics(
 
     class Server(ThreadingWSGIServer):
         address_family = family
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        request_queue_size = 128  # the listen backlog: 5 dropped connections in a burst
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)  # starts its thread
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            """A client that went quiet or away: not worth a traceback on
+            stderr (any local client could fill the journal with them)."""
+            log.debug("metrics connection from %s ended with an error", client_address)
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
 
     app = routes(make_wsgi_app(metrics_registry(snapshot)), ready)
     server = make_server(host, port, app, Server, handler_class=_QuietHandler)

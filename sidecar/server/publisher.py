@@ -25,6 +25,7 @@ from contract import events as wire
 from sidecar.control.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from sidecar.control.index import RadixIndex
 from sidecar.control.node import RadixNode
+from sidecar.server.socket_files import SocketFile
 
 log = logging.getLogger("kvsidecar")
 
@@ -51,18 +52,33 @@ class EventPublisher:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, SEND_HWM)
         self.resync: zmq.Socket[bytes] | None = None
+        self._files: list[SocketFile] = []
+        """The ipc socket files bound here (removed at close)."""
         try:
-            secure(self.pub, endpoint)
-            self.pub.bind(endpoint)
+            self._bind(self.pub, endpoint, secure)
             if resync_endpoint is not None:
                 self.resync = ctx.socket(zmq.ROUTER)
-                secure(self.resync, resync_endpoint)
                 self.resync.setsockopt(zmq.LINGER, 0)
                 self.resync.setsockopt(zmq.MAXMSGSIZE, 4096)
-                self.resync.bind(resync_endpoint)
-        except zmq.ZMQError:
+                self._bind(self.resync, resync_endpoint, secure)
+        except BaseException:
             self.close()
             raise
+
+    def _bind(
+        self,
+        sock: zmq.Socket[bytes],
+        endpoint: str,
+        secure: Callable[[zmq.Socket[bytes], str], None],
+    ) -> None:
+        """Bind, never over a file that is not a dead socket of ours (libzmq
+        would unlink it: a regular file, a live sidecar's events socket)."""
+        file = SocketFile.claim(endpoint)
+        secure(sock, endpoint)
+        sock.bind(endpoint)
+        if file is not None:
+            file.bound()
+            self._files.append(file)
 
     def publish(self, events: list[KVEvent]) -> None:
         """Send the events as the next batch; with none, a heartbeat if
@@ -108,6 +124,9 @@ class EventPublisher:
         for sock in (self.pub, self.resync):
             if sock is not None:
                 sock.close(0)
+        for file in self._files:
+            file.remove()
+        self._files = []
 
 
 def _to_msgs(events: list[KVEvent]) -> list[wire.StoredMsg | wire.RemovedMsg | wire.ClearedMsg]:

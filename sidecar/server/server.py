@@ -41,6 +41,7 @@ from sidecar.runtime import (
     endpoint_of,
     ensure_runtime_dir,
     instance_paths,
+    raise_open_files_limit,
     remove_created,
     share_socket_file,
 )
@@ -194,6 +195,7 @@ class Server:
         check_tiers(self.config)
         if self.gid is not None:
             check_group_member(self.gid)
+        log.debug("open files limit: %d", raise_open_files_limit())
         created = ensure_runtime_dir(self.paths.runtime_dir, self.gid)
         try:
             self._start_parts()

@@ -9,11 +9,6 @@ sleeping, so a busy engine's next request is served without a wake-up.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import socket
-import stat
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,8 +16,8 @@ from typing import Any
 import zmq
 
 from contract import protocol as p
-from sidecar.runtime import InstanceRunning
 from sidecar.server.curve import CurveFiles, CurveGuard
+from sidecar.server.socket_files import SocketFile
 
 # Plain ints: zmq's IntFlag members cost ~2 us per operation in a hot loop.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -45,12 +40,8 @@ class Transport:
         self.endpoint = endpoint
         self._serve = serve
         self._busy_poll = busy_poll
-        self._socket_file: str | None = None
-        """The ipc socket file this process bound (removed at close)."""
-        socket_file = endpoint.removeprefix("ipc://")
-        if endpoint.startswith("ipc://") and not socket_file.startswith("@"):
-            _claim_socket_file(socket_file)  # the lock covers the default path only
-            self._socket_file = socket_file
+        self._socket_file = SocketFile.claim(endpoint)  # the lock covers the default path only
+        """The ipc socket file this process binds (removed at close)."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._guard: CurveGuard | None = None
@@ -62,6 +53,8 @@ class Transport:
             self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
             self.sock.bind(endpoint)
+            if self._socket_file is not None:
+                self._socket_file.bound()
         except BaseException:
             self.close()
             raise
@@ -133,31 +126,4 @@ class Transport:
         if not self.ctx.closed:
             self.ctx.term()
         if self._socket_file is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._socket_file)
-            self._socket_file = None
-
-
-def _claim_socket_file(path: str) -> None:
-    """Make `path` free for our ipc socket: a socket left by a dead process
-    is removed; one a live process accepts connections on raises
-    InstanceRunning; anything else that is not a socket is never touched
-    (FileExistsError)."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise FileExistsError(
-            errno.EEXIST, "exists and is not a socket; pick another --endpoint", path
-        )
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # left by a dead process
-            return
-    raise InstanceRunning(
-        f"ipc://{path} is served by another live process; stop it or pick another --endpoint"
-    )
+            self._socket_file.remove()

@@ -1,0 +1,90 @@
+"""The files of the ipc:// sockets a sidecar binds (its engines' endpoint,
+the KV event endpoints): claimed before the bind, removed at close only
+while they are still the ones it bound.
+
+libzmq unlinks whatever is at an ipc path before it binds there, so the
+claim is the only check: a regular file is never replaced, a socket some
+live process serves is never taken over, and a socket another user owns is
+never removed. Only a socket that refuses connections (its process is gone)
+is cleared. An abstract name (`ipc://@name`) has no file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+
+from sidecar.runtime import InstanceRunning
+
+
+class SocketFile:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._bound: tuple[int, int, int] | None = None
+        """(device, inode, mtime) of the socket this process bound: an inode
+        number alone may be given again to a socket bound there since."""
+
+    @classmethod
+    def claim(cls, endpoint: str) -> SocketFile | None:
+        """The file of `endpoint`, made free for our bind (`claim_socket_file`);
+        None for an endpoint with no file."""
+        path = endpoint.removeprefix("ipc://")
+        if not endpoint.startswith("ipc://") or path.startswith("@"):
+            return None
+        claim_socket_file(path)
+        return cls(path)
+
+    def bound(self) -> None:
+        """Call after the bind: the file there now is ours."""
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            self._bound = (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+    def remove(self) -> None:
+        """Unlink the socket file if it is still the one this process bound
+        (another process may have bound that path since)."""
+        bound, self._bound = self._bound, None
+        if bound is None:
+            return
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino, st.st_mtime_ns) == bound:
+                os.unlink(self.path)
+
+
+def claim_socket_file(path: str) -> None:
+    """Make `path` free for our ipc socket: a socket of ours that refuses
+    connections (its process is gone) is removed; one a live process
+    accepts connections on raises InstanceRunning; anything that is not a
+    socket, a socket another user owns, or one whose liveness cannot be
+    told, is never touched (FileExistsError / PermissionError)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(
+            errno.EEXIST, "exists and is not a socket; pick another endpoint", path
+        )
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            errno.EPERM, f"a socket of uid {st.st_uid}, not ours; pick another endpoint", path
+        )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # left by a dead process
+            return
+        except OSError as err:  # a full backlog, a timeout: someone may be there
+            raise InstanceRunning(
+                f"ipc://{path} may be served by a live process ({err}); "
+                "stop it or pick another endpoint"
+            ) from None
+    raise InstanceRunning(
+        f"ipc://{path} is served by another live process; stop it or pick another endpoint"
+    )
