@@ -455,7 +455,14 @@ class HotLane:
         """Commit the blocks past `first` in one message, not awaited."""
         if not slots.size:
             return self._handle(num_tokens, None, None)
-        ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
+        try:
+            ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
+        except Exception:
+            # Not sent: the slots are still this session's grant (over tcp, a
+            # dropped connection comes back to the same sidecar, which still
+            # holds them for us). A restarted sidecar's new grant replaces this index.
+            index.granted.extend(slots.tolist())
+            raise
         self.grants_usable(index)  # ask for more, if few are left
         tpb = num_tokens // (len(kb) // KEY_BYTES)
         # What the sidecar kept: a quota, or an eviction since the count, may drop blocks.

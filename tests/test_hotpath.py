@@ -343,6 +343,31 @@ def test_two_engines_saving_one_prefix_store_it_once(sidecar, open_client):
     assert used == cached
 
 
+def test_a_commit_that_could_not_be_sent_keeps_its_slots_granted(sidecar, open_client):
+    """A commit whose send fails (over tcp, a dropped connection to the same
+    sidecar) committed nothing: its slots stay in the grant (before, they
+    were lost to the session until it ended) and the next save uses them."""
+    c = open_client(sidecar.endpoint, make_kv(13))
+    assert c.save(tokens(1, start=8000), np.arange(1)).wait() == sp.TOKENS_PER_BLOCK
+    wait_for(lambda: granted(c) > 0)
+    hot = c._link.hot
+    held = sorted(hot.index.granted)
+    send = hot._channel.send
+
+    def unreachable(*args: object, **kwargs: object) -> int:
+        raise SidecarUnavailable("no sidecar connected (injected)")
+
+    hot._channel.send = unreachable  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SidecarUnavailable):
+            c.save(tokens(2, start=8100), np.arange(2))
+    finally:
+        hot._channel.send = send  # type: ignore[method-assign]
+    assert sorted(hot.index.granted) == held
+    assert c.save(tokens(2, start=8100), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    assert c.lookup(tokens(2, start=8100)) == 2 * sp.TOKENS_PER_BLOCK
+
+
 @pytest.mark.parametrize("engine_id", [None, "one-engine"])  # None: a new one each time
 def test_registering_again_gives_the_grant_back_and_no_save_writes_into_it(engine_id, open_client):
     """The grant of a session that registers again (another engine, or the
