@@ -86,3 +86,32 @@ def test_close_removes_only_the_socket_this_process_bound(tmp_path):
         assert path.exists()
     assert SocketFile.claim("ipc://@abstract") is None
     assert SocketFile.claim("tcp://127.0.0.1:5555") is None
+
+
+def test_a_second_claim_waits_for_the_first_bind_and_then_finds_it_live(tmp_path):
+    """Two sidecars started at once on one path both found it free before
+    either bound, and both said they served: the claim now holds the
+    directory until its bind is done."""
+    import threading
+
+    path = tmp_path / "s.sock"
+    first = SocketFile.claim(f"ipc://{path}")
+    assert first is not None
+    outcome: list[BaseException | None] = []
+
+    def second() -> None:
+        try:
+            SocketFile.claim(f"ipc://{path}")
+            outcome.append(None)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive() and not outcome  # waits on the first claim
+    with unix_socket(path, listen=True):
+        first.bound()
+        thread.join(30)
+        assert isinstance(outcome[0], InstanceRunning)
+        first.remove()

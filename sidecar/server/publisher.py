@@ -74,8 +74,13 @@ class EventPublisher:
         """Bind, never over a file that is not a dead socket of ours (libzmq
         would unlink it: a regular file, a live sidecar's events socket)."""
         file = SocketFile.claim(endpoint)
-        secure(sock, endpoint)
-        sock.bind(endpoint)
+        try:
+            secure(sock, endpoint)
+            sock.bind(endpoint)
+        except BaseException:
+            if file is not None:
+                file.release()
+            raise
         if file is not None:
             file.bound()
             self._files.append(file)
