@@ -362,7 +362,8 @@ class KVClient:
     def execute(self, plan: PlanOps) -> TransferHandle:
         """Run this rank's part of a plan another rank of the engine asked for.
         SidecarUnavailable if the sidecar that made it has restarted since:
-        nothing is copied, and the plan died with that sidecar."""
+        nothing is copied, and the plan died with that sidecar. ValueError,
+        with nothing copied, if this rank ran or gave back the plan already."""
         return self._link.run(plan, 0)
 
     def cancel(self, plan: PlanOps) -> None:
