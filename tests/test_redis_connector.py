@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from redis.cluster import key_slot
 from redis_servers import RedisClusterOf3, RedisServer
-from sidecar_proc import free_port
+from sidecar_proc import free_port, wait_for
 
 from sidecar.tiers.remote.connector import Connector, Later, RemoteUnavailable
 from sidecar.tiers.remote.redis import RedisConnector
@@ -140,6 +140,69 @@ def test_a_cluster_spreads_keys_over_its_nodes_and_round_trips(redis_bin):
         c.close()
     finally:
         cluster.cleanup()
+
+
+class QuickFailoverNode(RedisServer):
+    def args(self) -> list[str]:
+        return [*super().args(), "--cluster-node-timeout", "1000"]
+
+
+def test_a_cluster_that_failed_over_is_used_again_without_a_restart(redis_bin):
+    """After a failover every op went to the dead primary's address (the
+    slot map was read again only on a MOVED reply) and the tier stayed
+    offline until the sidecar restarted: an unreachable node now has the
+    map read again, from every node it knew."""
+    import subprocess
+
+    nodes = [QuickFailoverNode(cluster=True) for _ in range(4)]
+    try:
+        for node in nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{n.port}" for n in nodes]
+        run = {"capture_output": True, "check": True, "timeout": 60}
+        subprocess.run(["redis-cli", "--cluster", "create", *addresses[:3], "--cluster-yes"], **run)
+        wait_for(lambda: all(RedisClusterOf3._ok(n) for n in nodes[:3]))
+        with nodes[0].client() as r:
+            primary = r.execute_command("CLUSTER", "MYID").decode()
+        add = ["redis-cli", "--cluster", "add-node", addresses[3], addresses[0]]
+        subprocess.run([*add, "--cluster-slave", "--cluster-master-id", primary], **run)
+
+        def replicating() -> bool:
+            with nodes[3].client() as r:
+                return r.info("replication").get("master_link_status") == "up"
+
+        wait_for(replicating)
+        c = RedisConnector(nodes[1].url, timeout=0.3, cluster=True)
+        store = RemoteStore(c, "kv", BLOCK)
+        keys = [bytes([i]) * 16 for i in range(24)]
+        blocks = slots(24, 8)
+        assert store.write(keys, list(blocks)) == [True] * 24
+        with nodes[0].client() as r:  # replicated before the primary goes
+            r.execute_command("WAIT", 1, 10_000)
+        nodes[0].kill()
+
+        def failed_over() -> bool:
+            with nodes[3].client() as r:
+                promoted = r.info("replication")["role"] == "master"
+            return promoted and RedisClusterOf3._ok(nodes[1]) and RedisClusterOf3._ok(nodes[3])
+
+        wait_for(failed_over, timeout=60)
+
+        def pings() -> bool:
+            try:
+                c.ping()
+                return True
+            except RemoteUnavailable:  # the dead primary's address, once
+                return False
+
+        wait_for(pings, timeout=30)
+        targets = slots(24, 9)
+        assert store.read(keys, list(targets)) == [ReadResult.HIT] * 24
+        assert np.array_equal(targets, blocks)
+        c.close()
+    finally:
+        for node in nodes:
+            node.cleanup()
 
 
 def parts_of(targets: np.ndarray, head: int) -> tuple[list[bytearray], list[list[memoryview]]]:

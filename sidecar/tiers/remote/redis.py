@@ -37,7 +37,7 @@ import redis
 from redis._parsers import BaseParser
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, ResponseError
+from redis.exceptions import AskError, RedisClusterException, ResponseError
 from redis.retry import Retry
 
 from sidecar.tiers.remote.connector import (
@@ -142,7 +142,7 @@ class RedisConnector(Connector):
     def ping(self) -> None:
         ping: Callable[[int], list[Piece]] = lambda _: [_command(b"PING")]  # noqa: E731
         pings = [(pool, [0], ping) for pool in self._pools()]
-        for (reply,) in _exchange(pings, _replies):
+        for (reply,) in self._exchanged(pings, _replies):
             if reply != b"PONG":
                 raise RemoteUnavailable(f"{self.describe()}: PING answered {reply!r}")
 
@@ -170,12 +170,28 @@ class RedisConnector(Connector):
         reader = read or _replies
         exchanges = [(pool, idx, pack) for pool, idx in groups]
         out: list[object] = [None] * len(keys)
-        for (_, idx), replies in zip(groups, _exchange(exchanges, reader), strict=True):
+        for (_, idx), replies in zip(groups, self._exchanged(exchanges, reader), strict=True):
             for i, reply in zip(idx, replies, strict=True):
                 out[i] = reply
         if any(isinstance(r, ResponseError) and _is_redirect(r) for r in out):
             self._refresh = True
         return out
+
+    def _exchanged(
+        self,
+        exchanges: list[tuple[redis.ConnectionPool, list[int], Callable[[int], list[Piece]]]],
+        read: Reader,
+    ) -> list[list[Any]]:
+        """`_exchange`; in a cluster, a node that cannot be reached has the
+        slot map read again before the next op (and ping): after a failover
+        the old primary's address only ever failed, and the tier stayed
+        offline until the sidecar restarted."""
+        try:
+            return _exchange(exchanges, read)
+        except RemoteUnavailable:
+            if self.cluster:
+                self._refresh = True
+            raise
 
     def _route(self, keys: Sequence[bytes]) -> list[tuple[redis.ConnectionPool, list[int]]]:
         if not self.cluster:
@@ -190,7 +206,7 @@ class RedisConnector(Connector):
                     conn = cluster.get_redis_connection(node)
                     groups[node.name] = (conn.connection_pool, [])
                 groups[node.name][1].append(i)
-        except redis.RedisError as err:  # a slot no node covers: the cluster is broken
+        except (redis.RedisError, RedisClusterException) as err:  # a slot no node covers
             raise RemoteUnavailable(f"{self.describe()}: {err}") from None
         return list(groups.values())
 
@@ -212,10 +228,10 @@ class RedisConnector(Connector):
                     )
                     self._refresh = False
                 elif self._refresh:
-                    self._refresh = False
+                    # Asks every node it has known, not only the URL's (maybe the dead one).
                     self._cluster.nodes_manager.initialize()  # type: ignore[no-untyped-call]
-            except (*_DOWN, redis.RedisError) as err:
-                self._cluster = None
+                    self._refresh = False
+            except (*_DOWN, redis.RedisError, RedisClusterException) as err:
                 raise RemoteUnavailable(f"{self.describe()}: {err}") from None
             return self._cluster
 
