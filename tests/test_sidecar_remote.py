@@ -265,6 +265,45 @@ def test_puts_past_the_quota_are_denied_and_counted_while_the_store_is_blocked(t
         hosts.cleanup()
 
 
+def test_a_stop_does_not_wait_out_a_queue_of_writes_to_a_stalled_store(server):
+    """The I/O pool ran every queued job at close: 128 remote writes to a
+    store that answers nothing took a 2 s timeout each on 4 threads (64 s,
+    past any service manager's stop timeout, which then SIGKILLs and leaves
+    the shm). Jobs not started by then are dropped; running ones finish."""
+    import signal
+
+    s = Sidecar(
+        "--set",
+        f"remote_url={server.url}",
+        "--set",
+        "remote_put_quota_blocks=100000",
+        "--set",
+        "remote_timeout_seconds=2",
+        capacity="32MiB",  # 256 blocks: room for every write queued
+    )
+    try:
+        s.start()
+        c = client(s, kv(3))
+        c.save(tokens(1, start=9000), np.arange(1)).wait()
+        wait_for(lambda: remote(c)["cached_blocks"] == 1 and settled(c))
+        server.pause()
+        try:
+            for j in range(128):
+                c.save(tokens(1, start=100 * j), np.arange(1)).wait()
+            assert remote(c)["puts_in_flight_blocks"] > 64
+            assert s.proc is not None
+            start = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(60) == 0
+            assert time.monotonic() - start < 30  # before: 64 s
+            assert s.shm_segments() == []
+        finally:
+            server.resume()
+            c.close()
+    finally:
+        s.cleanup()
+
+
 def test_a_value_failing_its_checksum_is_a_miss_and_leaves_the_store(tmp_path, server):
     hosts = Hosts(tmp_path, server.url)
     try:
