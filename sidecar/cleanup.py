@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import socket
 import stat
 from pathlib import Path
 from typing import NamedTuple
@@ -28,7 +27,13 @@ from typing import NamedTuple
 from contract.endpoint import INSTANCE_PATTERN, InstancePaths
 from shm import hotindex
 from shm.names import SHM_DIR, is_file_path, remove_stale_segments, segment_name
-from sidecar.runtime import InstanceLock, InstanceRunning, ensure_runtime_dir, remove_created
+from sidecar.runtime import (
+    InstanceLock,
+    InstanceRunning,
+    ensure_runtime_dir,
+    probe_socket,
+    remove_created,
+)
 
 
 class Removed(NamedTuple):
@@ -109,14 +114,12 @@ def _dead_socket_owner(paths: InstancePaths) -> int | None:
         return None
     if not stat.S_ISSOCK(info.st_mode):
         return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.setblocking(False)  # a full backlog answers EAGAIN, not a wait
-        code = probe.connect_ex(str(path))
-    if code == errno.ECONNREFUSED:
+    err = probe_socket(path)
+    if err is not None and err.errno == errno.ECONNREFUSED:
         return info.st_uid
-    if code == errno.ENOENT:
+    if err is not None and err.errno == errno.ENOENT:
         return None
-    answer = "it accepted a connection" if code == 0 else os.strerror(code)
+    answer = "it accepted a connection" if err is None else err.strerror
     raise InstanceRunning(
         f"a live process listens on {path}, the socket of instance {paths.instance!r} "
         f"({answer}); stop it first"

@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import secrets
+import socket
 import stat
 from pathlib import Path
 
@@ -298,3 +299,13 @@ def raise_open_files_limit() -> int:
         except (OSError, ValueError) as err:
             log.warning("open files limit stays at %d: %s", soft, err)
     return soft
+
+
+def probe_socket(path: str | os.PathLike[str]) -> OSError | None:
+    """Connect to the Unix socket at `path` without waiting: None if a
+    process accepted, else why not. Only ECONNREFUSED means nobody listens
+    (its process is gone); EAGAIN (a full backlog) means someone is there."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.setblocking(False)
+        code = probe.connect_ex(os.fspath(path))
+    return None if code == 0 else OSError(code, os.strerror(code), os.fspath(path))

@@ -19,10 +19,9 @@ import contextlib
 import errno
 import fcntl
 import os
-import socket
 import stat
 
-from sidecar.runtime import InstanceRunning
+from sidecar.runtime import InstanceRunning, probe_socket
 
 
 class SocketFile:
@@ -93,18 +92,15 @@ def claim_socket_file(path: str) -> None:
         raise PermissionError(
             errno.EPERM, f"a socket of uid {st.st_uid}, not ours; pick another endpoint", path
         )
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            os.unlink(path)  # left by a dead process
-            return
-        except OSError as err:  # a full backlog, a timeout: someone may be there
-            raise InstanceRunning(
-                f"ipc://{path} may be served by a live process ({err}); "
-                "stop it or pick another endpoint"
-            ) from None
+    err = probe_socket(path)
+    if err is not None and err.errno == errno.ECONNREFUSED:
+        os.unlink(path)  # left by a dead process
+        return
+    if err is not None:  # a full backlog: someone may be there
+        raise InstanceRunning(
+            f"ipc://{path} may be served by a live process ({err}); "
+            "stop it or pick another endpoint"
+        )
     raise InstanceRunning(
         f"ipc://{path} is served by another live process; stop it or pick another endpoint"
     )
