@@ -40,9 +40,9 @@ def test_batches_round_trip_values_sent_as_chunks(connector):
     assert got[-1] is None
     for i in range(5):
         assert got[i] == b"head%d" % i + blocks[i].tobytes()
-    assert connector.exists([keys[0], b"absent", keys[4]]) == [True, False, True]
+    assert connector.heads([keys[0], b"absent", keys[4]], 5) == [b"head0", None, b"head4"]
     assert connector.delete([keys[0], b"absent"]) == 1
-    assert connector.exists([keys[0]]) == [False]
+    assert connector.heads([keys[0]], 5) == [None]
     assert connector.get([]) == [] and connector.put([], []) == []
 
 
@@ -58,7 +58,7 @@ def test_a_store_refusing_a_write_fails_that_key_only(server, connector):
     big = slots(40, 2)  # 2.5 MiB: past the limit part way through
     stored = connector.put([b"b%d" % i for i in range(40)], [[memoryview(b)] for b in big])
     assert stored[0] and not stored[-1]
-    assert connector.exists([b"b0"]) == [True]
+    assert connector.heads([b"b0"], 1) == [big[0][:1].tobytes()]
 
 
 def test_a_dead_server_raises_unavailable_within_the_timeout(redis_bin):
@@ -119,7 +119,25 @@ def test_namespaces_keep_stores_apart(connector):
     one, two = RemoteStore(connector, "one", BLOCK), RemoteStore(connector, "two", BLOCK)
     key = b"k" * 16
     one.write([key], [slots(1, 7)[0]])
-    assert one.exists([key]) == [True] and two.exists([key]) == [False]
+    assert one.present([key]) == [True] and two.present([key]) == [False]
+
+
+def test_a_probe_counts_only_values_a_read_may_take(server, connector):
+    """A value the reader takes as MISSING is left in the store; a probe
+    that asked only whether the key exists counted it at every lookup."""
+    store = RemoteStore(connector, "ns", BLOCK, secret=b"s" * 32)
+    k = [bytes([i]) * 16 for i in range(6)]
+    store.write(k[:1], [slots(1, 8)[0]])
+    RemoteStore(connector, "ns", BLOCK).write(k[1:2], [slots(1, 9)[0]])  # another key id
+    RemoteStore(connector, "ns", BLOCK // 2, secret=b"s" * 32).write(k[2:3], [slots(1, 9)[0]])
+    with server.client() as r:
+        r.set(store.name(k[3]), b"KVR2" + bytes(BLOCK))  # an older format
+        r.rpush(store.name(k[4]), b"not a string")
+        r.set(store.name(k[5]), b"short")
+    assert store.present(k) == [True] + [False] * 5
+    assert [r == ReadResult.HIT for r in store.read(k, list(slots(6, 10)))] == store.present(k)
+    with pytest.raises(ValueError, match="nbytes"):
+        connector.heads(k, 0)
 
 
 def test_a_cluster_spreads_keys_over_its_nodes_and_round_trips(redis_bin):
@@ -314,8 +332,8 @@ class _DictConnector(Connector):
             self.values[k] = b"".join(bytes(c.made() if isinstance(c, Later) else c) for c in v)
         return [True] * len(keys)
 
-    def exists(self, keys):
-        return [k in self.values for k in keys]
+    def heads(self, keys, nbytes):
+        return [v[:nbytes] if len(v := self.values.get(k, b"")) >= nbytes else None for k in keys]
 
     def delete(self, keys):
         return sum(self.values.pop(k, None) is not None for k in keys)

@@ -86,6 +86,8 @@ def test_a_sidecar_never_loads_a_forged_value(tmp_path, server):
         conn.close()
         dst = kv(None)
         with client(c.start(), dst) as e:
+            assert e.lookup(tokens(4)) == 0  # a probe reads the headers: not ours
+            assert remote(e)["found_blocks"] == 0
             assert e.load(tokens(4), np.arange(10, 14)).wait() == 0  # the engine recomputes
             assert blocks_of(dst, np.arange(10, 14)) == blocks_of(kv(None), np.arange(4))
             assert e.stats()["hits"]["hit_blocks"]["remote"] == 0

@@ -204,7 +204,7 @@ _REMOTE_GAUGES = (
 _REMOTE_COUNTERS = (
     ("denied_puts", "remote writes denied by the in-flight quota"),
     ("denied_blocks", "blocks of remote writes denied by the in-flight quota"),
-    ("probes", "existence probes sent to the remote store"),
+    ("probes", "probes (header reads) sent to the remote store"),
     ("found_blocks", "blocks the probes found that this sidecar did not know of"),
     ("outages", "times the remote tier was marked unavailable"),
     ("checksum_failures", "remote values that failed their checksum (misses)"),

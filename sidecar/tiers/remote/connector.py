@@ -70,7 +70,8 @@ class RemoteUnavailable(RemoteError):
 
 
 class Connector(ABC):
-    """Batch get / put / exists / delete of whole values by key."""
+    """Batch get / put / delete of whole values by key, and reads of their
+    first bytes (`heads`)."""
 
     @abstractmethod
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -104,8 +105,9 @@ class Connector(ABC):
         store accepted it."""
 
     @abstractmethod
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key holds a value now."""
+    def heads(self, keys: Sequence[bytes], nbytes: int) -> list[bytes | None]:
+        """The first `nbytes` of each key's value; None where the key is
+        absent, holds fewer bytes or no string value."""
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

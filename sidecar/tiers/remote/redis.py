@@ -132,8 +132,12 @@ class RedisConnector(Connector):
 
         return [r == b"OK" for r in self._batch(keys, pack)]
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return [r == 1 for r in self._batch(keys, lambda i: [_command(b"EXISTS", keys[i])])]
+    def heads(self, keys: Sequence[bytes], nbytes: int) -> list[bytes | None]:
+        if nbytes <= 0:
+            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        last = str(nbytes - 1).encode()
+        replies = self._batch(keys, lambda i: [_command(b"GETRANGE", keys[i], b"0", last)])
+        return [r if isinstance(r, bytes) and len(r) == nbytes else None for r in replies]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         replies = self._batch(keys, lambda i: [_command(b"UNLINK", keys[i])])

@@ -11,7 +11,8 @@ secret, or without one a checksum that catches accidents only
 (`value_check`). The MAC comes last so that a large block is hashed piece by
 piece right after the socket took each piece (`RemoteStore.value`). A value that is
 absent, written under another key id (another secret, or none) or in
-another format (its magic) is MISSING; one of the wrong size, under another
+another format (its magic) is MISSING, and a lookup's probe does not count
+it (`present`); one of the wrong size, under another
 block key or whose bytes fail the MAC is CORRUPT: a miss either way, never
 data. Reads receive each value straight into its slot and check it there,
 as SSD reads do: a slot whose read is not a HIT may hold any bytes, and the
@@ -164,8 +165,15 @@ class RemoteStore:
             return ReadResult.CORRUPT
         return ReadResult.HIT
 
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return self.connector.exists([self.name(k) for k in keys])
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each block has a value a read may find a HIT: its header
+        (32 bytes, `GETRANGE`) is ours, for this block size and key. A value
+        the reader takes as MISSING (another key id, an older format, not a
+        string) stays in the store, and a probe that only asked whether the
+        key exists found it again at every lookup: a hit that every load
+        then failed. Only the MAC, checked by the read, can tell the rest."""
+        heads = self.connector.heads([self.name(k) for k in keys], FRONT_BYTES)
+        return [h == FRONT.pack(self._head, k) for k, h in zip(keys, heads, strict=True)]
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self.connector.delete([self.name(k) for k in keys])

@@ -102,14 +102,14 @@ class RemoteTier:
     # ---- probes ----------------------------------------------------------------
 
     def probe(self, keys: BlockKeys, start: int, then: Callable[[], None], ns: int = 0) -> None:
-        """Ask the store which of keys[start:] exist; add the run found to
+        """Ask the store which of keys[start:] hold a value of ours; add the run found to
         the remote index (as blocks of namespace `ns`), then call `then` (on
         the loop's thread, whatever the outcome)."""
         probe_id = self._next_probe
         self._next_probe += 1
         self._probes[probe_id] = (keys, start, then, ns)
         wanted = [k.tobytes() for k in keys[start:]]
-        self.control_pool.submit(Probe(probe_id), lambda: self.store.exists(wanted))
+        self.control_pool.submit(Probe(probe_id), lambda: self.store.present(wanted))
         self.counters["probes"] += 1
 
     @property
