@@ -156,11 +156,19 @@ class ControlClient:
         """Register a KVClient with the tiny layout; returns its session id."""
         self.index = index
         kv = [self._torch.zeros((gpu_blocks, *BLOCK_SHAPE), dtype=self._torch.float32)]
-        self.kv = self._kv_client.connect(endpoint, timeout=10.0)
+        # The control plane is what this bench times: every call asks the
+        # sidecar. (The hot index answers CPU-tier lookups and loads in the
+        # engine's process, without a round trip: `bench.control_calls`.)
+        self.kv = self._kv_client.connect(endpoint, timeout=10.0, hot_path=False)
         self.kv.register(kv, **MODEL)
         self.session = self.kv.session
         self.channel = Channel(endpoint, 10.0)
         return self.session
+
+    def sidecar_requests(self, sync) -> dict[str, int]:
+        """The requests the sidecar has answered so far, by kind (its stats):
+        what shows that the timed calls asked it."""
+        return dict(self.kv.stats()["requests"])
 
     def presave(self, sync, blocks: int) -> int:
         """Save the lookup set (untimed); returns the tokens cached."""

@@ -58,6 +58,15 @@ def test_control_cli_quick_writes_every_figure_and_cleans_up(tmp_path):
             for c in CLIENTS:
                 assert all(positive(v) for v in r["vs_floor"][figure][n][c].values()), figure
     assert r["vs_floor_uses"]["load_full_us"] == "floor_rtt_us.load_save_full"  # 2 round trips
+    # The control plane is timed: every lookup asked the sidecar (the hot
+    # index would answer KVClient.lookup in the client's process).
+    timed = sum(
+        r[figure][n][c]["samples"]
+        for figure in ("lookup_rtt_us", "lookup_keys_rtt_us")
+        for n in BLOCKS
+        for c in CLIENTS
+    )
+    assert r["sidecar_requests"]["lookup"] >= timed
     assert r["vs_floor_uses"]["load_plan_rtt_us"] == "floor_rtt_us.load_save"
     assert sorted(r["hash_us"]) == sorted(BLOCKS)
     assert all(positive(r["hash_us"][n]["p50"]) for n in BLOCKS)
