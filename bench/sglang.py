@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.targets import at_least, verdict
 from cachesim.report import positive_int_list, print_table, write_json
 
 DEFAULT_PAGES = "64,1024"
@@ -125,6 +126,7 @@ def measure_and_report(args: argparse.Namespace) -> int:
         f"layout {setup.layout}; floor: the faster raw memcpy of the same bytes; "
         f"target set/get >= {TARGET_VS_FLOOR} x floor at {TARGET_PAGES} pages"
     )
+    print(verdict(result["targets"]))
     if args.json:
         write_json(args.json, result)
     return 0
@@ -145,16 +147,16 @@ def summary(setup: Any, by_size: dict[int, dict[str, Any]], repeats: int) -> dic
         "repeats": repeats,
         "by_pages": {str(n): c for n, c in by_size.items()},
     }
-    if TARGET_PAGES in by_size:
-        case = by_size[TARGET_PAGES]
-        result["targets"] = {
-            f"{kind}_{TARGET_PAGES}_vs_memcpy": {
-                "value": case[f"{kind}_vs_floor"],
-                "limit": TARGET_VS_FLOOR,
-                "within": case[f"{kind}_vs_floor"] >= TARGET_VS_FLOOR,
-            }
-            for kind in ("set", "get")
-        }
+    # Without the 1,024-page size the targets read not measured, never met.
+    case = by_size.get(TARGET_PAGES, {})
+    result["targets"] = {
+        f"{kind}_{TARGET_PAGES}_vs_memcpy": at_least(
+            case.get(f"{kind}_vs_floor"),
+            TARGET_VS_FLOOR,
+            f"{kind} GB/s / the memcpy floor's at {TARGET_PAGES} pages >= {TARGET_VS_FLOOR:g}",
+        )
+        for kind in ("set", "get")
+    }
     return result
 
 

@@ -19,6 +19,11 @@ The machine's memory bandwidth drifts: compare ratios, not absolute figures
 from different runs. Target: save and load of the 2 MiB-block cases >=
 0.8 x floor (`targets` in the JSON).
 
+After the timed rounds, each copy is checked through the very call that was
+timed: up to 8 blocks (random ids and slots) have their slots cleared and
+are saved again, then their engine blocks cleared and loaded again; their
+bytes must be what they were before the run, or the case is an error.
+
 With `--layout` a vLLM KV cache layout (`LHBNC`, `BLHNC`, ...), the engine
 side is instead one allocation in that layout with --heads KV heads, copied
 through its strided runs as the connector copies it (cuda_ext's "strided"
@@ -34,6 +39,7 @@ import os
 import statistics
 import sys
 import uuid
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -49,6 +55,7 @@ from shm.pool import ShmPool
 DEFAULT_CASES = "64x8,512x16,2048x32,2048x1"
 QUICK_CASES = "64x8,2048x32,2048x1"
 TARGET_VS_FLOOR = 0.8  # for 2 MiB blocks
+CHECKED_BLOCKS = 8  # per case, after the timed rounds
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -134,6 +141,8 @@ def measure_case(
         width = min(4, layout.layer_block_bytes)
         tensor[:, width:] = i % 255 + 1
         tensor[:, :width] = tags[:, :width]
+    picks = np.unique(np.linspace(0, n - 1, min(n, CHECKED_BLOCKS)).astype(np.int64))
+    expected = [[tensor[int(blocks[i])].clone() for tensor in kv] for i in picks]
     # A page-aligned anonymous buffer, faulted in: the floor's engine side.
     plain = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     plain[:] = 1
@@ -154,7 +163,10 @@ def measure_case(
         if "c" in impls:
             floors.update(_raw_floors(plain, shm, threads))
         times = time_interleaved({**floors, **copies}, repeats)
-        _check_bytes(pool, kv, blocks, slots, layout)
+        check = _ByteCheck(pool, kv, layout, blocks[picks], slots[picks], expected)
+        for impl in impls:
+            check.save(copies[f"save_{impl}"], impl)
+            check.load(copies[f"load_{impl}"], impl)
         result = {
             "block_kib": kib,
             "layers": layers,
@@ -218,16 +230,49 @@ def _segment_bytes(pool_bytes: int) -> int:
     return -(-pool_bytes // 4096) * 4096
 
 
-def _check_bytes(
-    pool: ShmPool, kv: list, blocks: np.ndarray, slots: np.ndarray, layout: BlockLayout
-) -> None:
-    """A benchmark that copies the wrong bytes measures nothing: check one block."""
-    view = pool.slot_view(int(slots[0]), layout.slot_stride)
-    for layer, tensor in enumerate(kv):
-        start = layout.offset(0, layer)
-        got = view[start : start + layout.layer_block_bytes]
-        if not np.array_equal(got, tensor[int(blocks[0])].numpy()):
-            raise RuntimeError(f"block bytes differ in layer {layer}: the copy is broken")
+class _ByteCheck:
+    """A benchmark that copies the wrong bytes measures nothing. Some blocks of
+    a case, with what their engine blocks held before the run (`expected`, a
+    tensor per range); `save` and `load` clear one side of them, run a timed
+    copy of the whole case, and compare."""
+
+    def __init__(
+        self,
+        pool: ShmPool,
+        kv: list,
+        layout: BlockLayout,
+        blocks: np.ndarray,
+        slots: np.ndarray,
+        expected: list[list[Any]],
+    ) -> None:
+        self.pool, self.kv, self.layout, self.expected = pool, kv, layout, expected
+        self.blocks, self.slots = [int(b) for b in blocks], [int(s) for s in slots]
+
+    def save(self, copy: Callable[[], object], impl: str) -> None:
+        views = [self.pool.slot_view(s, self.layout.slot_stride) for s in self.slots]
+        for view in views:
+            view[:] = 0
+        copy()
+        for k, view in enumerate(views):
+            for layer, want in enumerate(self.expected[k]):
+                start = self.layout.offset(0, layer)
+                got = view[start : start + self.layout.layer_block_bytes]
+                self._compare(got, want, f"saved slot of block {self.blocks[k]}", layer, impl)
+
+    def load(self, copy: Callable[[], object], impl: str) -> None:
+        for block in self.blocks:
+            for tensor in self.kv:
+                tensor[block] = 0
+        copy()
+        for k, block in enumerate(self.blocks):
+            for layer, want in enumerate(self.expected[k]):
+                got = self.kv[layer][block].numpy()
+                self._compare(got, want, f"loaded block {block}", layer, impl)
+
+    @staticmethod
+    def _compare(got: np.ndarray, want: Any, what: str, layer: int, impl: str) -> None:
+        if not np.array_equal(got, want.numpy()):
+            raise RuntimeError(f"{what} differs in range {layer} ({impl}): the copy is broken")
 
 
 def run(args: argparse.Namespace) -> int:

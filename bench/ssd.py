@@ -24,9 +24,12 @@ Every figure has its floor from the same run, in the same directory:
 Each round writes every case (tier and floor, alternating which goes
 first), drops the page cache when permitted (root), then reads every case;
 a first round is untimed (it also turns the files' preallocated extents
-into written ones). Both are measured with the pool on 4 KiB pages (POSIX
-shm) and on huge pages: a temporary tmpfs mounted huge=always (root only,
-unmounted after), or --huge-dir. `runs/2MiB` is how many physically
+into written ones). Every read, the tier's and the floor's, goes into
+destination slots zeroed just before it, and its blocks are compared with
+the ones written right after it (both untimed): a read that moves the
+wrong bytes, or none, is an error. Both are measured with the pool on 4 KiB
+pages (POSIX shm) and on huge pages: a temporary tmpfs mounted huge=always
+(root only, unmounted after), or --huge-dir. `runs/2MiB` is how many physically
 contiguous runs of pages a 2 MiB block of the pool spans (root only): on a
 virtio disk, O_DIRECT into 4 KiB pages slows down as it grows.
 - end to end (`bench.ssd_e2e`): a real `kvsidecar serve`, restarted so that
@@ -256,14 +259,10 @@ def _measure_io(
                         src, dst = slots[kind][kib]
                         for j in range(_samples(n, kib, budget)):
                             for who in order if j % 2 == 0 else order[::-1]:
-                                t = stores[kib][who]
-                                job = t.writer(src) if phase == "write" else t.reader(dst)
-                                start = time.perf_counter()
-                                run_batch(io, n, job)
+                                what = f"{who} {phase}, {n} x {kib} KiB, {kind} pool"
+                                took = _timed(io, stores[kib][who], phase, n, src, dst, what)
                                 if round_:
-                                    cell = (kind, n, kib, who, phase)
-                                    times.setdefault(cell, []).append(time.perf_counter() - start)
-            _check(slots)
+                                    times.setdefault((kind, n, kib, who, phase), []).append(took)
             sums = {kib: _checksum_gbps(slots["4k"][kib][0]) for kib in kibs}
     finally:
         io.close()
@@ -279,6 +278,30 @@ def _measure_io(
         cases={case_name(n, kib): {"blocks": n, "block_bytes": kib << 10} for n, kib in cases},
     )
     return out
+
+
+def _timed(
+    io: IoPool,
+    store: Tier | Floor,
+    phase: str,
+    n: int,
+    src: list[memoryview],
+    dst: list[memoryview],
+    what: str,
+) -> float:
+    """Seconds of one batch of `store` writing src or reading into dst. A read
+    goes into slots zeroed before it and is checked after it (both untimed)."""
+    if phase == "write":
+        job = store.writer(src)
+    else:
+        _clear(dst[:n])
+        job = store.reader(dst)
+    start = time.perf_counter()
+    run_batch(io, n, job)
+    took = time.perf_counter() - start
+    if phase == "read":
+        _check(src[:n], dst[:n], what)
+    return took
 
 
 def _samples(n: int, kib: int, budget: int) -> int:
@@ -335,14 +358,19 @@ def _fill(view: memoryview, pattern: np.ndarray, i: int) -> None:
     block[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
 
 
-def _check(slots: dict) -> None:
-    """A benchmark that moves the wrong bytes measures nothing: every block read
-    back must be the block written."""
-    for kind, by_kib in slots.items():
-        for kib, (src, dst) in by_kib.items():
-            for i, (a, b) in enumerate(zip(src, dst, strict=True)):
-                if not np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)):
-                    raise RuntimeError(f"block {i} of {kib} KiB ({kind} pool) read back wrong")
+def _clear(dst: list[memoryview]) -> None:
+    """Zero the destination slots before a read (untimed), so that a read
+    which leaves them alone cannot pass for the one before it."""
+    for view in dst:
+        np.frombuffer(view, np.uint8)[:] = 0
+
+
+def _check(src: list[memoryview], dst: list[memoryview], what: str) -> None:
+    """A benchmark that moves the wrong bytes measures nothing: every block a
+    read brought back must be the block written."""
+    for i, (a, b) in enumerate(zip(src, dst, strict=True)):
+        if not np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)):
+            raise RuntimeError(f"block {i} read back wrong ({what}): the benchmark is broken")
 
 
 def _checksum_gbps(src: list[memoryview]) -> float:

@@ -12,11 +12,12 @@ stages them SSD -> shm on its I/O pool, answers, the engine copies shm ->
 its tensors and acknowledges. The loaded bytes are checked.
 
 The floor is taken next to each GET (before it in odd repeats, after it in
-even ones), since the disk drifts: raw O_DIRECT reads of n blocks from the
-slots that hold them in the sidecar's own SSD data file (its journal says
-which) into the sidecar's own CPU-tier memory (mapped
-here as an engine maps it, every page populated), with its thread count and
-split (`bench.ssd_io`). The same memory matters: O_DIRECT into 4 KiB pages
+even ones), since the disk drifts; the ratio is the median over repeats of
+a GET's rate against its own repeat's floor (`vs_floor`). The floor: raw
+O_DIRECT reads of n blocks from the slots that hold them in the sidecar's
+own SSD data file (its journal says which) into the sidecar's own CPU-tier
+memory (mapped here as an engine maps it, every page populated), with its
+thread count and split (`bench.ssd_io`). The same memory matters: O_DIRECT into 4 KiB pages
 runs at half speed when they are physically scattered (a 2 MiB block of
 ~200 runs of pages against ~20), and a pool created right after another was
 freed often is; `phys_runs_per_block` says how scattered it was.
@@ -33,6 +34,7 @@ import numpy as np
 
 from bench.hugepages import physical_runs
 from bench.ssd_io import StoredSlots, drop_page_cache, run_batch
+from bench.ssd_report import paired_ratio
 from engine_shim.local_sidecar import BENCH_SIDECAR_SETTINGS, LocalSidecar
 from shm.names import SHM_DIR
 from shm.pool import ShmPool
@@ -53,7 +55,8 @@ def measure_get(
     workdir: Path, ssd_dir: Path, block_bytes: int, n: int, repeats: int, threads: int
 ) -> dict:
     """GB/s of a GET of n blocks of `block_bytes`, all from SSD, and of the
-    floor next to it; medians over repeats."""
+    floor next to it: medians over repeats; `vs_floor` the median of each
+    repeat's ratio (its GET against its own floor)."""
     bench = _GetBench(workdir, ssd_dir, block_bytes, n, threads)
     try:
         bench.save()
@@ -74,7 +77,7 @@ def measure_get(
         "floor_seconds": bench.floor_seconds,
         "gbps": gbps,
         "floor_read_gbps": floor_gbps,
-        "vs_floor": gbps / floor_gbps,
+        "vs_floor": paired_ratio(bench.floor_seconds, bench.seconds),
         "phys_runs_per_block": bench.runs,
         "page_cache_dropped": all(bench.dropped),
     }

@@ -71,3 +71,15 @@ def test_shm_cli_copies_a_vllm_layout_through_its_strided_runs(tmp_path, layout,
     assert (case["range_bytes"], case["ranges_per_block"]) == (range_kib * 1024, ranges)
     assert math.isfinite(data["save_vs_floor"]["2048x32"])
     assert shm_entries(f"kvsbench.{os.getpid()}.") == []
+
+
+@pytest.mark.parametrize("broken", ["save_blocks", "load_blocks"])
+def test_shm_cli_fails_when_a_copy_does_nothing(monkeypatch, broken):
+    """A save or a load that copies nothing is an error, not a fast figure:
+    after the timed rounds the bench clears one side of several blocks, runs
+    the timed copy again and compares the bytes."""
+    monkeypatch.setattr(shm_copy, broken, lambda *args, **kwargs: None)
+    args = ["bench", "shm", "--quick", "--cases", "2048x32", "--total-mib", "8"]
+    with pytest.raises(RuntimeError, match="the copy is broken"):
+        main([*args, "--impls", shm_copy.IMPL])
+    assert shm_entries(f"kvsbench.{os.getpid()}.") == []

@@ -10,6 +10,7 @@ import os
 import pytest
 from shm_helpers import shm_entries
 
+from bench.ssd_io import Tier
 from bench.ssd_report import paired_ratio
 from kvsidecar.cli import main
 from shm.pages import PAGE_KINDS
@@ -26,7 +27,8 @@ def positive(value: object) -> bool:
 def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
     out, where = tmp_path / "ssd.json", tmp_path / "dir"
     where.mkdir()
-    assert main(["bench", "ssd", "--quick", "--dir", str(where), "--json", str(out)]) == 0
+    args = ["bench", "ssd", "--quick", "--repeats", "2", "--dir", str(where)]
+    assert main([*args, "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     kinds = ["4k"] + (["huge"] if "page_kind" in data["pools"]["huge"] else [])
     per_block = ("floor_per_block_write_gbps", "write_vs_per_block_floor")
@@ -46,7 +48,10 @@ def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
     for key in ("gbps", "floor_read_gbps", "vs_floor", "tier_read_gbps"):
         assert positive(get[key]), key
     assert get["blocks"] == 16 and get["block_bytes"] == 256 << 10
-    assert data["target_vs_floor"] == 0.8 and data["threads"] == 4
+    # Two repeats, each GET paired with its own floor, as every ratio here.
+    assert len(get["seconds"]) == len(get["floor_seconds"]) == 2
+    assert get["vs_floor"] == paired_ratio(get["floor_seconds"], get["seconds"])
+    assert data["target_vs_floor"] == 0.8 and data["threads"] == 4 and data["repeats"] == 2
     # One target per figure: its ratio to the floor, held to 0.8.
     figures = {
         f"{phase}.{kind}.{case}": data[f"{phase}_vs_floor"][kind][case]
@@ -67,6 +72,18 @@ def test_ssd_cli_quick_writes_figures_and_cleans_up(tmp_path):
     assert shm_entries(f"kvsidecar.{os.getuid()}.bench{os.getpid()}-") == []
     with open("/proc/self/mounts") as mounts:
         assert str(where) not in mounts.read()
+
+
+def test_ssd_cli_fails_when_the_tier_reads_nothing(tmp_path, monkeypatch):
+    """The floor reads the same blocks into the same slots as the tier: a tier
+    read that does nothing must still be caught (each read lands in zeroed
+    slots and is checked right after it)."""
+    monkeypatch.setattr(Tier, "reader", lambda self, dst: lambda lo, hi: None)
+    args = ["bench", "ssd", "--quick", "--block-kib", "256", "--no-e2e", "--no-huge"]
+    with pytest.raises(RuntimeError, match=r"read back wrong \(tier read"):
+        main([*args, "--dir", str(tmp_path)])
+    assert os.listdir(tmp_path) == []
+    assert shm_entries(f"kvsbench.{os.getpid()}.") == []
 
 
 def test_ssd_cli_rejects_bad_arguments(capsys):

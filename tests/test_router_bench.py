@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.router import INDEXES, replay_routed
-from bench.router_dynamo import DEEP_BLOCKS, compare, record
+from bench.router_dynamo import DEEP_BLOCKS, IMPLS, _targets, compare, record
 from bench.router_peer import measure
 from cachesim.replay import DEFAULT_TRACE
 from cachesim.trace import load_mooncake
@@ -77,3 +77,29 @@ def test_dynamo_gives_the_same_scores() -> None:
         "remove_worker_ms",
         "longest_busy_ms",
     }
+
+
+def test_a_target_whose_figure_is_missing_reads_not_measured() -> None:
+    """A query class with no queries (here no deep ones) leaves its ratio
+    unmeasured: the target is still there, value and within None."""
+    figures = {
+        impl: {
+            "ingest_blocks_per_s": 2e6,
+            "bytes_per_held_block": 50.0,
+            "match_short_us_p50": 5.0,
+            "match_miss_us_p50": 5.0,
+            "remove_call_ms": 0.5,
+            "ingest_event_max_ms": 1.0,
+            "remove_slice_max_ms": 2.0,
+        }
+        for impl in IMPLS
+    }
+    targets = _targets(figures)
+    for impl in IMPLS[1:]:
+        deep = targets[f"find_matches_deep_p50_vs_dynamo/{impl}"]
+        assert deep["value"] is None and deep["within"] is None and deep["limit"] == 1.0
+        assert targets[f"ingest_blocks_per_s_vs_dynamo/{impl}"]["within"] is True
+        assert targets[f"find_matches_short_p50_vs_dynamo/{impl}"]["within"] is False
+        assert targets[f"longest_busy_ms/{impl}"]["value"] == 2.0
+    assert len(targets) == 7 * len(IMPLS[1:])
+    assert all(t["rule"] for t in targets.values())
