@@ -11,13 +11,18 @@ is copied back chunk by chunk as it arrives, so a `"stream": true` reply
 stays a live server-sent event stream. An engine that cannot be reached
 (connection refused, reset, or closed before it answered) is marked down
 and the request goes to the next choice; an engine's own error reply (4xx,
-5xx) is passed back as it is. Built on aiohttp (docs/router.md says why).
+5xx) is passed back as it is. An engine silent for longer than the read
+timeout is not: the request reached it and it may be generating, so it is
+not sent again elsewhere. Silent before its headers, the client gets a 504;
+silent mid-reply, the client's connection is closed (its status is sent).
+Built on aiohttp (docs/router.md says why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +35,8 @@ from router.choice import NoWorkers
 from router.prompts import PromptError, PromptTokenizer
 from router.proxy_routing import ProxyRouting, Routed
 from router.upstreams import Upstream
+
+log = logging.getLogger("kvsidecar.router")
 
 MAX_BODY_BYTES = 64 << 20
 """A larger request body is refused (413) unread."""
@@ -45,13 +52,19 @@ class Proxy:
         routing: ProxyRouting,
         prompts: PromptTokenizer | None,
         connect_timeout: float = 2.0,
+        read_timeout: float | None = 600.0,
     ) -> None:
-        """`prompts`: None routes by load alone (no tokenizer given)."""
+        """`prompts`: None routes by load alone (no tokenizer given).
+        `read_timeout`: how long an engine may send nothing, before its reply's
+        headers (counted from the end of the request) and between two chunks of
+        its body; None: for ever."""
         self.routing = routing
         self.prompts = prompts
         self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
         self.counts: dict[str, int] = {}
         self.served: dict[int, int] = dict.fromkeys(routing.upstreams, 0)
+        self.timeouts: dict[int, int] = dict.fromkeys(routing.upstreams, 0)
         self._session: aiohttp.ClientSession | None = None
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Collector(self))
@@ -68,7 +81,9 @@ class Proxy:
         return app
 
     async def _open(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.connect_timeout, sock_read=self.read_timeout
+        )
         # auto_decompress off: bytes go back as the engine encoded them.
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
 
@@ -129,7 +144,9 @@ class Proxy:
         self, request: web.Request, routed: Routed, method: str, path: str, body: bytes
     ) -> web.StreamResponse | None:
         """The engine's reply, streamed back; None if the engine could not be
-        reached (it is then marked down and nothing was sent back)."""
+        reached (it is then marked down and nothing was sent back). A 504 if
+        it sent no headers within the read timeout: neither marked down (slow
+        is not unreachable) nor retried (it may be generating)."""
         assert self._session is not None
         up = routed.upstream
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -139,24 +156,53 @@ class Proxy:
                 resp = await self._session.request(
                     method, up.spec.url + path, data=body or None, headers=headers
                 )
+            except aiohttp.SocketTimeoutError:  # before ClientConnectionError, its base
+                self._timed_out(up, "timeouts", "before its headers: answered 504")
+                return _error(504, f"the engine sent no reply within {self.read_timeout} s")
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError):
                 self.routing.mark_down(up)
                 return None
             try:
-                out = web.StreamResponse(status=resp.status, reason=resp.reason)
-                for k, v in resp.headers.items():
-                    if k.lower() not in _HOP_BY_HOP:
-                        out.headers.add(k, v)
-                await out.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                self.served[up.spec.worker_id] += 1
-                return out
+                return await self._relay(request, resp, up)
             finally:
                 resp.release()
         finally:
             self.routing.end(routed)
+
+    async def _relay(
+        self, request: web.Request, resp: aiohttp.ClientResponse, up: Upstream
+    ) -> web.StreamResponse:
+        """Copy the engine's reply back as it comes."""
+        out = web.StreamResponse(status=resp.status, reason=resp.reason)
+        for k, v in resp.headers.items():
+            if k.lower() not in _HOP_BY_HOP:
+                out.headers.add(k, v)
+        await out.prepare(request)
+        try:
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+        except aiohttp.SocketTimeoutError:
+            self._timed_out(up, "truncated_replies", "mid-reply: the client's connection is cut")
+            # The status is sent: an end before the body's is all that can tell
+            # the client. (aiohttp's own end of the reply then finds the
+            # connection closed and leaves it.)
+            if request.transport is not None:
+                request.transport.close()
+            return out
+        await out.write_eof()
+        self.served[up.spec.worker_id] += 1
+        return out
+
+    def _timed_out(self, up: Upstream, outcome: str, what: str) -> None:
+        self._count(outcome)
+        self.timeouts[up.spec.worker_id] += 1
+        log.warning(
+            "engine %s (%s) silent for %s s %s",
+            up.spec.worker_id,
+            up.spec.url,
+            self.read_timeout,
+            what,
+        )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         tried: set[int] = set()
@@ -216,6 +262,7 @@ class _Collector:
             ("in_flight", "Requests sent and not finished", _of(ups, "in_flight"), False),
             ("engine_up", "1 if the engine is tried, 0 if marked down", _up(ups), False),
             ("engine_failures", "Connections the engine refused", _of(ups, "failures"), True),
+            ("engine_timeouts", "Replies the engine was silent on too long", p.timeouts, True),
             ("index_blocks", "Blocks the index holds for it", p.routing.blocks(), False),
         ]
         for name, doc, values, counter in per_worker:

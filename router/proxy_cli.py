@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ streaming, /v1/models, /health, /metrics) in front of vLLM or SGLang servers.
 Each request is tokenized with the model's tokenizer and sent to the engine
 that holds most of its prompt's KV blocks (from the engines' KV events), net
 of the requests in flight on each; an engine that cannot be reached is skipped.
+An engine silent for --read-timeout is not skipped (it may be generating):
+the client gets a 504, or its connection is closed if the reply had begun.
 
   --worker URL[,vllm=EVENTS][,sidecar=PUB][,resync=RESYNC][,id=N]
 
@@ -71,6 +74,15 @@ def add_parser(router_sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     p.add_argument("--connect-timeout", type=float, default=2.0, metavar="SECONDS")
     p.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long an engine may send nothing, before its reply's headers (a non-streamed "
+        "reply's come after the whole generation) and between chunks; then 504, or the "
+        "client's connection is closed mid-reply (default 600; 0 = no limit)",
+    )
+    p.add_argument(
         "--worker-timeout",
         type=float,
         default=10.0,
@@ -95,6 +107,8 @@ def _proxy(args: argparse.Namespace) -> int:
             raise ValueError("--port must be 0-65535 and --block-size >= 1")
         if not (args.down_seconds >= 0 and args.connect_timeout > 0):
             raise ValueError("--down-seconds must be >= 0 and --connect-timeout > 0")
+        if not (math.isfinite(args.read_timeout) and args.read_timeout >= 0):
+            raise ValueError("--read-timeout must be a number of seconds >= 0 (0: no limit)")
         sidecar_keys = _sidecar_hasher(args)
         vllm_keys = _vllm_hasher(args, specs)
         prompts = PromptTokenizer(args.tokenizer) if args.tokenizer else None
@@ -119,7 +133,12 @@ def _proxy(args: argparse.Namespace) -> int:
     except zmq.ZMQError as exc:
         print(f"kvsidecar router proxy: cannot connect to events: {exc}", file=sys.stderr)
         return 2
-    proxy = Proxy(routing, prompts, connect_timeout=args.connect_timeout)
+    proxy = Proxy(
+        routing,
+        prompts,
+        connect_timeout=args.connect_timeout,
+        read_timeout=args.read_timeout or None,
+    )
     routing.start()
     try:
         return asyncio.run(_serve(proxy, args.host, args.port, len(specs)))

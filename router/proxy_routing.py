@@ -93,7 +93,10 @@ class EventPump:
                 self.subs.resync_all()
             while not self._stop.is_set():
                 sweeping = self.router.index.stale_blocks > 0
-                ready = dict(poller.poll(0 if sweeping else 100))
+                wait_ms = 0 if sweeping else 100
+                if not self.subs.sockets:  # an empty poll returns at once: no spin
+                    self._stop.wait(wait_ms / 1000)
+                ready = dict(poller.poll(wait_ms)) if self.subs.sockets else {}
                 for sock in self.subs.sockets:
                     if sock in ready:
                         self._drain(sock)

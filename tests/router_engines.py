@@ -15,6 +15,10 @@ tests: GET /subscribers (subscriptions its XPUB has seen, batches it
 published), POST /release
 (ends streams that wait for it: a request with `"hold": true` sends its
 first chunk, then waits).
+
+`StallingEngine(head)` is an engine that hangs: a plain TCP listener in a
+thread of the test that accepts, reads a request's head, sends `head` (b"":
+nothing) and then nothing more, holding the connection open until closed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import hashlib
 import json
 import os
 import queue
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -149,15 +155,30 @@ def start_proxy(*args: str) -> tuple[Proc, str]:
     return proc, proc.first.split("listening on ")[1].split()[0]
 
 
+def metric(url: str, name: str, labels: str = "", absent: float | None = None) -> float:
+    """A sample's value in the proxy at `url`'s /metrics (`absent` if given
+    and it is not exported)."""
+    text = http(url + "/metrics")[1]
+    m = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
+    if m is None and absent is not None:
+        return absent
+    assert m, f"{name}{labels} not in\n{text}"
+    return float(m.group(1))
+
+
 def http(
-    url: str, body: Any = None, method: str | None = None, raw: bytes | None = None
+    url: str,
+    body: Any = None,
+    method: str | None = None,
+    raw: bytes | None = None,
+    timeout: float = DEADLINE,
 ) -> tuple[int, Any]:
     """(status, decoded JSON body, or the text if it is not JSON)."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(req, timeout=DEADLINE) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, text = resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode()
@@ -165,6 +186,55 @@ def http(
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+class StallingEngine:
+    """A TCP server that accepts, answers each request with `head` alone and
+    then stays silent, the connection open, until `close`."""
+
+    def __init__(self, head: bytes = b"") -> None:
+        self.head = head
+        self.accepted = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._conns: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="stalling-engine")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            self._conns.append(conn)
+            conn.settimeout(DEADLINE)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                conn.sendall(self.head)
+            except OSError:
+                continue  # the proxy gave up on it: so be it
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._listener.close()
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> StallingEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class StandIn:

@@ -5,10 +5,10 @@ real HTTP servers on loopback sockets, real vLLM-encoded KV events over ZMQ
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from http.client import IncompleteRead
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,10 @@ from router.upstreams import parse_worker, parse_workers
 from tests.router_engines import (
     DEADLINE,
     Proc,
+    StallingEngine,
     http,
     make_tokenizer,
+    metric,
     start_engine,
     start_proxy,
 )
@@ -32,6 +34,8 @@ PROMPT = (
     "7:00-19:00. Cakes must be ordered two days ahead. Delivery within 5 km. "
 )
 OTHER = "The quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. " * 2
+SILENT = 30.0
+"""Where the read timeout is 0.5 s: an answer within this long shows it worked."""
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +83,7 @@ class Fleet:
 
     def metric(self, name: str, labels: str = "", absent: float | None = None) -> float:
         """A sample's value (`absent` if given and it is not exported)."""
-        text = http(self.url + "/metrics")[1]
-        m = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.M)
-        if m is None and absent is not None:
-            return absent
-        assert m, f"{name}{labels} not in\n{text}"
-        return float(m.group(1))
+        return metric(self.url, name, labels, absent)
 
     def routing_figures(self) -> str:
         """The proxy's per-engine figures (in flight, up, failures, index blocks)."""
@@ -247,6 +246,60 @@ def test_an_engine_down_is_skipped(tokenizer: Path) -> None:
         fleet.close()
 
 
+def test_an_engine_silent_before_its_headers_gets_a_504_and_no_retry() -> None:
+    with StallingEngine() as a, StallingEngine() as b:
+        proxy, url = start_proxy("--read-timeout", "0.5", "--worker", a.url, "--worker", b.url)
+        try:
+            status, body = http(url + "/v1/completions", {"prompt": PROMPT}, timeout=SILENT)
+            assert status == 504, body
+            assert body["error"] == {
+                "message": "the engine sent no reply within 0.5 s",
+                "type": "service_unavailable",
+                "code": 504,
+            }
+            # It may be generating: not sent again elsewhere, and not marked down.
+            assert a.accepted + b.accepted == 1
+            assert metric(url, "kvsidecar_proxy_outcomes_total", '{kind="timeouts"}') == 1
+            assert metric(url, "kvsidecar_proxy_outcomes_total", '{kind="retries"}', 0) == 0
+            silent = "0" if a.accepted else "1"
+            timeouts = metric(
+                url, "kvsidecar_proxy_engine_timeouts_total", f'{{worker="{silent}"}}'
+            )
+            assert timeouts == 1
+            assert metric(url, "kvsidecar_proxy_engine_up", f'{{worker="{silent}"}}') == 1
+            assert metric(url, "kvsidecar_proxy_in_flight", f'{{worker="{silent}"}}') == 0
+        finally:
+            assert proxy.stop(sig_first=True) == 0, "".join(proxy.err)[-3000:]
+
+
+def test_an_engine_silent_mid_reply_has_the_client_connection_closed() -> None:
+    event = b"data: first\n\n"
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{len(event):x}\r\n".encode()
+        + event
+        + b"\r\n"
+    )
+    with StallingEngine(head) as engine:
+        proxy, url = start_proxy("--read-timeout", "0.5", "--worker", engine.url)
+        try:
+            body = json.dumps({"prompt": PROMPT, "stream": True}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body)
+            with urllib.request.urlopen(req, timeout=SILENT) as resp:
+                assert resp.status == 200
+                assert resp.readline() == b"data: first\n"
+                # The 200 is sent: a body that ends before its end is all the proxy can say.
+                with pytest.raises(IncompleteRead):
+                    resp.read()
+            kind = '{kind="truncated_replies"}'
+            assert metric(url, "kvsidecar_proxy_outcomes_total", kind) == 1
+            assert metric(url, "kvsidecar_proxy_engine_timeouts_total", '{worker="0"}') == 1
+            assert metric(url, "kvsidecar_proxy_requests_total", '{worker="0"}') == 0
+            assert metric(url, "kvsidecar_proxy_engine_up", '{worker="0"}') == 1
+        finally:
+            assert proxy.stop(sig_first=True) == 0, "".join(proxy.err)[-3000:]
+
+
 def test_worker_specs() -> None:
     spec = parse_worker("http://h:8000/,vllm=tcp://h:5557", 3)
     assert (spec.url, spec.worker_id, spec.kind) == ("http://h:8000", 3, "vllm")
@@ -276,7 +329,35 @@ def test_cli_refusals(tokenizer: Path) -> None:
         (["--worker", "http://h:1,sidecar=tcp://127.0.0.1:1"], "--namespace"),
         (["--worker", "ftp://h:1"], "http(s)://host:port"),
         (["--worker", "http://h:1", "--tokenizer", "/nonexistent/tok"], "nonexistent"),
+        *(
+            (["--worker", "http://h:1", "--read-timeout", bad], "--read-timeout must be")
+            for bad in ("-1", "nan", "inf")
+        ),
     ]
     for args, message in cases:
         out = run_cli("router", "proxy", "--port", "0", *args)
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
+
+
+def test_the_event_thread_waits_when_no_worker_sends_events():
+    """With no events endpoint the thread polled no sockets, which returns
+    at once: it spun a core, taking the routing lock every turn."""
+    from router.proxy_routing import ProxyRouting
+    from router.router import Router
+
+    routing = ProxyRouting(parse_workers(["http://127.0.0.1:1"]), Router("radix"))
+    turns = 0
+    expire = routing.events.subs.expire
+
+    def counted() -> None:
+        nonlocal turns
+        turns += 1
+        expire()
+
+    routing.events.subs.expire = counted  # type: ignore[method-assign]
+    routing.start()
+    try:
+        time.sleep(1.0)  # a bound on the turns, not a wait for a condition
+    finally:
+        routing.close()
+    assert 1 <= turns <= 50  # 100 ms apart: ~10 (the spin made tens of thousands)
