@@ -187,6 +187,14 @@ class Commit(_SessionRequest, tag="commit"):
     first: int
 
 
+class Release(_SessionRequest, tag="release"):
+    """Slots granted to this engine given back unused (an idle engine's).
+    Frames: [slots]. `boot_id`: the sidecar boot that granted them; another
+    boot's are refused (their numbers may be granted again since)."""
+
+    boot_id: str
+
+
 class Heartbeat(_SessionRequest, tag="heartbeat"):
     pass
 
@@ -225,6 +233,7 @@ Request = (
     | Touch
     | Grant
     | Commit
+    | Release
     | Heartbeat
     | Unregister
     | Stats
@@ -239,6 +248,7 @@ ARRAY_FRAMES: dict[type, int] = {
     Save: 2,
     Touch: 3,
     Commit: 2,
+    Release: 1,
 }
 """Array frames each request op carries; the others carry none."""
 

@@ -148,6 +148,7 @@ REPLY_OF: dict[type, type[Ok]] = {
     p.Touch: Ok,
     p.Grant: GrantReply,
     p.Commit: CommitReply,
+    p.Release: Ok,
     p.Lookup: LookupReply,
     p.Exists: ExistsReply,
     p.Delete: DeleteReply,

@@ -30,10 +30,12 @@ class Heartbeat:
         heard: Callable[[str], None],
         curve: CurveClientKeys | None = None,
         touch: Callable[[], tuple[Any, list[bytes]] | None] = lambda: None,
+        release: Callable[[], tuple[Any, list[bytes]] | None] = lambda: None,
         rejoined: Callable[[], None] = lambda: None,
     ) -> None:
         """`touch()`: a batch of what the client did through the hot index
-        (engine_shim/hotpath.py), sent with each beat, unawaited.
+        (engine_shim/hotpath.py), sent with each beat, unawaited; so is
+        `release()`, the slots granted to an idle client, given back.
         `rejoined()`: a beat found the session forgotten and registered it
         again (what the sidecar held for the old one, grants included, is gone)."""
         self._endpoint = endpoint
@@ -44,6 +46,7 @@ class Heartbeat:
         self._register_request = register_request
         self._heard = heard
         self._touch = touch
+        self._release = release
         self._rejoined = rejoined
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvsidecar-heartbeat", daemon=True)
@@ -63,9 +66,9 @@ class Heartbeat:
         learns it again here, so that a TP rank making no calls of its own
         completes its engine's group; the new sidecar's shm is mapped by the
         client's own thread, when a call or a plan first needs it (`heard`)."""
-        touch = self._touch()
-        if touch is not None:
-            channel.send(*touch, reply=False)
+        for message in (self._touch(), self._release()):
+            if message is not None:
+                channel.send(*message, reply=False)
         try:
             reply, _ = channel.call(self._request)
         except SidecarError as err:

@@ -56,6 +56,9 @@ TOUCH_BATCH = 256
 GRANT_LOW = 32
 """Fewer granted slots than this: ask for more (unawaited); after an answer
 with fewer than asked, fewer than half of those then held."""
+GRANT_IDLE_SECONDS = 10.0
+"""A rank that took no granted slot for this long gives its grant back
+(`HotLane.take_release`): the space is then free for other geometries."""
 GRANT_WANT = 64
 """Slots one Grant asks for."""
 TOUCH_SECONDS = 0.05
@@ -132,7 +135,13 @@ class HotPath:
         self._lock = threading.Lock()
         """The batch is taken by the heartbeat's thread too."""
         self.granted: list[int] = []
-        """CPU slots the sidecar granted this rank for its saves, unused."""
+        """CPU slots the sidecar granted this rank for its saves, unused
+        (changed under the lock: the heartbeat's thread gives them back
+        when idle, `take_idle_grant`)."""
+        self.boot_id = ""
+        """The boot of the sidecar whose index this is (its grants' too)."""
+        self.last_taken = time.monotonic()
+        """When a save last took granted slots (or the index was mapped)."""
         self.grant_request: int | None = None
         """The id of a Grant request whose reply has not been read yet."""
         self.grant_low = GRANT_LOW
@@ -237,6 +246,35 @@ class HotPath:
             pending > 0 and time.monotonic() - self._since >= TOUCH_SECONDS
         )
 
+    def add_granted(self, slots: list[int]) -> None:
+        """Slots granted to (or still owned by) this rank, for its saves."""
+        with self._lock:
+            self.granted += slots
+
+    def take_granted(self, n: int) -> np.ndarray | None:
+        """`n` granted slots, taken (None: fewer are held)."""
+        with self._lock:
+            if len(self.granted) < n:
+                return None
+            self.last_taken = time.monotonic()
+            slots = np.array(self.granted[len(self.granted) - n :], dtype=np.int64)
+            del self.granted[len(self.granted) - n :]
+        return slots
+
+    def clear_granted(self) -> None:
+        with self._lock:
+            self.granted.clear()
+
+    def take_idle_grant(self, idle_seconds: float) -> list[int]:
+        """Every granted slot, taken, if no save took any for `idle_seconds`
+        (and the time starts again); else none."""
+        with self._lock:
+            if not self.granted or time.monotonic() - self.last_taken < idle_seconds:
+                return []
+            slots, self.granted = self.granted, []
+            self.last_taken = time.monotonic()
+        return slots
+
     def take_touch(self, session: str) -> tuple[Any, list[bytes]] | None:
         """The batch as a Touch request and its frames (None: nothing to
         send); the batch starts again empty."""
@@ -311,13 +349,15 @@ class HotLane:
         self.grants_lost = False
         """Set by the heartbeat's thread when the sidecar forgot the session."""
 
-    def map(self, name: str) -> None:
-        """Use the hot index `name` (a Register reply's; "": none) from now on."""
-        if self.index is not None and self.index.name != name:
+    def map(self, name: str, boot_id: str) -> None:
+        """Use the hot index `name` (a Register reply's; "": none) of the
+        sidecar of `boot_id` from now on."""
+        if self.index is not None and (self.index.name, self.index.boot_id) != (name, boot_id):
             self.close()
         if self.index is None and name and hotindex.AVAILABLE:
             with contextlib.suppress(OSError, ShmPoolError, ValueError):  # then: no hot path
                 self.index = HotPath(name)
+                self.index.boot_id = boot_id
 
     def close(self) -> None:
         if self.index is not None:
@@ -342,6 +382,21 @@ class HotLane:
         (the heartbeat's thread sends it too, so none waits long)."""
         index = self.index
         return None if index is None else index.take_touch(self._session)
+
+    def take_release(self) -> tuple[Any, list[bytes]] | None:
+        """The granted slots of a rank that has not saved for
+        GRANT_IDLE_SECONDS, as a Release (None: nothing to give back). Sent
+        by the heartbeat's thread: granted slots are CPU space no other
+        geometry may take (an extent holding one never changes hands), so
+        an idle model must not keep them."""
+        index = self.index
+        if index is None or self.grants_lost:
+            return None
+        slots = index.take_idle_grant(GRANT_IDLE_SECONDS)
+        if not slots:
+            return None
+        request = self._req(p.Release, boot_id=index.boot_id)
+        return request, [np.asarray(slots, dtype=p.ID_DTYPE).tobytes()]
 
     def send_touch(self) -> None:
         """Send what was done through the hot index (never awaited)."""
@@ -406,7 +461,7 @@ class HotLane:
         heard_at = self.heard_at  # first: the heartbeat sets grants_lost, then heard_at
         if self.grants_lost:
             self.grants_lost = False
-            index.granted.clear()
+            index.clear_granted()
             index.grant_request, index.grant_low = None, GRANT_LOW
         if time.monotonic() - heard_at > self._lease() / 2:
             return False
@@ -418,7 +473,7 @@ class HotLane:
             if answer is not None:
                 index.grant_request = None
                 got = np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
-                index.granted += got
+                index.add_granted(got)
                 # Fewer than asked: the rank holds its share of a small tier,
                 # or the tier had few slots free. Asking again below GRANT_LOW
                 # would send a Grant with every save in a tier whose share is
@@ -443,10 +498,9 @@ class HotLane:
         kb = key_bytes(keys)
         first = index.view.count(kb)
         rest = len(keys) - first
-        if rest and len(index.granted) < rest:
+        slots = index.take_granted(rest)
+        if slots is None:
             return None
-        slots = np.array(index.granted[len(index.granted) - rest :], dtype=np.int64)
-        del index.granted[len(index.granted) - rest :]
         return index, kb, first, slots
 
     def _commit(
@@ -461,7 +515,7 @@ class HotLane:
             # Not sent: the slots are still this session's grant (over tcp, a
             # dropped connection comes back to the same sidecar, which still
             # holds them for us). A restarted sidecar's new grant replaces this index.
-            index.granted.extend(slots.tolist())
+            index.add_granted(slots.tolist())
             raise
         self.grants_usable(index)  # ask for more, if few are left
         tpb = num_tokens // (len(kb) // KEY_BYTES)
@@ -488,7 +542,7 @@ class HotLane:
             try:
                 copier.save(blocks[first:], slots, layout, 0).synchronize()
             except Exception:
-                index.granted.extend(slots.tolist())  # still ours: nothing was committed
+                index.add_granted(slots.tolist())  # still ours: nothing was committed
                 raise
         return self._commit(index, kb, first, slots, num_tokens)
 
@@ -516,7 +570,7 @@ class HotLane:
             if slots.size
             else None,
             finish=lambda copies: self._commit(index, kb, first, slots, num_tokens),
-            fail=lambda err: index.granted.extend(slots.tolist()),  # still ours: not committed
+            fail=lambda err: index.add_granted(slots.tolist()),  # still ours: not committed
         )
 
     def _req(self, kind: type, **fields: Any) -> Any:

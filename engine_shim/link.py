@@ -139,7 +139,7 @@ class SidecarLink:
             self._attach(reply)
         if self.copier is None:
             self._open_copier(reply)
-        self.hot.map(reply.hot_index)
+        self.hot.map(reply.hot_index, reply.boot_id)
         self.lease_seconds = reply.lease_seconds
         self.hot.heard()
         if self.heartbeat is None:
@@ -152,6 +152,7 @@ class SidecarLink:
                 heard=self._heard,
                 curve=self._curve,
                 touch=self.hot.take_touch,
+                release=self.hot.take_release,
                 rejoined=self._rejoined,
             )
 

@@ -72,6 +72,10 @@ def limits_for(rules: Sequence[Rule], name: NamespaceName) -> Limits:
     return Limits(quotas, ttl)
 
 
+MAX_QUOTA_BYTES = 1 << 60
+"""1 EiB: far past any tier, and within the int64 a stats reply carries."""
+
+
 def _parse(entry: str) -> Rule:
     selector: dict[str, str] = {}
     quotas: dict[str, int] = {}
@@ -86,6 +90,8 @@ def _parse(entry: str) -> Rule:
             selector[key] = value
         elif key in TIERS:
             quotas[key] = parse_size(value)
+            if quotas[key] > MAX_QUOTA_BYTES:
+                raise ValueError(f"{entry!r}: {key} quota over 1 EiB")
         elif key == "ttl":
             try:
                 ttl = float(value)

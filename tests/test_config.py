@@ -484,3 +484,19 @@ def test_an_abstract_ipc_endpoint_is_refused_unless_remote_endpoints_are_allowed
     assert getattr(allowed, key) == "ipc://@kvsidecar-test"
     path = "ipc:///tmp/kvs-test.sock"  # a socket file: the runtime directory guards it
     assert getattr(load_config(env={}, overrides=endpoint_overrides(key, path)), key) == path
+
+
+@pytest.mark.parametrize(
+    ("entry", "error"),
+    [
+        ("tenant=a cpu=99999999TiB", "cpu quota over 1 EiB"),  # past int64: stats failed
+        ("tenant=a", "no limit"),
+        ("tenant=a ttl=0", "ttl must be a positive"),
+        ("tenant=a cpu=1GiB cpu=2GiB", "cpu given twice"),
+        ("colour=red cpu=1GiB", "unknown name 'colour'"),
+    ],
+)
+def test_bad_namespace_limits_are_refused_naming_the_entry(entry, error):
+    with pytest.raises(ConfigError, match=f"namespace_limits: .*{error}"):
+        load_config(env={}, overrides={"namespace_limits": [entry]})
+    assert load_config(env={}, overrides={"namespace_limits": ["tenant=a cpu=1048576TiB"]})

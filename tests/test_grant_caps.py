@@ -16,6 +16,7 @@ from sidecar.server.hotpath import (
     GRANT_SHARE,
     MAX_GRANT,
     grant,
+    release,
 )
 from sidecar.server.sessions import Session
 
@@ -67,3 +68,23 @@ def test_a_small_full_tier_grants_as_before_and_a_tiny_one_none():
 def test_a_bad_want_is_refused(want):
     with pytest.raises(ProtocolError):
         grant(session("x"), make_engine("cpu", 64, "lru"), want)
+
+
+def test_slots_given_back_are_free_again_and_bad_ones_change_nothing():
+    engine = make_engine("cpu", 2048, "lru")
+    a, b = session("a"), session("b")
+    slots = grant(a, engine, 64)
+    other = grant(b, engine, 8)
+    free = engine.mempool.num_free
+    for bad in (
+        np.concatenate([slots[:3], other[:1]]),  # one granted to another rank
+        np.concatenate([slots[:3], slots[:1]]),  # a repeat
+    ):
+        with pytest.raises(ProtocolError, match="granted to this rank"):
+            release(a, engine, bad)
+        assert engine.mempool.num_free == free and a.granted == set(slots.tolist())
+    release(a, engine, slots[:40])
+    assert engine.mempool.num_free == free + 40
+    assert a.granted == set(slots[40:].tolist())
+    with pytest.raises(ProtocolError):  # given back already
+        release(a, engine, slots[:1])

@@ -529,3 +529,61 @@ def test_committed_saves_are_written_back_when_evicted(open_client):
     finally:
         s.cleanup()
         shutil.rmtree(ssd, ignore_errors=True)
+
+
+def test_an_idle_rank_gives_its_grant_back_so_another_geometry_gets_space(monkeypatch):
+    """Granted slots are space no other geometry may take: an extent holding
+    one never changes hands. Model A's ranks filled the tier and went idle,
+    still connected; model B (another geometry) then stored nothing at all."""
+    monkeypatch.setattr(hotpath, "GRANT_IDLE_SECONDS", 0.5)
+    s = Sidecar("--set", "cpu_extent_size=1MiB", capacity="4MiB").start()
+    engines = []
+    try:
+        for seed in range(4):  # A: 4 ranks of one model, the tier full of their blocks
+            a = connect(s.endpoint, make_kv(seed))
+            engines.append(a)
+            for i in range(60):
+                a.save(tokens(16, start=5000 * seed + 37 * i), np.arange(16)).wait()
+        assert any(a._link.hot.index.granted for a in engines)
+        # Idle: each heartbeat gives its rank's grant back.
+        wait_for(lambda: not any(a._link.hot.index.granted for a in engines))
+        b_kv = [torch.randn(64, 2, 16, 4, 16) for _ in range(3)]  # another geometry
+        other = {"model_name": "other", "num_kv_heads": 4, "head_dim": 16}
+        with connect(s.endpoint, b_kv, **other) as b:
+            assert b.save(tokens(8, start=100), np.arange(8)).wait() == 8 * sp.TOKENS_PER_BLOCK
+            assert [g["extents"] > 0 for g in stats_of(s)["geometries"]] == [True, True]
+    finally:
+        for a in engines:
+            a.close()
+        assert s.stop() == 0
+        s.cleanup()
+
+
+def cpu_used(s: Sidecar) -> int:
+    """Slots in use in the CPU tier (blocks, and slots granted ahead)."""
+    return stats_of(s)["geometries"][0]["tiers"]["cpu"]["used_blocks"]
+
+
+def test_a_release_of_another_boot_or_malformed_is_refused_and_changes_nothing(
+    sidecar, open_client
+):
+    c = open_client(sidecar.endpoint, make_kv(7))
+    c.save(tokens(2), np.arange(2)).wait()
+    index = c._link.hot.index
+    wait_for(lambda: c._link.hot.grants_usable(index) and len(index.granted) >= 4)
+    mine = index.take_granted(4)
+    frame = mine.astype(np.int64).tobytes()
+    channel = Channel(sidecar.endpoint, 10.0)
+    try:
+        for boot, frames in (
+            ("another boot", [frame]),  # its slot numbers may be granted again since
+            (index.boot_id, [frame[:-1]]),  # not whole ids
+            (index.boot_id, [frame + frame[:8]]),  # a repeat
+        ):
+            with pytest.raises(SidecarError):
+                channel.call(p.Release(v=1, id=0, session=c.session, boot_id=boot), frames)
+        used = cpu_used(sidecar)
+        channel.call(p.Release(v=1, id=0, session=c.session, boot_id=index.boot_id), [frame])
+        assert cpu_used(sidecar) == used - 4
+    finally:
+        channel.close()

@@ -134,3 +134,38 @@ def test_blocks_past_their_namespace_ttl_are_neither_served_nor_kept() -> None:
             assert namespaces(s)[("tiny", "")]["ttl_seconds"] == 1.0
     finally:
         s.stop()
+
+
+def test_a_namespace_ttl_holds_in_the_remote_store(redis_bin) -> None:
+    """The remote index forgot expired blocks, but the store kept their
+    values: the next lookup's probe found them again, as new blocks, and
+    they were served past the TTL. Values now carry the TTL (SET ... PX)."""
+    from redis_servers import RedisServer
+
+    redis = RedisServer().start()
+    s = Sidecar(
+        "--set",
+        f"remote_url={redis.url}",
+        "--set",
+        "write_policy=write_through",
+        "--set",
+        "namespace_limits=model=tiny ttl=2",
+    ).start()
+    try:
+        x = {"model_name": "x"}
+        with connect(s.endpoint, make_kv(1)) as a, connect(s.endpoint, make_kv(2), **x) as b:
+            a.save(tokens(4), np.arange(4)).wait()
+            b.save(tokens(4), np.arange(4)).wait()
+            r = redis.client()
+            wait_for(lambda: r.dbsize() == 8)  # written through to the store
+            ttls = sorted(r.pttl(k) for k in r.keys("*"))
+            assert ttls[:4] == [-1] * 4 and all(0 < t <= 2000 for t in ttls[4:])  # x: no TTL
+            wait_for(lambda: r.dbsize() == 4)  # tiny's values dropped by the store
+            # The CPU tier's copies go within a second of their TTL (the hot
+            # index shows them until the loop drops them), and none comes back.
+            wait_for(lambda: a.lookup(tokens(4)) == 0)
+            assert a.load(tokens(4), np.arange(4)).wait() == 0
+            assert b.lookup(tokens(4)) == 4 * sp.TOKENS_PER_BLOCK
+    finally:
+        s.stop()
+        redis.cleanup()

@@ -51,6 +51,20 @@ def test_put_rejects_mismatched_batches(connector):
         connector.put([b"a", b"b"], [[b"x"]])
 
 
+def test_values_put_with_a_ttl_expire_in_the_store(server, connector):
+    assert connector.put([b"t1", b"t2"], [[b"a"], [b"b"]], ttl=0.0015) == [True, True]
+    assert connector.put([b"kept"], [[b"c"]]) == [True]
+    with server.client() as r:
+        wait_for(lambda: r.exists(b"t1", b"t2") == 0)  # 2 ms: a TTL rounded up, not to 0
+        assert r.pttl(b"kept") == -1
+    connector.put([b"t3"], [[b"d"]], ttl=30)
+    with server.client() as r:
+        assert 0 < r.pttl(b"t3") <= 30_000
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ttl"):
+            connector.put([b"t4"], [[b"e"]], ttl=bad)
+
+
 def test_a_store_refusing_a_write_fails_that_key_only(server, connector):
     with server.client() as r:
         r.config_set("maxmemory", r.info("memory")["used_memory"] + (1 << 20))
@@ -327,7 +341,7 @@ class _DictConnector(Connector):
     def get(self, keys):
         return [self.values.get(k) for k in keys]
 
-    def put(self, keys, values):
+    def put(self, keys, values, ttl=None):
         for k, v in zip(keys, values, strict=True):
             self.values[k] = b"".join(bytes(c.made() if isinstance(c, Later) else c) for c in v)
         return [True] * len(keys)

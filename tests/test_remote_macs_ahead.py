@@ -97,7 +97,7 @@ class _FailsAfterOne:
     def __init__(self) -> None:
         self.packed = 0
 
-    def put(self, names: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:
+    def put(self, names: Sequence[bytes], values: Sequence[Chunks], ttl=None) -> list[bool]:
         values[0]
         self.packed += 1
         raise ConnectionError("the store went away")

@@ -197,6 +197,19 @@ def test_a_sidecar_stalled_past_the_lease_does_not_expire_its_engines(open_clien
         s.cleanup()
 
 
+def in_process_server(tmp_path, name: str, **settings) -> Server:
+    """A started sidecar server in this process, its loop run by the test."""
+    overrides = {
+        "instance": f"t{os.getpid()}-{name}",
+        "runtime_dir": str(tmp_path),
+        "cpu_capacity": 4 << 20,
+        **settings,
+    }
+    server = Server(load_config(env={}, overrides=overrides))
+    server.start()
+    return server
+
+
 @pytest.mark.parametrize("where", ["between_rounds", "in_the_stats_snapshot"])
 def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_path, where):
     """The control loop stalls for under half a lease (between two rounds,
@@ -208,17 +221,7 @@ def test_a_heartbeat_queued_through_a_short_stall_keeps_the_engines_lease(tmp_pa
     against the scheduling delays of a loaded machine, and the stall is
     timed from the engine's last heartbeat as the server recorded it."""
     lease = 6.0
-    config = load_config(
-        env={},
-        overrides={
-            "instance": f"t{os.getpid()}-lapse",
-            "runtime_dir": str(tmp_path),
-            "cpu_capacity": 4 << 20,
-            "lease_seconds": lease,
-        },
-    )
-    server = Server(config)
-    server.start()
+    server = in_process_server(tmp_path, "lapse", lease_seconds=lease)
     running, paused, stop = threading.Event(), threading.Event(), threading.Event()
     running.set()
 
@@ -308,3 +311,31 @@ def test_with_a_lease_shorter_than_the_idle_wait_a_frozen_engine_still_expires()
         engine.join(10)
         assert s.stop() == 0
         s.cleanup()
+
+
+def test_a_reply_that_cannot_be_encoded_is_an_internal_error_not_a_crash(tmp_path):
+    """A reply the codec refuses (here a figure past 2**64, as a quota of
+    2**64 bytes made before quotas were bounded) took the daemon down."""
+    server = in_process_server(tmp_path, "encode")
+    figures = server.handlers._figures
+    server.handlers._figures = lambda: {**figures(), "too_big": 1 << 70}
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            server.poll_once()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    channel = Channel(server.endpoint, 30.0)
+    try:
+        with pytest.raises(SidecarError, match="internal"):
+            channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        server.handlers._figures = figures
+        reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))
+        assert reply.stats["errors"]["internal"] == 1
+    finally:
+        stop.set()
+        thread.join(sp.DEADLINE)
+        channel.close()
+        server.close()

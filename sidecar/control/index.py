@@ -628,6 +628,11 @@ class RadixIndex:
         else:
             self._ttl_spaces[ns] = space
 
+    def ttl(self, ns: int) -> float | None:
+        """Namespace `ns`'s TTL in seconds (None: none)."""
+        space = self._ttl_spaces.get(ns)
+        return None if space is None else space.ttl
+
     def expire(self, now: float | None = None) -> SlotIds:
         """Drop every expired tree that nothing locks and nothing in it is in
         flight; returns the slots. Trees held back are retried at the next

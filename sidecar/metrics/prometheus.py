@@ -55,16 +55,15 @@ class StatsCollector(Collector):
 
 
 MAX_LABELED_NAMESPACES = 32
-"""Namespaces given labels of their own (the largest by bytes); the rest are
-summed under model="_other", so the label cardinality stays bounded."""
+"""Namespaces given labels of their own: the first 32 the sidecar numbered
+(and "(unknown)", number 0); the rest are summed under model="_other", so the
+label cardinality stays bounded. A fixed set, so that a counter never moves
+between a label and `_other` (a counter that goes down reads as a reset)."""
 
 
 def _namespace_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
-    def size(row: dict[str, Any]) -> int:
-        return sum(t["bytes"] for t in row["tiers"].values())
-
-    ranked = sorted(rows, key=size, reverse=True)
-    labeled, rest = ranked[:MAX_LABELED_NAMESPACES], ranked[MAX_LABELED_NAMESPACES:]
+    labeled = [r for r in rows if r["id"] <= MAX_LABELED_NAMESPACES]
+    rest = [r for r in rows if r["id"] > MAX_LABELED_NAMESPACES]
     labels = ["model", "revision", "tenant"]
     stored = GaugeMetricFamily(
         "kvsidecar_namespace_bytes",

@@ -36,7 +36,7 @@ from sidecar.metrics.latency import RequestLatency
 from sidecar.namespace_limits import NamespaceName, parse_rules
 from sidecar.server.admin import Admin
 from sidecar.server.geometries import Geometries
-from sidecar.server.hotpath import commit, grant, parse_touch
+from sidecar.server.hotpath import commit, grant, parse_touch, release
 from sidecar.server.limits import check_register
 from sidecar.server.namespaces import Namespaces
 from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
@@ -114,6 +114,7 @@ class Handlers:
             p.Touch: self._touch,
             p.Grant: self._grant,
             p.Commit: self._commit,
+            p.Release: self._release,
             p.Heartbeat: self._heartbeat,
             p.Unregister: self._unregister,
             p.Stats: self._stats,
@@ -149,7 +150,13 @@ class Handlers:
             self.latency.wait(identity, p.request_id(body), histogram, received)
 
     def _send(self, identity: bytes, answer: Answer) -> None:
-        self._send_frames(identity, answer.reply, answer.arrays)
+        try:
+            self._send_frames(identity, answer.reply, answer.arrays)
+        except (TypeError, ValueError, OverflowError) as err:  # not encodable: a bug
+            log.exception("internal error encoding a reply")
+            self.errors[ErrorCode.INTERNAL.value] += 1
+            error = r.error(getattr(answer.reply, "id", 0), ErrorCode.INTERNAL, repr(err))
+            self._send_frames(identity, error, ())
 
     def refuse_waiting(self) -> None:
         """Shutting down: every load still waiting gets an error reply."""
@@ -563,6 +570,15 @@ class Handlers:
         self.transfers["saves"] += 1
         self.transfers["saved_blocks"] += stored
         return Answer(r.CommitReply(id=req.id, stored=stored, dropped=dropped, cached=cached))
+
+    def _release(self, req: p.Release, arrays: list[bytes]) -> Answer:
+        session = self._session(req)
+        if req.boot_id != self.boot_id:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "slots granted by another boot of the sidecar")
+        cpu = self._realm(session).cache.cpu
+        slots = p.parse_ids(arrays[0], "slots", len(arrays[0]) // 8, cpu.mempool.space)
+        release(session, cpu, slots)
+        return Answer(r.Ok(id=req.id))
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> Answer:
         self._session(req)

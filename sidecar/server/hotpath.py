@@ -160,6 +160,16 @@ def grant(session: Session, cpu: CacheEngine, want: int) -> np.ndarray:
     return np.asarray(slots, dtype=np.int64)
 
 
+def release(session: Session, cpu: CacheEngine, slots: np.ndarray) -> None:
+    """Free slots granted to the rank and given back unused; ProtocolError,
+    nothing changed, if one is not granted to it or repeats."""
+    listed = slots.tolist()
+    if len(set(listed)) != len(listed) or not session.granted.issuperset(listed):
+        raise ProtocolError(ErrorCode.BAD_VALUE, "slots must be granted to this rank, once each")
+    session.granted.difference_update(listed)
+    cpu.free(slots)
+
+
 def commit(
     session: Session,
     cache: GlobalCacheEngine,

@@ -5,7 +5,8 @@ The control plane tags every block with its namespace's number
 (`sidecar.control`, "Namespaces" in docs/control-plane.md); number 0 is
 blocks whose namespace is not known (recovered from SSD after a restart,
 until a request of their namespace touches them). Quotas are configured in
-bytes and applied in blocks of each geometry's slot size, per tier and per
+bytes and applied in blocks of each geometry's slot size (of its block
+size in the remote tier), per tier and per
 geometry (a namespace in two geometries may hold its quota in each: not a
 quota across them, docs/sidecar.md).
 """
@@ -21,10 +22,6 @@ from sidecar.tiers.tiered import TieredCache
 
 UNKNOWN = NamespaceName("(unknown)", "")
 """The name shown for namespace 0."""
-
-MAX_LABELED = 32
-"""Namespaces given their own Prometheus labels (the largest by bytes); the
-rest are summed under model "_other", so label cardinality stays bounded."""
 
 
 class Namespaces:
@@ -87,20 +84,22 @@ class Namespaces:
 
     def figures(self, realms: Iterable[TieredCache]) -> list[dict[str, Any]]:
         """Per namespace holding blocks or seen by a lookup: its name, limits,
-        and per tier its blocks and bytes over every geometry."""
+        and per tier its blocks and bytes over every geometry (a slot's bytes
+        a block, the block's own in the remote tier: what its quota counts)."""
         usage: dict[int, dict[str, list[int]]] = {}
         for realm in realms:
-            stride = realm.layout.slot_stride
             for tier, blocks in realm.cache.namespace_usage().items():
+                size = realm.layout.block_bytes if tier == "remote" else realm.layout.slot_stride
                 for ns, n in blocks.items():
                     counts = usage.setdefault(ns, {}).setdefault(tier, [0, 0])
                     counts[0] += n
-                    counts[1] += n * stride
+                    counts[1] += n * size
         out = []
         for ns in sorted(usage.keys() | self.lookups.keys()):
             name, limits = self.names[ns], self.limits.get(ns, Limits())
             out.append(
                 {
+                    "id": ns,
                     "model": name.model,
                     "revision": name.revision,
                     "tenant": name.tenant,

@@ -99,10 +99,13 @@ class Connector(ABC):
         return out
 
     @abstractmethod
-    def put(self, keys: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Chunks], ttl: float | None = None
+    ) -> list[bool]:
         """Store values[i] (its pieces concatenated, each `Later` made
         once the pieces before it are sent) under keys[i]; True where the
-        store accepted it."""
+        store accepted it. With `ttl`, the store drops them `ttl` seconds
+        (rounded up to a millisecond) after it took them."""
 
     @abstractmethod
     def heads(self, keys: Sequence[bytes], nbytes: int) -> list[bytes | None]:

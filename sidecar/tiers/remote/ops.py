@@ -71,9 +71,12 @@ class RemoteOps:
             kb = node.key_bytes  # the remote node this write fills, block by block
             keys = [kb[i : i + KEY_BYTES] for i in range(0, len(kb), KEY_BYTES)]
             sources = self.shm.slot_views(op.src, stride)
+            # A namespace's TTL holds in the store too: a value another host
+            # (or this one, after a restart) finds there is never older.
+            ttl = tier.index.ttl(node.ns)
 
             def write(lo: int, hi: int) -> None:
-                stored = self.store.write(keys[lo:hi], sources[lo:hi])
+                stored = self.store.write(keys[lo:hi], sources[lo:hi], ttl)
                 if not all(stored):
                     refused = stored.count(False)
                     raise RemoteError(f"the store refused {refused} of {hi - lo} block(s)")

@@ -26,6 +26,7 @@ caller decides what to do when the store is down.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import ssl
@@ -121,14 +122,22 @@ class RedisConnector(Connector):
         replies = self._batch(keys, lambda i: [_command(b"GET", keys[i])], read)
         return [r if isinstance(r, bool) else None for r in replies]
 
-    def put(self, keys: Sequence[bytes], values: Sequence[Chunks]) -> list[bool]:
+    def put(
+        self, keys: Sequence[bytes], values: Sequence[Chunks], ttl: float | None = None
+    ) -> list[bool]:
         if len(values) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl}")
+        head, tail = b"*3\r\n$3\r\nSET\r\n", _CRLF
+        if ttl is not None:
+            head = b"*5\r\n$3\r\nSET\r\n"
+            tail += _bulk(b"PX") + _bulk(str(math.ceil(ttl * 1000)).encode())
 
         def pack(i: int) -> list[Piece]:
             pieces = values[i]
             size = sum(piece_bytes(p) for p in pieces)
-            return [b"*3\r\n$3\r\nSET\r\n" + _bulk(keys[i]) + b"$%d\r\n" % size, *pieces, _CRLF]
+            return [head + _bulk(keys[i]) + b"$%d\r\n" % size, *pieces, tail]
 
         return [r == b"OK" for r in self._batch(keys, pack)]
 

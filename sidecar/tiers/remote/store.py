@@ -81,9 +81,15 @@ class RemoteStore:
         """The store key of a 16-byte block key."""
         return self._prefix + key.hex().encode()
 
-    def write(self, keys: Sequence[bytes], blocks: Sequence[memoryview | np.ndarray]) -> list[bool]:
+    def write(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[memoryview | np.ndarray],
+        ttl: float | None = None,
+    ) -> list[bool]:
         """Store each block (block_bytes of it, sent straight from its
-        buffer) under its key; True where the store took it. A block of
+        buffer) under its key; True where the store took it. With `ttl`, the
+        store drops the values `ttl` seconds after it took them. A block of
         fewer bytes is refused before anything is sent."""
         names = [self.name(k) for k in keys]
         if len(blocks) != len(keys):
@@ -103,7 +109,7 @@ class RemoteStore:
         )
         values = _Values(self, names, keys, blocks, ahead)
         try:
-            return self.connector.put(names, values)
+            return self.connector.put(names, values, ttl)
         finally:
             values.close()
 
