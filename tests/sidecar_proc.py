@@ -130,6 +130,7 @@ class Sidecar:
         if "--endpoint" in args:
             self.endpoint = args[args.index("--endpoint") + 1]
         self.proc: subprocess.Popen[str] | None = None
+        self._terminated = False
         self.banner = ""
         self.early: list[str] = []
 
@@ -143,6 +144,7 @@ class Sidecar:
     def start(self, timeout: float = DEADLINE) -> Sidecar:
         """Start it and read its stderr (all its output) up to the "serving on"
         line: `banner`; the lines before it are kept in `early`."""
+        self._terminated = False
         self.proc = subprocess.Popen(
             [sys.executable, "-X", "faulthandler", "-m", "kvsidecar", "serve", *self.args],
             cwd=ROOT,
@@ -163,10 +165,18 @@ class Sidecar:
         how = f"exited with {code}" if code is not None else f"no banner in {timeout:.0f} s"
         raise RuntimeError(f"sidecar did not start ({how}): {''.join(self.early)}{err}")
 
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
+    def terminate(self) -> None:
+        """SIGTERM: the sidecar drains and exits (`stop` then only waits)."""
         assert self.proc is not None
-        if self.proc.poll() is None:
+        self.proc.send_signal(signal.SIGTERM)
+        self._terminated = True
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (unless `terminate` sent it) and wait; returns the exit
+        code. A second SIGTERM could find the interpreter finalizing, with
+        the default action back: a clean exit would read as -15."""
+        assert self.proc is not None
+        if self.proc.poll() is None and not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)

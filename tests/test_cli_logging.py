@@ -5,7 +5,6 @@ lines come whatever the level."""
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 import sidecar_proc as sp
@@ -22,7 +21,7 @@ def test_json_output_is_one_object_per_line_and_the_banner_is_one_of_them() -> N
     try:
         s.start()
         assert s.proc is not None and s.proc.stderr is not None
-        s.proc.send_signal(signal.SIGTERM)
+        s.terminate()
         assert s.proc.wait(30) == 0
         out = "".join([*s.early, s.banner, s.proc.stderr.read()])
     finally:
@@ -47,7 +46,7 @@ def test_the_level_drops_records_below_it_but_never_the_start_and_stop_lines() -
     try:
         s.start()
         assert s.proc is not None and s.proc.stderr is not None
-        s.proc.send_signal(signal.SIGTERM)
+        s.terminate()
         assert s.proc.wait(30) == 0
         lines = [*s.early, s.banner, *s.proc.stderr.read().splitlines(keepends=True)]
     finally:

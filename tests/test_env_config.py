@@ -7,7 +7,6 @@ a bad value is still an error; KVSIDECAR_CONFIG names the config file.
 from __future__ import annotations
 
 import logging
-import signal
 import uuid
 from pathlib import Path
 
@@ -144,7 +143,7 @@ def test_serve_starts_beside_a_kubernetes_service(
         sidecar.start()
         assert "policy lfu" in sidecar.banner  # the file KVSIDECAR_CONFIG names
         assert sidecar.proc is not None
-        sidecar.proc.send_signal(signal.SIGTERM)
+        sidecar.terminate()
         _, err = sidecar.proc.communicate(timeout=30)
         assert sidecar.proc.returncode == 0, err
         logged = "".join(sidecar.early) + err  # all it writes goes to stderr

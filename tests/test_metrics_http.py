@@ -7,7 +7,6 @@ the SSD and remote histograms count their jobs."""
 
 from __future__ import annotations
 
-import signal
 import time
 import urllib.error
 import urllib.request
@@ -197,7 +196,7 @@ def test_readyz_is_503_while_draining():
             assert reply.ops
             assert get(port, "/readyz")[0] == 200
             assert s.proc is not None
-            s.proc.send_signal(signal.SIGTERM)
+            s.terminate()
             wait_for(lambda: get(port, "/readyz") == (503, "not ready\n"))
             assert get(port, "/healthz") == (200, "ok\n")  # alive while it drains
             channel.close()
@@ -233,7 +232,7 @@ def test_an_engine_registering_while_the_sidecar_drains_registers_with_the_next_
             keys = c.block_keys(tokens(2))
             channel.call(save, [p.keys_frame(keys), p.ids_frame(np.arange(2))])
             assert s.proc is not None
-            s.proc.send_signal(signal.SIGTERM)
+            s.terminate()
             wait_for(refused_while_draining)
             (late,) = refused
             assert late._link.register_args is not None  # kept

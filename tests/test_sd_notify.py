@@ -6,7 +6,6 @@ the sidecar a real `kvsidecar serve`."""
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import uuid
 from collections.abc import Iterator
@@ -85,7 +84,7 @@ def test_serve_notifies_ready_then_stopping(
         finally:
             channel.close()
         assert sidecar.proc is not None
-        sidecar.proc.send_signal(signal.SIGTERM)
+        sidecar.terminate()
         stopping = fields_of(sock)
         assert stopping["STOPPING"] == "1"
         _, err = sidecar.proc.communicate(timeout=30)

@@ -270,7 +270,6 @@ def test_a_stop_does_not_wait_out_a_queue_of_writes_to_a_stalled_store(server):
     store that answers nothing took a 2 s timeout each on 4 threads (64 s,
     past any service manager's stop timeout, which then SIGKILLs and leaves
     the shm). Jobs not started by then are dropped; running ones finish."""
-    import signal
 
     s = Sidecar(
         "--set",
@@ -293,7 +292,7 @@ def test_a_stop_does_not_wait_out_a_queue_of_writes_to_a_stalled_store(server):
             assert remote(c)["puts_in_flight_blocks"] > 64
             assert s.proc is not None
             start = time.monotonic()
-            s.proc.send_signal(signal.SIGTERM)
+            s.terminate()
             assert s.proc.wait(60) == 0
             assert time.monotonic() - start < 30  # before: 64 s
             assert s.shm_segments() == []

@@ -339,3 +339,52 @@ def test_a_reply_that_cannot_be_encoded_is_an_internal_error_not_a_crash(tmp_pat
         thread.join(sp.DEADLINE)
         channel.close()
         server.close()
+
+
+def test_the_policy_learning_waits_while_a_request_is_ready(tmp_path):
+    """`auto`'s shadows are worked off between requests: never while one is
+    waiting to be read (each lookup of a closed loop waited for them: the
+    4-client lookup rate fell below half the raw ping-pong's)."""
+    server = in_process_server(tmp_path, "pacer", eviction_policy="auto")
+    paced_while_waiting: list[bool] = []
+    run = server._pacer.run
+
+    def watched(work):
+        paced_while_waiting.append(server.parts.transport.request_waiting())
+        return run(work)
+
+    server._pacer.run = watched  # type: ignore[method-assign]
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            server.poll_once()
+
+    def serving() -> threading.Thread:
+        stop.clear()
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        return thread
+
+    client = None
+    thread = serving()
+    try:
+        client = connect(server.endpoint, make_kv(1), hot_path=False)
+        client.save(tokens(8), np.arange(8)).wait()
+        client._link.heartbeat.stop()  # nothing but the lookups below arrives
+        stop.set()
+        thread.join(sp.DEADLINE)
+        channel, keys = client._link.channel, client._keys(tokens(8)).tobytes()
+        sent = [channel.send(client._lookup_request, [keys]) for _ in range(200)]
+        paced_while_waiting.clear()
+        thread = serving()  # 200 lookups queued: the loop finds them waiting
+        for rid in sent:
+            channel.wait_reply(rid)
+        wait_for(lambda: len(paced_while_waiting) > 0)  # the round after the last
+        assert not any(paced_while_waiting)
+    finally:
+        stop.set()
+        thread.join(sp.DEADLINE)
+        if client is not None:
+            client.close()
+        server.close()

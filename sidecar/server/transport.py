@@ -76,6 +76,10 @@ class Transport:
     def send(self, identity: bytes, header: Any, arrays: Sequence[bytes] = ()) -> None:
         p.send_frames(self.sock, [identity, p.encode(header), *arrays])
 
+    def request_waiting(self) -> bool:
+        """Whether a request is ready to be read now."""
+        return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
     def wait(self, timeout_ms: int, collect: Callable[[dict[Any, int]], None]) -> None:
         """Wait up to `timeout_ms` for a request or a watched fd; give the
         ready fds to `collect`, then serve the requests that are ready."""
