@@ -188,11 +188,13 @@ class Commit(_SessionRequest, tag="commit"):
 
 
 class Release(_SessionRequest, tag="release"):
-    """Slots granted to this engine given back unused (an idle engine's).
-    Frames: [slots]. `boot_id`: the sidecar boot that granted them; another
-    boot's are refused (their numbers may be granted again since)."""
+    """Every slot granted to this engine given back (an idle engine's, that
+    copies into none). `boot_id`: the sidecar boot that granted them;
+    another boot's release is refused. `abandoned_grant`: the id of a Grant
+    whose answer the engine will not read (-1: none): it gets no slots."""
 
     boot_id: str
+    abandoned_grant: int = -1
 
 
 class Heartbeat(_SessionRequest, tag="heartbeat"):
@@ -248,7 +250,6 @@ ARRAY_FRAMES: dict[type, int] = {
     Save: 2,
     Touch: 3,
     Commit: 2,
-    Release: 1,
 }
 """Array frames each request op carries; the others carry none."""
 

@@ -144,6 +144,8 @@ class HotPath:
         """When a save last took granted slots (or the index was mapped)."""
         self.grant_request: int | None = None
         """The id of a Grant request whose reply has not been read yet."""
+        self.in_flight = 0
+        """Saves that took granted slots and have not committed them yet."""
         self.grant_low = GRANT_LOW
         """Fewer granted slots than this: ask for more (GRANT_LOW)."""
 
@@ -247,33 +249,65 @@ class HotPath:
         )
 
     def add_granted(self, slots: list[int]) -> None:
-        """Slots granted to (or still owned by) this rank, for its saves."""
+        """Slots granted to this rank, for its saves."""
         with self._lock:
             self.granted += slots
 
     def take_granted(self, n: int) -> np.ndarray | None:
-        """`n` granted slots, taken (None: fewer are held)."""
+        """`n` granted slots, taken for a save (None: fewer are held); a save
+        that took some ends with `committed` or `give_back`."""
         with self._lock:
             if len(self.granted) < n:
                 return None
             self.last_taken = time.monotonic()
             slots = np.array(self.granted[len(self.granted) - n :], dtype=np.int64)
             del self.granted[len(self.granted) - n :]
+            self.in_flight += n > 0
         return slots
+
+    def committed(self, slots: np.ndarray) -> None:
+        """A save's commit was sent: its slots are the sidecar's again."""
+        if slots.size:
+            with self._lock:
+                self.in_flight -= 1
+
+    def give_back(self, slots: np.ndarray) -> None:
+        """A save failed before its commit: its slots are still this rank's."""
+        if slots.size:
+            with self._lock:
+                self.granted += slots.tolist()
+                self.in_flight -= 1
 
     def clear_granted(self) -> None:
         with self._lock:
             self.granted.clear()
+            self.grant_request = None
 
-    def take_idle_grant(self, idle_seconds: float) -> list[int]:
-        """Every granted slot, taken, if no save took any for `idle_seconds`
-        (and the time starts again); else none."""
+    def granted_reply(self, request: int, slots: list[int]) -> None:
+        """The answer to Grant `request`: its slots join the grant, unless
+        the grant was given back meanwhile (`take_idle_grant`)."""
         with self._lock:
-            if not self.granted or time.monotonic() - self.last_taken < idle_seconds:
-                return []
-            slots, self.granted = self.granted, []
+            if self.grant_request == request:
+                self.granted += slots
+                self.grant_request = None
+
+    def asked_grant(self, request: int) -> None:
+        with self._lock:
+            self.grant_request = request
+
+    def take_idle_grant(self, idle_seconds: float) -> tuple[bool, int | None]:
+        """Give the whole grant up when no save took a slot for
+        `idle_seconds` and none is copying into one: (whether it was given
+        up, the id of the Grant whose answer is unread then, abandoned)."""
+        with self._lock:
+            holds = bool(self.granted) or self.grant_request is not None
+            idle = time.monotonic() - self.last_taken >= idle_seconds
+            if not holds or not idle or self.in_flight:
+                return False, None
+            abandoned, self.grant_request = self.grant_request, None
+            self.granted = []
             self.last_taken = time.monotonic()
-        return slots
+        return True, abandoned
 
     def take_touch(self, session: str) -> tuple[Any, list[bytes]] | None:
         """The batch as a Touch request and its frames (None: nothing to
@@ -384,19 +418,20 @@ class HotLane:
         return None if index is None else index.take_touch(self._session)
 
     def take_release(self) -> tuple[Any, list[bytes]] | None:
-        """The granted slots of a rank that has not saved for
-        GRANT_IDLE_SECONDS, as a Release (None: nothing to give back). Sent
-        by the heartbeat's thread: granted slots are CPU space no other
-        geometry may take (an extent holding one never changes hands), so
-        an idle model must not keep them."""
+        """A Release of this rank's whole grant, once no save has taken a
+        granted slot for GRANT_IDLE_SECONDS and none is copying into one
+        (None: nothing to give back). Sent by the heartbeat's thread:
+        granted slots are CPU space no other geometry may take (an extent
+        holding one never changes hands), so an idle model must not keep
+        them. A Grant whose answer is unread is given up with it."""
         index = self.index
         if index is None or self.grants_lost:
             return None
-        slots = index.take_idle_grant(GRANT_IDLE_SECONDS)
-        if not slots:
+        released, abandoned = index.take_idle_grant(GRANT_IDLE_SECONDS)
+        if not released:
             return None
-        request = self._req(p.Release, boot_id=index.boot_id)
-        return request, [np.asarray(slots, dtype=p.ID_DTYPE).tobytes()]
+        grant = -1 if abandoned is None else abandoned
+        return self._req(p.Release, boot_id=index.boot_id, abandoned_grant=grant), []
 
     def send_touch(self) -> None:
         """Send what was done through the hot index (never awaited)."""
@@ -462,18 +497,19 @@ class HotLane:
         if self.grants_lost:
             self.grants_lost = False
             index.clear_granted()
-            index.grant_request, index.grant_low = None, GRANT_LOW
+            index.grant_low = GRANT_LOW
         if time.monotonic() - heard_at > self._lease() / 2:
             return False
-        if index.grant_request is not None:
+        request = index.grant_request
+        if request is not None:
             try:
-                answer = self._channel.poll_reply(index.grant_request)
+                answer = self._channel.poll_reply(request)
             except (SidecarError, SidecarUnavailable):
-                answer, index.grant_request = None, None
+                answer = None
+                index.granted_reply(request, [])
             if answer is not None:
-                index.grant_request = None
                 got = np.frombuffer(answer[1][0], dtype=p.ID_DTYPE).tolist()
-                index.add_granted(got)
+                index.granted_reply(request, got)
                 # Fewer than asked: the rank holds its share of a small tier,
                 # or the tier had few slots free. Asking again below GRANT_LOW
                 # would send a Grant with every save in a tier whose share is
@@ -482,7 +518,7 @@ class HotLane:
                 index.grant_low = max(1, len(index.granted) // 2) if short else GRANT_LOW
         if index.grant_request is None and len(index.granted) < index.grant_low:
             with contextlib.suppress(SidecarUnavailable):
-                index.grant_request = self._channel.send(self._req(p.Grant, want=GRANT_WANT))
+                index.asked_grant(self._channel.send(self._req(p.Grant, want=GRANT_WANT)))
         return True
 
     def _take_slots(
@@ -515,8 +551,9 @@ class HotLane:
             # Not sent: the slots are still this session's grant (over tcp, a
             # dropped connection comes back to the same sidecar, which still
             # holds them for us). A restarted sidecar's new grant replaces this index.
-            index.add_granted(slots.tolist())
+            index.give_back(slots)
             raise
+        index.committed(slots)
         self.grants_usable(index)  # ask for more, if few are left
         tpb = num_tokens // (len(kb) // KEY_BYTES)
         # What the sidecar kept: a quota, or an eviction since the count, may drop blocks.
@@ -542,7 +579,7 @@ class HotLane:
             try:
                 copier.save(blocks[first:], slots, layout, 0).synchronize()
             except Exception:
-                index.add_granted(slots.tolist())  # still ours: nothing was committed
+                index.give_back(slots)  # still ours: nothing was committed
                 raise
         return self._commit(index, kb, first, slots, num_tokens)
 
@@ -570,7 +607,7 @@ class HotLane:
             if slots.size
             else None,
             finish=lambda copies: self._commit(index, kb, first, slots, num_tokens),
-            fail=lambda err: index.add_granted(slots.tolist()),  # still ours: not committed
+            fail=lambda err: index.give_back(slots),  # still ours: not committed
         )
 
     def _req(self, kind: type, **fields: Any) -> Any:

@@ -72,6 +72,8 @@ def limits_for(rules: Sequence[Rule], name: NamespaceName) -> Limits:
     return Limits(quotas, ttl)
 
 
+MAX_TTL_SECONDS = 1e9
+"""~31 years: a remote value's expiry (SET PX, in ms) stays one Redis takes."""
 MAX_QUOTA_BYTES = 1 << 60
 """1 EiB: far past any tier, and within the int64 a stats reply carries."""
 
@@ -97,8 +99,10 @@ def _parse(entry: str) -> Rule:
                 ttl = float(value)
             except ValueError:
                 raise ValueError(f"{entry!r}: ttl {value!r} is not a number of seconds") from None
-            if not (math.isfinite(ttl) and ttl > 0):
-                raise ValueError(f"{entry!r}: ttl must be a positive number of seconds")
+            if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL_SECONDS):
+                raise ValueError(
+                    f"{entry!r}: ttl must be a positive number of seconds, at most 1e9"
+                )
         else:
             allowed = ", ".join((*SELECTORS, *TIERS, "ttl"))
             raise ValueError(f"{entry!r}: unknown name {key!r}; allowed: {allowed}")

@@ -492,6 +492,7 @@ def test_an_abstract_ipc_endpoint_is_refused_unless_remote_endpoints_are_allowed
         ("tenant=a cpu=99999999TiB", "cpu quota over 1 EiB"),  # past int64: stats failed
         ("tenant=a", "no limit"),
         ("tenant=a ttl=0", "ttl must be a positive"),
+        ("tenant=a ttl=1e16", "at most 1e9"),  # Redis refused every write's expiry
         ("tenant=a cpu=1GiB cpu=2GiB", "cpu given twice"),
         ("colour=red cpu=1GiB", "unknown name 'colour'"),
     ],

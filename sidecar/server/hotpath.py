@@ -160,14 +160,14 @@ def grant(session: Session, cpu: CacheEngine, want: int) -> np.ndarray:
     return np.asarray(slots, dtype=np.int64)
 
 
-def release(session: Session, cpu: CacheEngine, slots: np.ndarray) -> None:
-    """Free slots granted to the rank and given back unused; ProtocolError,
-    nothing changed, if one is not granted to it or repeats."""
-    listed = slots.tolist()
-    if len(set(listed)) != len(listed) or not session.granted.issuperset(listed):
-        raise ProtocolError(ErrorCode.BAD_VALUE, "slots must be granted to this rank, once each")
-    session.granted.difference_update(listed)
+def release(session: Session, cpu: CacheEngine, abandoned_grant: int) -> int:
+    """Free every slot granted to the rank (it copies into none); a Grant of
+    id `abandoned_grant`, if it comes later, gets none. The slots freed."""
+    slots = np.fromiter(session.granted, dtype=np.int64)
+    session.granted.clear()
+    session.abandoned_grant = abandoned_grant
     cpu.free(slots)
+    return int(slots.size)
 
 
 def commit(

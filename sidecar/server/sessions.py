@@ -87,7 +87,10 @@ class Session:
     last_seen: float
     granted: set[int] = field(default_factory=set)
     """CPU slots granted to this rank for its saves (engine_shim/hotpath.py):
-    used, in no index, until it commits blocks into them or leaves."""
+    used, in no index, until it commits blocks into them, gives them back
+    (Release) or leaves."""
+    abandoned_grant: int = -1
+    """The id of a Grant the rank gave up unanswered (Release): it gets none."""
 
 
 @dataclass
