@@ -145,7 +145,11 @@ class HotPath:
         self.grant_request: int | None = None
         """The id of a Grant request whose reply has not been read yet."""
         self.in_flight = 0
-        """Saves that took granted slots and have not committed them yet."""
+        """Saves that took granted slots of this `epoch` and have not
+        committed them yet."""
+        self.epoch = 0
+        """Grants given up by the sidecar so far (`clear_granted`): slots
+        taken before, given back after it, are not this rank's any more."""
         self.grant_low = GRANT_LOW
         """Fewer granted slots than this: ask for more (GRANT_LOW)."""
 
@@ -253,35 +257,44 @@ class HotPath:
         with self._lock:
             self.granted += slots
 
-    def take_granted(self, n: int) -> np.ndarray | None:
-        """`n` granted slots, taken for a save (None: fewer are held); a save
-        that took some ends with `committed` or `give_back`."""
+    def take_granted(self, n: int) -> tuple[np.ndarray, int] | None:
+        """`n` granted slots, taken for a save, and the epoch they belong to
+        (None: fewer are held); a save that took some ends with `committed`
+        or `give_back`."""
         with self._lock:
             if len(self.granted) < n:
                 return None
             self.last_taken = time.monotonic()
             slots = np.array(self.granted[len(self.granted) - n :], dtype=np.int64)
             del self.granted[len(self.granted) - n :]
-            self.in_flight += n > 0
-        return slots
+            if n:
+                self.in_flight += 1
+            return slots, self.epoch
 
-    def committed(self, slots: np.ndarray) -> None:
+    def committed(self, slots: np.ndarray, epoch: int) -> None:
         """A save's commit was sent: its slots are the sidecar's again."""
         if slots.size:
             with self._lock:
-                self.in_flight -= 1
+                if epoch == self.epoch:
+                    self.in_flight -= 1
 
-    def give_back(self, slots: np.ndarray) -> None:
-        """A save failed before its commit: its slots are still this rank's."""
+    def give_back(self, slots: np.ndarray, epoch: int) -> None:
+        """A save failed before its commit: its slots are still this rank's,
+        unless the sidecar has taken the grant back since (`clear_granted`)."""
         if slots.size:
             with self._lock:
-                self.granted += slots.tolist()
-                self.in_flight -= 1
+                if epoch == self.epoch:
+                    self.granted += slots.tolist()
+                    self.in_flight -= 1
 
     def clear_granted(self) -> None:
+        """The sidecar forgot the session: every slot granted, taken or not,
+        is not this rank's any more."""
         with self._lock:
             self.granted.clear()
             self.grant_request = None
+            self.in_flight = 0
+            self.epoch += 1
 
     def granted_reply(self, request: int, slots: list[int]) -> None:
         """The answer to Grant `request`: its slots join the grant, unless
@@ -523,9 +536,9 @@ class HotLane:
 
     def _take_slots(
         self, keys: BlockKeys, layout: BlockLayout
-    ) -> tuple[HotPath, bytes, int, np.ndarray] | None:
+    ) -> tuple[HotPath, bytes, int, np.ndarray, int] | None:
         """(the index, key bytes, blocks the CPU tier holds already, granted
-        slots taken for the rest); None when the protocol must save: TP, too
+        slots taken for the rest, their epoch); None when the protocol must save: TP, too
         few slots granted (more are asked for), or a lease that may be running out."""
         index = self.index
         assert index is not None
@@ -534,13 +547,19 @@ class HotLane:
         kb = key_bytes(keys)
         first = index.view.count(kb)
         rest = len(keys) - first
-        slots = index.take_granted(rest)
-        if slots is None:
+        taken = index.take_granted(rest)
+        if taken is None:
             return None
-        return index, kb, first, slots
+        return index, kb, first, *taken
 
     def _commit(
-        self, index: HotPath, kb: bytes, first: int, slots: np.ndarray, num_tokens: int
+        self,
+        index: HotPath,
+        kb: bytes,
+        first: int,
+        slots: np.ndarray,
+        epoch: int,
+        num_tokens: int,
     ) -> TransferHandle:
         """Commit the blocks past `first` in one message, not awaited."""
         if not slots.size:
@@ -551,9 +570,9 @@ class HotLane:
             # Not sent: the slots are still this session's grant (over tcp, a
             # dropped connection comes back to the same sidecar, which still
             # holds them for us). A restarted sidecar's new grant replaces this index.
-            index.give_back(slots)
+            index.give_back(slots, epoch)
             raise
-        index.committed(slots)
+        index.committed(slots, epoch)
         self.grants_usable(index)  # ask for more, if few are left
         tpb = num_tokens // (len(kb) // KEY_BYTES)
         # What the sidecar kept: a quota, or an eviction since the count, may drop blocks.
@@ -574,14 +593,14 @@ class HotLane:
         taken = self._take_slots(keys, layout)
         if taken is None:
             return None
-        index, kb, first, slots = taken
+        index, kb, first, slots, epoch = taken
         if slots.size:
             try:
                 copier.save(blocks[first:], slots, layout, 0).synchronize()
             except Exception:
-                index.give_back(slots)  # still ours: nothing was committed
+                index.give_back(slots, epoch)  # still ours: nothing was committed
                 raise
-        return self._commit(index, kb, first, slots, num_tokens)
+        return self._commit(index, kb, first, slots, epoch, num_tokens)
 
     def layered_save(
         self,
@@ -596,7 +615,7 @@ class HotLane:
         taken = self._take_slots(keys, layout)
         if taken is None:
             return None
-        index, kb, first, slots = taken
+        index, kb, first, slots, epoch = taken
         planes = copier.copied_planes
         return LayeredTransfer(
             None,
@@ -606,8 +625,8 @@ class HotLane:
             queue=(lambda part: [copier.save(blocks[first:], slots, layout, 0, layers=part)])
             if slots.size
             else None,
-            finish=lambda copies: self._commit(index, kb, first, slots, num_tokens),
-            fail=lambda err: index.give_back(slots),  # still ours: not committed
+            finish=lambda copies: self._commit(index, kb, first, slots, epoch, num_tokens),
+            fail=lambda err: index.give_back(slots, epoch),  # still ours: not committed
         )
 
     def _req(self, kind: type, **fields: Any) -> Any:

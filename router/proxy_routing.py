@@ -94,9 +94,11 @@ class EventPump:
             while not self._stop.is_set():
                 sweeping = self.router.index.stale_blocks > 0
                 wait_ms = 0 if sweeping else 100
-                if not self.subs.sockets:  # an empty poll returns at once: no spin
+                if self.subs.sockets:
+                    ready = dict(poller.poll(wait_ms))
+                else:  # an empty poll returns at once: wait here, not spin
+                    ready = {}
                     self._stop.wait(wait_ms / 1000)
-                ready = dict(poller.poll(wait_ms)) if self.subs.sockets else {}
                 for sock in self.subs.sockets:
                     if sock in ready:
                         self._drain(sock)

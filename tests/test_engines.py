@@ -139,3 +139,24 @@ def test_a_new_session_for_a_rank_whose_old_process_lives_keeps_the_old_saves_sl
     assert plan_id not in sidecar.engines.plans
     assert set(sidecar.engines.orphans[plan_id].writers) == {leader.session_id, follower.session_id}
     assert sidecar.pool.num_free == 0 and sidecar.pool.num_held == 3
+
+
+def test_a_release_frees_every_slot_granted_to_the_rank_and_no_other():
+    pool = Mempool(8)
+    engines = Engines(
+        lambda _group, _plan: None,
+        lambda _group, slots: pool.hold(slots),
+        lambda _group, slots: pool.release(slots),
+        lambda _group, slots: pool.free(slots),
+    )
+    a, b = (engines.join(f"e{r}", f"s{r}", layout(0, 1), namespace_of(layout(0, 1)), 1)
+            for r in range(2))  # fmt: skip
+    a.granted.update(pool.allocate(5).tolist())
+    b.granted.update(pool.allocate(2).tolist())
+    ended = engines.num_ended
+    engines.release_grant(a, abandoned_grant=7)
+    assert pool.num_free == 6 and not a.granted and len(b.granted) == 2
+    assert a.abandoned_grant == 7
+    assert engines.num_ended == ended + 1  # parked loads are tried again
+    engines.release_grant(a, abandoned_grant=-1)  # twice: nothing more to free
+    assert pool.num_free == 6 and engines.num_ended == ended + 1

@@ -16,7 +16,6 @@ from sidecar.server.hotpath import (
     GRANT_SHARE,
     MAX_GRANT,
     grant,
-    release,
 )
 from sidecar.server.sessions import Session
 
@@ -68,15 +67,3 @@ def test_a_small_full_tier_grants_as_before_and_a_tiny_one_none():
 def test_a_bad_want_is_refused(want):
     with pytest.raises(ProtocolError):
         grant(session("x"), make_engine("cpu", 64, "lru"), want)
-
-
-def test_a_release_frees_every_slot_granted_to_the_rank_and_no_other():
-    engine = make_engine("cpu", 2048, "lru")
-    a, b = session("a"), session("b")
-    grant(a, engine, 64)
-    other = grant(b, engine, 8)
-    free = engine.mempool.num_free
-    assert release(a, engine, abandoned_grant=7) == 64
-    assert engine.mempool.num_free == free + 64 and not a.granted
-    assert a.abandoned_grant == 7 and b.granted == set(other.tolist())
-    assert release(a, engine, -1) == 0  # twice: nothing more

@@ -604,3 +604,22 @@ def test_an_idle_rank_gives_back_a_grant_whose_answer_it_never_read(monkeypatch,
         assert c.save(tokens(4), np.arange(4)).wait() == 4 * sp.TOKENS_PER_BLOCK  # still saves
     finally:
         c.close()
+
+
+def test_slots_taken_before_the_sidecar_forgot_the_session_are_not_given_back(sidecar, open_client):
+    """A save that fails after a re-registration used to put its slots back
+    in the new grant: slots the sidecar holds for the old session, freed
+    after 10 leases and reused, that a later save would have copied into."""
+    c = open_client(sidecar.endpoint, make_kv(9))
+    c.save(tokens(2), np.arange(2)).wait()
+    index = c._link.hot.index
+    wait_for(lambda: c._link.hot.grants_usable(index) and len(index.granted) >= 4)
+    slots, epoch = index.take_granted(2)
+    assert index.in_flight == 1
+    index.clear_granted()  # the sidecar forgot the session (`grants_lost`)
+    index.give_back(slots, epoch)  # the failed save's copy ends after that
+    assert index.granted == [] and index.in_flight == 0
+    index.add_granted([1, 2])
+    mine, now = index.take_granted(1)
+    index.give_back(mine, now)  # a save of this epoch does give back
+    assert index.granted == [1, 2] and index.in_flight == 0

@@ -36,7 +36,7 @@ from sidecar.metrics.latency import RequestLatency
 from sidecar.namespace_limits import NamespaceName, parse_rules
 from sidecar.server.admin import Admin
 from sidecar.server.geometries import Geometries
-from sidecar.server.hotpath import commit, grant, parse_touch, release
+from sidecar.server.hotpath import commit, grant, parse_touch
 from sidecar.server.limits import check_register
 from sidecar.server.namespaces import Namespaces
 from sidecar.server.sessions import EngineGroup, Engines, Session, namespace_of, pid_namespace
@@ -578,7 +578,7 @@ class Handlers:
         session = self._session(req)
         if req.boot_id != self.boot_id:
             raise ProtocolError(ErrorCode.BAD_VALUE, "slots granted by another boot of the sidecar")
-        release(session, self._realm(session).cache.cpu, req.abandoned_grant)
+        self.engines.release_grant(session, req.abandoned_grant)
         return Answer(r.Ok(id=req.id))
 
     def _heartbeat(self, req: p.Heartbeat, _: list[bytes]) -> Answer:

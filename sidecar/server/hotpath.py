@@ -160,16 +160,6 @@ def grant(session: Session, cpu: CacheEngine, want: int) -> np.ndarray:
     return np.asarray(slots, dtype=np.int64)
 
 
-def release(session: Session, cpu: CacheEngine, abandoned_grant: int) -> int:
-    """Free every slot granted to the rank (it copies into none); a Grant of
-    id `abandoned_grant`, if it comes later, gets none. The slots freed."""
-    slots = np.fromiter(session.granted, dtype=np.int64)
-    session.granted.clear()
-    session.abandoned_grant = abandoned_grant
-    cpu.free(slots)
-    return int(slots.size)
-
-
 def commit(
     session: Session,
     cache: GlobalCacheEngine,

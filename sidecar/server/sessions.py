@@ -345,6 +345,14 @@ class Engines:
             if orphan.writers.pop(session.session_id, None) is not None and not orphan.writers:
                 self._release(orphan_id)
 
+    def release_grant(self, session: Session, abandoned_grant: int) -> None:
+        """The rank gave its whole grant back (Release: it copies into none
+        of it); a Grant of id `abandoned_grant` it will not read gets none."""
+        session.abandoned_grant = abandoned_grant
+        if session.granted:
+            self._drop_grant(session, may_write=False)
+            self.num_ended += 1  # CPU slots freed: parked loads are tried again
+
     def _drop_grant(self, session: Session, may_write: bool) -> None:
         """A departed rank's granted slots go back: at once if it cannot be
         copying into them, else held as an orphan's until it stops."""

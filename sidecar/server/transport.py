@@ -78,7 +78,7 @@ class Transport:
 
     def request_waiting(self) -> bool:
         """Whether a request is ready to be read now."""
-        return bool(int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        return bool(self.sock.getsockopt(_EVENTS) & _POLLIN)  # type: ignore[operator]
 
     def wait(self, timeout_ms: int, collect: Callable[[dict[Any, int]], None]) -> None:
         """Wait up to `timeout_ms` for a request or a watched fd; give the
