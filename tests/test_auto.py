@@ -197,10 +197,14 @@ def test_deferred_chains_wait_for_work_and_a_full_queue_drops_new_ones(monkeypat
     assert (selector.observed, selector.pending, selector.dropped) == (0, 3, 2)
     assert not engine.observe_pending(time.perf_counter() + 60)
     assert (selector.observed, selector.pending) == (3, 0)
-    # A deadline already past still observes one chain per call: work always moves.
+    # A deadline already past still makes one step per call (a chain taken
+    # from the queue, then one shadow's turn at it): work always moves.
     for i in range(3):
         engine.observe(keys(2, i + 10), defer=True)
     assert engine.observe_pending(time.perf_counter() - 1)
+    assert (selector.observed, selector.pending) == (3, 3)  # one under way, two queued
+    for _ in range(len(selector.names)):
+        assert engine.observe_pending(time.perf_counter() - 1)
     assert (selector.observed, selector.pending) == (4, 2)
     figures = engine.policy_figures()
     assert figures == {
@@ -213,6 +217,50 @@ def test_deferred_chains_wait_for_work_and_a_full_queue_drops_new_ones(monkeypat
         "dropped": 2,
     }
     assert make_engine("cpu", 16, "lru").policy_figures() == {"name": "lru"}
+
+
+@given(
+    st.lists(st.lists(st.integers(1, 12), min_size=0, max_size=6), max_size=40),
+    st.integers(1, 7),
+)
+def test_work_stopped_between_shadows_ends_as_whole_chains_observed(requests, every):
+    """`work` stops for a waiting request after any shadow's step; the
+    chains it stops part way go on later, and the shadows end exactly as if
+    each chain had been observed whole, in order."""
+    whole, paced = Selector(shadows.CANDIDATES), Selector(shadows.CANDIDATES)
+    capacity = 6
+    for ids in requests:
+        req = keys(*ids) if ids else BlockKeys(np.empty(0, dtype=keys(1).dtype))
+        whole.observe(req, capacity)
+        paced.submit(req, capacity)
+    calls, steps = 0, [0]
+
+    def stop() -> bool:  # a request arrives after every `every` steps
+        steps[0] += 1
+        return steps[0] % every == 0
+
+    while paced.work(time.perf_counter() + 60, stop):
+        calls += 1
+        assert calls < 10_000
+    assert paced.pending == 0
+    assert (paced.observed, paced.observed_blocks) == (whole.observed, whole.observed_blocks)
+    assert paced.scores == whole.scores and paced.lookups == whole.lookups
+    assert paced.chosen == whole.chosen
+    for a, b in zip(paced._shadows, whole._shadows, strict=True):
+        assert sorted(n.key_bytes for n in walk(a.root)) == sorted(
+            n.key_bytes for n in walk(b.root)
+        )
+
+
+def test_a_stop_leaves_the_rest_of_the_chain_for_the_next_call():
+    selector = Selector(shadows.CANDIDATES)
+    selector.submit(keys(1, 2, 3), 16)
+    assert selector.work(time.perf_counter() + 60, stop=lambda: True)  # took the chain
+    assert selector.work(time.perf_counter() + 60, stop=lambda: True)  # first shadow
+    assert (selector.observed, selector.pending) == (0, 1)
+    assert [s.num_blocks for s in selector._shadows] == [3] + [0] * (len(selector.names) - 1)
+    assert not selector.work(time.perf_counter() + 60)
+    assert (selector.observed, selector.pending) == (1, 0)
 
 
 def test_a_big_tier_is_simulated_on_a_sample_of_its_requests(monkeypatch):

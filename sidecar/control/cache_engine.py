@@ -97,10 +97,10 @@ class CacheEngine:
             else:
                 observer.observe(keys, self.capacity)
 
-    def observe_pending(self, deadline: float) -> bool:
+    def observe_pending(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
         """Work off deferred chains until `time.perf_counter()` passes
-        `deadline`; whether any are left."""
-        return self._observer is not None and self._observer.work(deadline)
+        `deadline` or `stop()` is true (a request waits); whether any are left."""
+        return self._observer is not None and self._observer.work(deadline, stop)
 
     def policy_figures(self) -> dict[str, object]:
         figures: dict[str, object] = {"name": self.index.policy.name}

@@ -53,9 +53,9 @@ class RequestObserver(Protocol):
     def submit(self, keys: BlockKeys, capacity: int) -> None:
         """`observe`, queued until `work` runs."""
 
-    def work(self, deadline: float) -> bool:
+    def work(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
         """Observe queued requests until `time.perf_counter()` passes
-        `deadline`; whether any are left."""
+        `deadline` or `stop()` is true; whether any are left."""
 
     def figures(self) -> dict[str, object]:
         """What it follows and how much it has seen, for the stats."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -100,6 +101,10 @@ class Selector:
         self.dropped = 0
         """Chains dropped because the queue was full."""
         self._pending: deque[tuple[BlockKeys, int]] = deque()
+        self._current: tuple[BlockKeys, int] | None = None
+        """The chain `work` is part way through (its keys and the shadows'
+        capacity for it), and `_next` the shadow it goes on with."""
+        self._next = 0
         self.rate = 1.0
         self._shadows: list[RadixIndex] = []
         self._capacity = 0
@@ -115,7 +120,7 @@ class Selector:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + (self._current is not None)
 
     def submit(self, keys: BlockKeys, capacity: int) -> None:
         """`observe` later, when `work` runs (a full queue drops it)."""
@@ -124,17 +129,30 @@ class Selector:
         else:
             self.dropped += 1
 
-    def work(self, deadline: float) -> bool:
-        """Observe queued chains, oldest first, until none is left or
-        `time.perf_counter()` passes `deadline` (checked between chains);
-        whether any is left."""
+    def work(self, deadline: float, stop: Callable[[], bool] | None = None) -> bool:
+        """Observe queued chains, oldest first, one shadow at a time, until
+        none is left, `time.perf_counter()` passes `deadline` or `stop()`
+        says so (both checked after each shadow's step: a request that
+        arrives waits for one step, ~5-20 us for a 2,048-key chain, not
+        for a whole chain); whether any is left. A chain stopped part way
+        goes on with its next shadow at the next call."""
         pending = self._pending
-        while pending:
-            keys, capacity = pending.popleft()
-            self.observe(keys, capacity)
-            if time.perf_counter() >= deadline:
+        while self._current is not None or pending:
+            if self._current is None:
+                keys, capacity = pending.popleft()
+                shadow_capacity = self._begin(keys, capacity)
+                if shadow_capacity is not None:  # else not in the sample: done
+                    self._current, self._next = (keys, shadow_capacity), 0
+            else:
+                keys, shadow_capacity = self._current
+                self._step(keys, self._next, shadow_capacity)
+                self._next += 1
+                if self._next == len(self._shadows):
+                    self._current = None
+                    self._end(keys)
+            if time.perf_counter() >= deadline or (stop is not None and stop()):
                 break
-        return bool(pending)
+        return bool(pending) or self._current is not None
 
     def figures(self) -> dict[str, object]:
         return {
@@ -142,12 +160,22 @@ class Selector:
             "switches": self.switches,
             "observed": self.observed,
             "observed_blocks": self.observed_blocks,
-            "pending": len(self._pending),
+            "pending": self.pending,
             "dropped": self.dropped,
         }
 
     def observe(self, keys: BlockKeys, capacity: int) -> None:
-        """A request's keys, looked up in a tier of `capacity` blocks."""
+        """A request's keys, looked up in a tier of `capacity` blocks: on
+        every shadow now."""
+        shadow_capacity = self._begin(keys, capacity)
+        if shadow_capacity is not None:
+            for i in range(len(self._shadows)):
+                self._step(keys, i, shadow_capacity)
+            self._end(keys)
+
+    def _begin(self, keys: BlockKeys, capacity: int) -> int | None:
+        """Sample a chain: the shadows' capacity for it, None if it is not
+        observed (empty, or outside the sample)."""
         if not self._shadows:
             self._start()
         if capacity != self._tier_capacity:  # a tier in an arena grows and shrinks
@@ -155,15 +183,20 @@ class Selector:
             self.rate = min(1.0, FULL_SHADOW_BLOCKS / max(capacity, 1))
             self._threshold = int(self.rate * _HASH_RANGE)
         if keys.size == 0:
-            return
+            return None
         if self.rate < 1.0 and _sample_hash(keys) >= self._threshold:
-            return
-        self._capacity = max(1, round(self.rate * capacity))
-        decay = self._decay
+            return None
+        self.lookups = self.lookups * self._decay + keys.size
+        return max(1, round(self.rate * capacity))
+
+    def _step(self, keys: BlockKeys, i: int, shadow_capacity: int) -> None:
+        """The chain on shadow `i`: its decayed score and its hits."""
+        self._capacity = shadow_capacity
         scores = self.scores
-        self.lookups = self.lookups * decay + keys.size
-        for i, shadow in enumerate(self._shadows):
-            scores[i] = scores[i] * decay + self._access(shadow, keys)
+        scores[i] = scores[i] * self._decay + self._access(self._shadows[i], keys)
+
+    def _end(self, keys: BlockKeys) -> None:
+        """Every shadow has seen the chain: counted, and now and then a decision."""
         self.observed += 1
         self.observed_blocks += keys.size
         if self.observed >= WARMUP_REQUESTS and self.observed % CHECK_EVERY == 0:

@@ -3,12 +3,13 @@
 Each lookup's key chain is queued for the `auto` policy's shadows
 (`sidecar/control/shadows.py`) and worked off by the loop after the
 requests that are ready, and never while a request waits to be read
-(`Server.poll_once`). Their cost follows the lookups' volume (five
-shadow indexes per chain), so it is paced: the work gets at most `share`
-of the loop's time, in slices of at most `slice_seconds` (plus the chain
-under way when the slice ends). Past that the queue fills and drops new
-chains, which makes the shadows' sample smaller and never slows a request
-by more than one slice.
+(`Server.poll_once`): a request that arrives during the work stops it
+after the shadow step under way (one chain on one shadow index). Their
+cost follows the lookups' volume (five shadow indexes per chain), so it is
+paced: the work gets at most `share` of the loop's time, in slices of at
+most `slice_seconds` (plus the step under way when the slice ends). Past
+that the queue fills and drops new chains, which makes the shadows' sample
+smaller and never slows a request by more than one step.
 """
 
 from __future__ import annotations

@@ -342,11 +342,12 @@ class Server:
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
         # Requests an `auto` policy learns from, between requests, paced.
         realms = list(handlers.geometries)
-        if parts.transport.request_waiting():  # requests first: the work waits a round
+        waiting = parts.transport.request_waiting
+        if waiting():  # requests first: the work waits a round
             wait: float | None = 0.0
-        else:
+        else:  # and it stops for one that arrives meanwhile
             wait = self._pacer.run(
-                lambda end: any([r.cache.cpu.observe_pending(end) for r in realms])
+                lambda end: any([r.cache.cpu.observe_pending(end, waiting) for r in realms])
             )
         self._observe_wait_ms = POLL_MS if wait is None else math.ceil(wait * 1000)
         self._loop_mark = now  # this round's periodic work counts in the next round's lapse
