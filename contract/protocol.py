@@ -182,9 +182,13 @@ class Grant(_SessionRequest, tag="grant"):
 class Commit(_SessionRequest, tag="commit"):
     """Blocks an engine copied into slots granted to it. Frames: [keys: the
     whole chain], [slots: one per key from `first` on]; the keys before
-    `first` were ready when the engine looked."""
+    `first` were ready when the engine looked. `boot_id`: the sidecar boot
+    that granted the slots; another boot's commit is refused (its bytes went
+    to that boot's segments: a restarted sidecar may have granted the same
+    slot numbers to the same session since)."""
 
     first: int
+    boot_id: str
 
 
 class Release(_SessionRequest, tag="release"):

@@ -561,11 +561,17 @@ class HotLane:
         epoch: int,
         num_tokens: int,
     ) -> TransferHandle:
-        """Commit the blocks past `first` in one message, not awaited."""
+        """Commit the blocks past `first` in one message, not awaited. Not
+        sent when the sidecar that granted the slots is gone (another's
+        index is mapped now): the bytes went to its segments, nothing is
+        cached."""
+        if index is not self.index:
+            return self._handle(0, None, None)
         if not slots.size:
             return self._handle(num_tokens, None, None)
         try:
-            ack = self._channel.send(self._req(p.Commit, first=first), [kb, p.ids_frame(slots)])
+            request = self._req(p.Commit, first=first, boot_id=index.boot_id)
+            ack = self._channel.send(request, [kb, p.ids_frame(slots)])
         except Exception:
             # Not sent: the slots are still this session's grant (over tcp, a
             # dropped connection comes back to the same sidecar, which still

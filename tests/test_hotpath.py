@@ -463,7 +463,7 @@ def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, o
     try:
         keys = c.block_keys(tokens(2))
         for slots in ([mine[0], mine[0]], [mine[0], other], [mine[0]]):
-            request = p.Commit(v=1, id=0, session=c.session, first=0)
+            request = p.Commit(v=1, id=0, session=c.session, first=0, boot_id=c._link.boot_id)
             frames = [p.keys_frame(keys), np.asarray(slots, dtype=np.int64).tobytes()]
             with pytest.raises(SidecarError):
                 channel.call(request, frames)
@@ -471,6 +471,69 @@ def test_a_commit_of_slots_not_granted_is_refused_and_changes_nothing(sidecar, o
         channel.close()
     assert cpu_tier(sidecar) == before
     assert c.lookup(tokens(2)) == 0
+
+
+def test_a_commit_of_another_boot_is_refused_and_changes_nothing(sidecar, open_client):
+    """A restarted sidecar may grant the same slot numbers to the same
+    session again: a commit names the boot whose grant it used."""
+    c = open_client(sidecar.endpoint, make_kv(12))
+    c.save(tokens(1, start=8000), np.arange(1)).wait()
+    index = c._link.hot.index
+    wait_for(lambda: c._link.hot.grants_usable(index) and len(index.granted) >= 2)
+    c._link.heartbeat.stop()  # no idle release meanwhile
+    mine = index.granted[:2]
+    keys = c.block_keys(tokens(2))
+    frames = [p.keys_frame(keys), np.asarray(mine, dtype=np.int64).tobytes()]
+    before = cpu_tier(sidecar)
+    channel = Channel(sidecar.endpoint, 10.0)
+    try:
+        other = p.Commit(v=1, id=0, session=c.session, first=0, boot_id="another boot")
+        with pytest.raises(SidecarError, match="another boot"):
+            channel.call(other, frames)
+        assert cpu_tier(sidecar) == before and c.lookup(tokens(2)) == 0
+        right = p.Commit(v=1, id=0, session=c.session, first=0, boot_id=index.boot_id)
+        reply, _ = channel.call(right, frames)  # the slots were still granted
+        assert reply.stored == 2
+    finally:
+        channel.close()
+
+
+def test_a_save_begun_before_a_restart_commits_nothing_to_the_new_sidecar(open_client):
+    """A save copies into slots of the grant of the sidecar it had then;
+    that sidecar dies and a new one starts (granting the same slot numbers
+    to the same session, from an empty pool) before the save commits: the
+    new sidecar must not publish its own unwritten slots under the save's
+    keys (another engine loaded zeros as the prompt's KV)."""
+    s = Sidecar(lease=60.0).start()
+    try:
+        src = make_kv(None)
+        c = open_client(s.endpoint, src)
+        for i in range(3):  # the grant comes with the first, the others use it
+            c.save(tokens(4, start=5000 + 100 * i), np.arange(4)).wait()
+        old = c._link.hot.index
+        assert old is not None and c._link.hot.grants_usable(old)
+        for layer in src:
+            layer[8:12].normal_()
+        save = c.layered_save_keys(c.block_keys(tokens(4, start=100)), np.arange(8, 12))
+        assert save.plan is None  # through the grant
+        save.copy_layers(save.num_layers)
+        s.kill()
+        s.start()
+
+        def saved_again() -> bool:
+            try:  # the client re-registers by itself and maps the new index
+                return c.save(tokens(4, start=9000), np.arange(16, 20)).wait() > 0
+            except SidecarUnavailable:
+                return False
+
+        wait_for(saved_again)
+        assert c._link.hot.index is not old
+        assert save.finish().wait() == 0  # nothing cached: its bytes went to the dead pool
+        other = open_client(s.endpoint, make_kv(None))
+        assert other.lookup(tokens(4, start=100)) == 0
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
 
 
 def committed_saves(s: Sidecar, open_client, src: list) -> None:

@@ -565,6 +565,8 @@ class Handlers:
 
     def _commit(self, req: p.Commit, arrays: list[bytes]) -> Answer:
         session = self._session(req)
+        if req.boot_id != self.boot_id:
+            raise ProtocolError(ErrorCode.BAD_VALUE, "slots granted by another boot of the sidecar")
         keys = p.parse_keys(arrays[0])
         cache = self._realm(session).cache
         slots = p.parse_ids(arrays[1], "slots", len(keys) - req.first, cache.cpu.mempool.space)
