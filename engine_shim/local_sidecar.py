@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from contract.endpoint import InstancePaths
+from shm import hotindex
 from shm.names import SHM_DIR, remove_stale_segments
 
 IPC_PATH_MAX = 107
@@ -74,7 +75,9 @@ class LocalSidecar:
         return InstancePaths(self.runtime_dir, self.instance).shm_prefix
 
     def shm_segments(self) -> list[str]:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(self.shm_prefix + "."))
+        """Its segments in /dev/shm: the CPU tier's and the hot indexes."""
+        heads = (self.shm_prefix + ".", self.shm_prefix + "-hot.")
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(heads))
 
     def start(self, timeout: float = 60.0) -> LocalSidecar:
         """Start it and wait for its "serving on" line in its log (its stderr);
@@ -118,8 +121,9 @@ class LocalSidecar:
             self.proc.wait(10)
 
     def remove_leftovers(self) -> list[str]:
-        """Remove the shm segments a dead or broken sidecar left; their names."""
-        return remove_stale_segments(self.shm_prefix)
+        """Remove the shm segments a dead or broken sidecar left (the CPU
+        tier's and its hot indexes); their names."""
+        return remove_stale_segments(self.shm_prefix) + hotindex.remove_stale(self.shm_prefix)
 
     def close(self, timeout: float = 15.0) -> Shutdown:
         """`stop`, then remove whatever it left in /dev/shm (and its runtime

@@ -301,6 +301,28 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def refuse_if_served(path: str | os.PathLike[str], hint: str) -> None:
+    """InstanceRunning (its message ending with `hint`) if a process may be
+    listening on the Unix socket at `path` (it accepted a connection, or its
+    backlog is full); nothing if there is no socket there or nobody listens
+    (its process is gone). A sidecar asks before it removes anything a dead
+    one left: holding the instance's lock is not proof enough, as the lock
+    file of a live sidecar may have been removed under it (a /tmp cleaner)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        return
+    err = probe_socket(path)
+    if err is not None and err.errno in (errno.ECONNREFUSED, errno.ENOENT):
+        return
+    answer = "it accepted a connection" if err is None else err.strerror
+    raise InstanceRunning(
+        f"ipc://{os.fspath(path)} is served by another live process ({answer}); {hint}"
+    )
+
+
 def probe_socket(path: str | os.PathLike[str]) -> OSError | None:
     """Connect to the Unix socket at `path` without waiting: None if a
     process accepted, else why not. Only ECONNREFUSED means nobody listens

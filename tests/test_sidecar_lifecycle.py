@@ -55,6 +55,34 @@ def test_a_second_sidecar_with_the_same_name_refuses_to_start(sidecar):
     assert sidecar.proc.poll() is None and stats_of(sidecar)["pid"] == sidecar.proc.pid
 
 
+def test_a_live_sidecar_whose_lock_file_was_removed_loses_nothing_to_a_second(sidecar):
+    """A /tmp cleaner removed the live sidecar's lock file: a second start
+    on its name takes a new lock, and must then see the live socket and
+    refuse before removing anything (it removed the live one's segments,
+    hot index and admin token, and only then failed at the bind)."""
+    kv = make_kv(4)
+    client = connect(sidecar.endpoint, kv)
+    try:
+        assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        segments = sorted(n for n in os.listdir("/dev/shm") if sidecar.shm_prefix in n)
+        files = sorted(os.listdir(sidecar.runtime_dir))
+        os.unlink(Path(sidecar.runtime_dir) / f"{sidecar.instance}.lock")
+        twin = Sidecar(instance=sidecar.instance, runtime_dir=sidecar.runtime_dir)
+        with pytest.raises(RuntimeError, match=r"served by another live process.*lock file"):
+            twin.start()
+        assert sorted(n for n in os.listdir("/dev/shm") if sidecar.shm_prefix in n) == segments
+        kept = [name for name in files if name.endswith((".sock", ".admin"))]
+        assert sorted(os.listdir(sidecar.runtime_dir)) == kept
+        other = connect(sidecar.endpoint, make_kv(4))  # maps the live segments
+        try:
+            assert other.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+        finally:
+            other.close()
+        assert client.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
+    finally:
+        client.close()
+
+
 def test_a_lock_file_released_between_open_and_flock_is_not_taken_as_ours(tmp_path, monkeypatch):
     """A sidecar stopping (it unlinks its lock file, then drops the flock)
     while a new one has opened that file but not yet locked it: the new one
@@ -166,6 +194,27 @@ def test_a_local_sidecar_in_a_deep_work_directory_puts_its_socket_in_a_short_one
     assert shutdown == (0, [])
     assert not local.runtime_dir.exists()
     assert (deep / "sidecar.log").exists()
+
+
+def test_a_killed_local_sidecar_leaves_no_segment_its_hot_index_included(tmp_path):
+    """`LocalSidecar.close()` after a death its stop did not see (the OOM
+    killer, a stop that timed out): every segment of the instance goes, the
+    hot index's too (it was left in /dev/shm)."""
+    from engine_shim.local_sidecar import LocalSidecar
+
+    local = LocalSidecar(tmp_path, cpu_capacity="4MiB")
+    try:
+        local.start()
+        with connect(local.endpoint, make_kv(2)) as client:
+            assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+        before = local.shm_segments()
+        assert any("-hot." in name for name in before)
+        local.kill()
+    finally:
+        shutdown = local.close()
+    assert sorted(name.lstrip("/") for name in shutdown.leftovers) == before
+    assert local.shm_segments() == []
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(local.shm_prefix)]
 
 
 def test_cpu_tier_on_a_huge_page_mount_and_its_leftovers_cleaned():

@@ -42,6 +42,7 @@ from sidecar.runtime import (
     ensure_runtime_dir,
     instance_paths,
     raise_open_files_limit,
+    refuse_if_served,
     remove_created,
     share_socket_file,
 )
@@ -207,6 +208,16 @@ class Server:
         with contextlib.ExitStack() as undo:  # on an error: undone in reverse
             lock = InstanceLock(self.paths)  # what makes the rest ours to create
             undo.callback(lock.release)
+            # ... unless a live sidecar lost its lock file: before removing what
+            # a dead one left, nothing may listen on the instance's sockets.
+            refuse_if_served(
+                self.paths.socket_path,
+                f"it is instance {self.paths.instance!r}'s socket, though its lock was free "
+                "(was the lock file removed?): stop that process first",
+            )
+            if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+                path = self.endpoint.removeprefix("ipc://")
+                refuse_if_served(path, "stop it or pick another endpoint")
             token = AdminToken(self.paths.admin_token_path)
             undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
