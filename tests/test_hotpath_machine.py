@@ -1,6 +1,7 @@
 """A hypothesis state machine over a real sidecar: two engines save through
-grants (or plans, when their grant runs short), load optimistically through
-the hot index, delete and evict (a small CPU tier) and restart the sidecar,
+grants (or plans, when their grant runs short), give their grants back (as
+an idle engine's heartbeat does), load optimistically through the hot
+index, delete and evict (a small CPU tier) and restart the sidecar,
 in any order, while a third engine in a process of its own (the racer)
 saves through its grants and loads optimistically without pause, so that
 the machine's evictions, slot reuse and restarts race its copies.
@@ -21,6 +22,7 @@ import contextlib
 import os
 import random
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -38,7 +40,7 @@ from hypothesis.stateful import (
 from sidecar_proc import Sidecar, connect, stats_of, tokens, wait_for
 
 from contract.ids import key_bytes
-from engine_shim import SidecarError, SidecarUnavailable
+from engine_shim import SidecarError, SidecarUnavailable, hotpath
 from shm import hotindex
 
 pytestmark = pytest.mark.skipif(not hotindex.AVAILABLE, reason="shm._hotindex is not built")
@@ -123,6 +125,8 @@ class GrantMachine(RuleBasedStateMachine):
     commits = 0
     """Saves that went through a grant, over all examples."""
     racer_loads = racer_commits = 0
+    releases = 0
+    """Whole grants given back (`release`), over all examples."""
     """The racer's loads checked and saves through a grant, over all examples."""
 
     def __init__(self) -> None:
@@ -218,6 +222,19 @@ class GrantMachine(RuleBasedStateMachine):
         with contextlib.suppress(SidecarUnavailable):
             self.engines[e].save(tokens(64, start=start), np.arange(64)).wait()
 
+    @rule(e=st.integers(0, 1))
+    def release(self, e: int) -> None:
+        """Engine e gives its whole grant back, as its heartbeat does once it
+        took no granted slot for GRANT_IDLE_SECONDS (here at once), a Grant
+        whose answer it has not read included; its next saves ask again."""
+        lane = self.engines[e]._link.hot
+        with mock.patch.object(hotpath, "GRANT_IDLE_SECONDS", 0.0):
+            message = lane.take_release()
+        if message is not None:
+            with contextlib.suppress(SidecarUnavailable):  # a restart under way
+                lane._channel.send(*message, reply=False)
+                GrantMachine.releases += 1
+
     @rule()
     def restart(self) -> None:
         self.sidecar.kill()
@@ -258,4 +275,5 @@ def test_grants_loads_evictions_and_restarts() -> None:
         settings=settings(max_examples=EXAMPLES, stateful_step_count=25, deadline=None),
     )
     assert GrantMachine.commits > 0, "no save went through a grant: grants were not raced"
+    assert GrantMachine.releases > 0, "no grant was given back: releases were not raced"
     assert GrantMachine.racer_loads > 0 and GrantMachine.racer_commits > 0, "the racer idled"
