@@ -13,8 +13,8 @@ frames) on an XPUB socket for the full blocks of every prompt it serves.
 Replies name the engine, so a test sees where a request went. Hooks for the
 tests: GET /subscribers (subscriptions its XPUB has seen, batches it
 published), POST /release
-(ends streams that wait for it: a request with `"hold": true` sends its
-first chunk, then waits).
+(ends the streams waiting for it then: a request with `"hold": true` sends
+its first chunk, then waits for the next /release).
 
 `StallingEngine(head)` is an engine that hangs: a plain TCP listener in a
 thread of the test that accepts, reads a request's head, sends `head` (b"":
@@ -324,7 +324,11 @@ async def _main(args: argparse.Namespace) -> None:
         return web.json_response({"subscribers": count, "published": state.seq})
 
     async def release(request: web.Request) -> Any:
+        # Ends the streams waiting now, and only those: a later "hold" waits
+        # for a later /release (a set Event left every hold after the first
+        # release unheld, so the test after one that released ran unheld).
         state.release.set()
+        state.release = asyncio.Event()
         return web.json_response({"released": True})
 
     app = web.Application()
