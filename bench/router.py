@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from cachesim.replay import DEFAULT_TRACE, _finish
-from cachesim.report import positive_int_list, print_table, write_json
+from cachesim.report import positive_int, positive_int_list, print_table, write_json
 from cachesim.trace import Trace, infinite_hit_ratio, load_mooncake
 from contract.events import Cleared, Removed, RouterEvent, Stored
 from contract.ids import BlockKeys, keys_from_ints
@@ -64,7 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
+    p.add_argument(
+        "--limit", type=positive_int, default=None, metavar="N", help="first N requests only"
+    )
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument("--workers", type=positive_int_list, default=[8, 64], help="fleet sizes")
     p.add_argument(

@@ -21,7 +21,7 @@ import numpy as np
 
 from cachesim.belady import opt_hits
 from cachesim.replay import DEFAULT_FRACTIONS, replay
-from cachesim.report import Progress, print_table, write_json
+from cachesim.report import Progress, positive_int, print_table, write_json
 from cachesim.trace import Trace, infinite_hit_ratio, load_mooncake, request_index
 from contract.ids import keys_from_ints
 from sidecar.control.policies import POLICY_NAMES
@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "pip install 'kvsidecar[analyze]')",
     )
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests only")
+    p.add_argument(
+        "--limit", type=positive_int, default=None, metavar="N", help="first N requests only"
+    )
     p.add_argument("--tokens-per-block", type=int, default=16)
     p.add_argument(
         "--fractions",

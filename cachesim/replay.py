@@ -38,7 +38,7 @@ from cachesim import peers
 from cachesim.belady import opt_hits
 from cachesim.compare import LIVE_TARGET, TARGET, comparison_rows, default_target
 from cachesim.generate import DEFAULT_SEED, SHAPES, generate
-from cachesim.report import Progress, positive_int_list, print_table, write_json
+from cachesim.report import Progress, positive_int, positive_int_list, print_table, write_json
 from cachesim.trace import (
     InconsistentTrace,
     Trace,
@@ -121,7 +121,7 @@ def add_parser(
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of --synthetic")
     p.add_argument(
         "--limit",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="first N requests only (with --synthetic: N requests)",

@@ -59,6 +59,17 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def positive_int(text: str) -> int:
+    """argparse type for a count that must be at least 1, such as --limit N."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 or not text.strip().isascii():
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type for "1000,5e6": comma-separated positive integers."""
     try:

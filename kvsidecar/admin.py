@@ -52,7 +52,11 @@ def add_parsers(
     p.add_argument("--model", default="", help="the model name engines registered")
     p.add_argument("--revision", default="", help="the model revision engines registered")
     p.add_argument("--tenant", default="", help="the tenant engines registered")
-    p.add_argument("--all", action="store_true", help="every namespace (no selector needed)")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every namespace (with no selector: not with --model, --revision, --tenant)",
+    )
     p.add_argument("--timeout", type=timeout, default=10.0, help="seconds to wait (default 10)")
     p.set_defaults(func=lambda args: _clear(args, load))
     p = sub.add_parser(
@@ -75,6 +79,12 @@ def _clear(args: argparse.Namespace, load: Load) -> int:
     if not (args.all or args.model or args.revision or args.tenant):
         print(
             "kvsidecar clear: say what to clear: --model, --revision, --tenant, or --all",
+            file=sys.stderr,
+        )
+        return 2
+    if args.all and (args.model or args.revision or args.tenant):
+        print(
+            "kvsidecar clear: --all is every namespace: give it no --model, --revision or --tenant",
             file=sys.stderr,
         )
         return 2

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsidecar import logs
-from sidecar.config import Config, ConfigError, format_size, load_config, parse_overrides
+from sidecar.config import (
+    Config,
+    ConfigError,
+    format_size,
+    load_client_config,
+    load_config,
+    parse_overrides,
+)
 
 if TYPE_CHECKING:
     from sidecar.cleanup import Removed
@@ -54,7 +61,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_cleanup(sub)
     from kvsidecar.admin import add_parsers as add_admin_parsers
 
-    add_admin_parsers(sub, _config_args, _fetch, _load, timeout_seconds)
+    add_admin_parsers(sub, _config_args, _fetch, _load_client, timeout_seconds)
     keygen = sub.add_parser(
         "keygen",
         help="make a CURVE key pair for a sidecar or a client (DIR/NAME.key, NAME.key_secret)",
@@ -64,7 +71,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "sidecar's curve_secret_key_file, or a client's KVSIDECAR_CURVE_CLIENT_KEY).",
     )
     keygen.add_argument("dir", metavar="DIR", help="directory to write into (made 0700 if missing)")
-    keygen.add_argument("--name", default="kvsidecar", help="file name stem (default kvsidecar)")
+    keygen.add_argument(
+        "--name",
+        type=key_name,
+        default="kvsidecar",
+        help="file name stem: no '/', no leading '.' (default kvsidecar)",
+    )
     keygen.set_defaults(func=_keygen)
     if command is not None and command in sub.choices:
         return parser
@@ -97,6 +109,16 @@ def _version() -> str:
         return version("kvsidecar")
     except PackageNotFoundError:
         return "(not installed: no package metadata)"
+
+
+def key_name(text: str) -> str:
+    """An argparse type: the stem of keygen's two file names in DIR. Not
+    empty nor starting with "." (the keys would be hidden files), no "/"."""
+    if not text or text.startswith(".") or "/" in text or "\0" in text:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a file name stem (not empty, no leading '.', no '/')"
+        )
+    return text
 
 
 def timeout_seconds(text: str) -> float:
@@ -170,7 +192,10 @@ def _add_cleanup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "instance of this user left in its runtime directory, printing each and the bytes "
         "freed. The instance (--instance, else the configured one, else 'default') must be "
         "dead: cleanup takes its instance lock as a starting sidecar would, and while a live "
-        "process holds it refuses (exit 1) and removes nothing. --all does this for every "
+        "process holds it, or accepts on its socket or on its configured endpoints (--endpoint, "
+        "events_endpoint, events_resync_endpoint: a lock file can be removed under a live "
+        "sidecar), refuses (exit 1) and removes nothing; those endpoints' dead ipc sockets are "
+        "removed too. --all does this for every "
         "instance of this user in the runtime directory: live ones are listed and left "
         "alone. Reads the same configuration as serve (runtime_dir, shm_dir).",
     )
@@ -185,13 +210,22 @@ def _add_cleanup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def _load(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
     """The configuration these flags give, over `env` (None: os.environ)."""
+    return load_config(args.config, env, _overrides(args))
+
+
+def _load_client(args: argparse.Namespace) -> Config:
+    """`_load` for a command that connects to a sidecar (`load_client_config`)."""
+    return load_client_config(args.config, None, _overrides(args))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
     overrides = parse_overrides(args.set)
     for key in ("instance", "endpoint", "cpu_capacity", "metrics_port"):
         value = getattr(args, key, None)
         if value is not None:
             flag = "--" + key.replace("_", "-")
             overrides.update(parse_overrides([f"{key}={value}"], source=flag))
-    return load_config(args.config, env, overrides)
+    return overrides
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -235,8 +269,9 @@ def _serve(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", err)
         return 1
     config, pool = server.config, server.parts.pool
+    host = config.metrics_host
     metrics = (
-        f"http://{config.metrics_host}:{config.metrics_port}/metrics"
+        f"http://{f'[{host}]' if ':' in host else host}:{config.metrics_port}/metrics"
         if config.metrics_port
         else None
     )
@@ -286,7 +321,8 @@ def _cleanup(args: argparse.Namespace) -> int:
     live = 0
     for name in names:
         try:
-            removed = clean_instance(replace(paths, instance=name), config.shm_dir)
+            endpoints = _configured_endpoints(config) if name == config.instance else ()
+            removed = clean_instance(replace(paths, instance=name), config.shm_dir, endpoints)
         except InstanceRunning as err:
             print(f"kvsidecar: {err}: nothing removed", file=sys.stderr)
             live += 1
@@ -301,6 +337,12 @@ def _cleanup(args: argparse.Namespace) -> int:
     if not names:
         print(f"kvsidecar: no instance of uid {os.getuid()} in {paths.runtime_dir}")
     return 1 if live and not args.all else 0
+
+
+def _configured_endpoints(config: Config) -> tuple[str, ...]:
+    """The endpoints besides the default socket a sidecar of `config` binds."""
+    listed = (config.endpoint, config.events_endpoint, config.events_resync_endpoint)
+    return tuple(e for e in listed if e)
 
 
 def _print_removed(removed: Removed) -> None:
@@ -328,12 +370,19 @@ def _keygen(args: argparse.Namespace) -> int:
     if public.exists() or secret.exists():
         print(f"kvsidecar: {public} or {secret} exists already: not replaced", file=sys.stderr)
         return 1
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    old_umask = os.umask(0o077)  # the secret is never readable by others, even for a moment
+    if directory.exists() and not directory.is_dir():
+        print(f"kvsidecar: {directory} is not a directory: nothing written", file=sys.stderr)
+        return 1
     try:
-        zmq.auth.create_certificates(directory, args.name)
-    finally:
-        os.umask(old_umask)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        old_umask = os.umask(0o077)  # the secret is never readable by others, even for a moment
+        try:
+            zmq.auth.create_certificates(directory, args.name)
+        finally:
+            os.umask(old_umask)
+    except OSError as err:  # no permission, a file on the way, a read-only file system, ...
+        print(f"kvsidecar: cannot write keys into {directory}: {err}", file=sys.stderr)
+        return 1
     os.chmod(public, 0o644)
     print(f"kvsidecar: wrote {public} (public) and {secret} (secret, mode 0600)")
     return 0
@@ -344,7 +393,7 @@ def _fetch(args: argparse.Namespace) -> dict[str, Any] | None:
     from engine_shim.channel import Channel, SidecarError, SidecarUnavailable
     from sidecar.runtime import endpoint_of
 
-    endpoint = endpoint_of(_load(args))
+    endpoint = endpoint_of(_load_client(args))
     channel = Channel(endpoint, args.timeout)
     try:
         reply, _ = channel.call(p.Stats(v=p.PROTOCOL_VERSION, id=0))

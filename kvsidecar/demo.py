@@ -115,6 +115,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.cpu_capacity is not None:
+        from sidecar.config import ConfigError, parse_overrides
+
+        try:  # the sidecar would refuse it only after the model is loaded
+            parse_overrides([f"cpu_capacity={args.cpu_capacity}"], source="--cpu-capacity")
+        except ConfigError as err:
+            print(f"kvsidecar demo: {err}", file=sys.stderr)
+            return 2
     try:
         from engine_shim.hf import kv_block_bytes, load_model, tiny_llama
     except ImportError:
@@ -124,7 +132,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model) if args.model else tiny_llama(seed=0)
+    try:
+        model = load_model(args.model) if args.model else tiny_llama(seed=0)
+    except (OSError, ValueError) as err:  # no config.json, no weights, an unknown model type
+        print(f"kvsidecar demo: --model: {err}", file=sys.stderr)
+        return 2
     block_bytes = kv_block_bytes(model)
     with _sigterm_exits():
         workdir = Path(tempfile.mkdtemp(prefix="kvsidecar-demo-"))

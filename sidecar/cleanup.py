@@ -7,8 +7,8 @@ exactly as a starting sidecar does (`InstanceLock`, whose flock the kernel
 drops when its holder dies), so it removes nothing while a live process
 holds the name, then removes the leftovers and releases the lock. A lock
 file can be removed under a live sidecar (a /tmp cleaner), so the instance's
-socket is tried too: one that accepts a connection is live, and nothing is
-removed either.
+socket and the endpoints it is configured with are tried too: one that
+accepts a connection is live, and nothing is removed either.
 
 Only this user's instances in one runtime directory are in reach: the shm
 names carry the uid and a digest of the runtime directory
@@ -32,6 +32,7 @@ from sidecar.runtime import (
     InstanceRunning,
     ensure_runtime_dir,
     probe_socket,
+    refuse_if_endpoint_served,
     remove_created,
 )
 
@@ -51,25 +52,33 @@ class Removed(NamedTuple):
     """What was left in place and why, one line each: another user's socket."""
 
 
-def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
+def clean_instance(
+    paths: InstancePaths, shm_dir: str | None = None, endpoints: tuple[str, ...] = ()
+) -> Removed:
     """Remove the shm segments (in `shm_dir`, None: POSIX shm), the socket
     and the lock file of the instance `paths` names, after proving with its
-    lock, and by connecting to its socket, that no live process holds it.
-    Only this user's files are removed: a segment of another user under
-    the instance's names is logged as a warning, its socket is kept (and
-    listed in `kept`).
+    lock, and by connecting to its socket and to the other `endpoints` it
+    was configured with (a custom `endpoint`, the events endpoints), that
+    no live process holds it. Those endpoints' ipc sockets, dead and ours,
+    are removed too. Only this user's files are removed: a segment of
+    another user under the instance's names is logged as a warning, its
+    socket is kept (and listed in `kept`).
 
     Raises InstanceRunning, having removed nothing, while a process holds
-    the lock or listens on the socket; UnsafeRuntimeDir for a runtime
-    directory a sidecar would refuse; OSError as the file system does. A
-    missing runtime directory holds no lock, so no live sidecar has these
-    names: then only the segments are removed, and the directory is not
-    made (systemd removes its RuntimeDirectory with the service, and the
-    sidecar's user may not make it again).
+    the lock or listens on a socket or endpoint; UnsafeRuntimeDir for a
+    runtime directory a sidecar would refuse; OSError as the file system
+    does. A missing runtime directory holds no lock: then (the endpoints
+    tried first) only the segments and the endpoints' sockets are removed,
+    and the directory is not made (systemd removes its RuntimeDirectory
+    with the service, and the sidecar's user may not make it again).
     """
+    for endpoint in endpoints:  # a live sidecar on a custom endpoint lost its lock file
+        refuse_if_endpoint_served(
+            endpoint, f"instance {paths.instance!r} may be live: stop it first"
+        )
     if not os.path.lexists(paths.runtime_dir):
         segments, freed = _remove_segments(paths, shm_dir)
-        return Removed(paths.instance, segments, (), freed)
+        return Removed(paths.instance, segments, _remove_endpoint_sockets(endpoints), freed)
     had_lock = paths.lock_path.exists()
     created = ensure_runtime_dir(paths.runtime_dir)
     files: list[Path] = []
@@ -85,6 +94,7 @@ def clean_instance(paths: InstancePaths, shm_dir: str | None = None) -> Removed:
                 kept.append(f"{paths.socket_path}: the socket of uid {socket_owner}, not ours")
             if _remove_file(paths.admin_token_path):
                 files.append(paths.admin_token_path)
+            files += _remove_endpoint_sockets(endpoints)
         finally:
             lock.release()
     finally:
@@ -174,6 +184,26 @@ def _segment_sizes(prefix: str, shm_dir: str | None) -> dict[str, int]:
         except FileNotFoundError:
             continue
     return sizes
+
+
+def _remove_endpoint_sockets(endpoints: tuple[str, ...]) -> tuple[Path, ...]:
+    """The ipc sockets of `endpoints` that are this user's and refuse
+    connections (their process is gone), removed; their paths."""
+    removed = []
+    for endpoint in endpoints:
+        path = endpoint.removeprefix("ipc://")
+        if not endpoint.startswith("ipc://") or not path or path.startswith("@"):
+            continue
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        err = probe_socket(path)
+        if err is not None and err.errno == errno.ECONNREFUSED and _remove_socket(Path(path)):
+            removed.append(Path(path))
+    return tuple(removed)
 
 
 def _remove_socket(path: Path) -> bool:

@@ -29,6 +29,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,7 @@ __all__ = [
     "env_var",
     "format_size",
     "group_id",
+    "load_client_config",
     "load_config",
     "parse_overrides",
     "parse_size",
@@ -439,7 +441,15 @@ class Config:
         """A tcp:// endpoint names a port, and one off loopback is bound only
         when allowed, and then only with CURVE. An abstract ipc://@name socket
         has no file permissions (any local user may connect, `group` cannot
-        narrow that, and CURVE covers tcp:// only): bound only when allowed."""
+        narrow that, and CURVE covers tcp:// only): bound only when allowed.
+        A client's configuration (`load_client_config`) binds nothing: only
+        the ports are checked."""
+        if not _BINDS.get():
+            for key in ENDPOINT_KEYS:
+                value = getattr(self, key)
+                if value is not None and value.startswith("tcp://"):
+                    _check_tcp_port(key, value)
+            return
         if (self.curve_secret_key_file is None) != (self.curve_authorized_keys_dir is None):
             raise ConfigError(
                 "curve_secret_key_file and curve_authorized_keys_dir go together: set both "
@@ -526,6 +536,28 @@ def env_var(key: str) -> str:
 
 
 # --- loading -------------------------------------------------------------------
+
+
+_BINDS: ContextVar[bool] = ContextVar("binds", default=True)
+"""Whether the configuration being made is a server's (its endpoints bound)."""
+
+
+def load_client_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> Config:
+    """`load_config` for a client of a sidecar (`kvsidecar status`, `stats`,
+    `namespaces`, `clear`): it connects to the endpoint, binding nothing,
+    so the rules for binding one (loopback unless allowed, then with CURVE
+    server keys; no abstract names) do not apply. Off loopback it needs
+    the engines' CURVE client keys (`KVSIDECAR_CURVE_SERVER_KEY`,
+    `KVSIDECAR_CURVE_CLIENT_KEY`), as an engine does."""
+    token = _BINDS.set(False)
+    try:
+        return load_config(path, env, overrides)
+    finally:
+        _BINDS.reset(token)
 
 
 def load_config(

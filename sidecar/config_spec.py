@@ -41,7 +41,9 @@ _SIZE_UNITS = (
         for suffix in ("i", "ib")
     }
 )
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+# ASCII only: in Unicode mode \d takes other scripts' digits, \s a no-break
+# space, and [a-z] with IGNORECASE the Kelvin sign (U+212A) as a "k".
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE | re.ASCII)
 _SIZE_HELP = "a byte count or a string like '16GiB', '16Gi', '512MiB', '1.5GB', '1G', '4096'"
 
 
@@ -82,7 +84,10 @@ def _to_int(value: object) -> int:
 
 def _to_float(value: object) -> float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past a double's range (from a file)
+            raise ValueError from None
     raise TypeError
 
 
@@ -118,6 +123,20 @@ def _to_str_tuple(value: object) -> tuple[str, ...]:
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
+def _ascii_int(text: str) -> int:
+    """int(text) for ASCII text only: int() takes other scripts' digits too."""
+    if not text.isascii():
+        raise ValueError(text)
+    return int(text)
+
+
+def _ascii_float(text: str) -> float:
+    """float(text) for ASCII text only, as `_ascii_int`."""
+    if not text.isascii():
+        raise ValueError(text)
+    return float(text)
+
+
 def _bool_word(text: str) -> bool:
     return _BOOL_WORDS[text.strip().lower()]
 
@@ -135,8 +154,8 @@ class _KindInfo(NamedTuple):
 
 
 _KINDS: dict[Kind, _KindInfo] = {
-    "int": _KindInfo("int", "an integer", _to_int, int),
-    "float": _KindInfo("float", "a number", _to_float, float),
+    "int": _KindInfo("int", "an integer", _to_int, _ascii_int),
+    "float": _KindInfo("float", "a number", _to_float, _ascii_float),
     "bool": _KindInfo("bool", "a boolean (env: 1/0/true/false/yes/no)", _to_bool, _bool_word),
     "str": _KindInfo("str", "a string", _to_str, str),
     "size": _KindInfo("size", f"a size ({_SIZE_HELP})", _to_size, parse_size),

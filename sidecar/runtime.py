@@ -323,6 +323,31 @@ def refuse_if_served(path: str | os.PathLike[str], hint: str) -> None:
     )
 
 
+def refuse_if_endpoint_served(endpoint: str, hint: str) -> None:
+    """`refuse_if_served` for a ZeroMQ endpoint: an ipc:// path's socket is
+    tried as there; a tcp:// address is connected to (a wildcard host on
+    its loopback address), and one that accepts is served (a bind there
+    would fail anyway). Abstract ipc names and other transports: nothing."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint.removeprefix("ipc://")
+        if path and not path.startswith("@"):
+            refuse_if_served(path, hint)
+        return
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    host = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if not port.isascii() or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            pass
+    except OSError:  # refused, unreachable, no such host: nobody serves there
+        return
+    raise InstanceRunning(f"{endpoint} is served by another live process; {hint}")
+
+
 def probe_socket(path: str | os.PathLike[str]) -> OSError | None:
     """Connect to the Unix socket at `path` without waiting: None if a
     process accepted, else why not. Only ECONNREFUSED means nobody listens

@@ -131,6 +131,56 @@ def test_cleanup_without_instance_cleans_the_configured_one(instance: str | None
         s.cleanup()
 
 
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_live_sidecar_on_a_custom_endpoint_without_its_lock_file_keeps_everything(
+    transport: str,
+) -> None:
+    """A /tmp cleaner removed the lock file of a live sidecar that does not
+    serve on the instance's socket: neither cleanup nor a second start of
+    the instance may take it for dead (both removed its segments and admin
+    token; the start then failed at its bind)."""
+    runtime_dir = sp.tmp_dir()
+    endpoint = (
+        f"tcp://127.0.0.1:{sp.free_port()}"
+        if transport == "tcp"
+        else f"ipc://{runtime_dir}/custom.sock"
+    )
+    live = Sidecar("--endpoint", endpoint, runtime_dir=runtime_dir).start()
+    try:
+        before = leftovers(live)
+        os.unlink(Path(runtime_dir) / f"{live.instance}.lock")
+        done = cleanup(runtime_dir, "--instance", live.instance, "--endpoint", endpoint)
+        assert done.returncode == 1 and "nothing removed" in done.stderr, done.stderr
+        twin = Sidecar("--endpoint", endpoint, instance=live.instance, runtime_dir=runtime_dir)
+        with pytest.raises(RuntimeError, match="served by another live process"):
+            twin.start()
+        segments, files = leftovers(live)
+        assert segments == before[0]
+        assert f"{live.instance}.admin" in files
+        assert sp.stats_of(live)["pid"] == live.proc.pid  # type: ignore[union-attr]
+        assert live.stop() == 0
+    finally:
+        live.cleanup()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_cleanup_removes_a_killed_sidecars_custom_ipc_sockets() -> None:
+    runtime_dir = sp.tmp_dir()
+    endpoint, events = f"ipc://{runtime_dir}/custom.sock", f"ipc://{runtime_dir}/events.sock"
+    args = ("--endpoint", endpoint, "--set", f"events_endpoint={events}")
+    s = killed(Sidecar(*args, runtime_dir=runtime_dir))
+    try:
+        assert {"custom.sock", "events.sock"} <= set(os.listdir(runtime_dir))
+        done = cleanup(runtime_dir, "--instance", s.instance, *args)
+        assert done.returncode == 0, done.stderr
+        assert f"removed {runtime_dir}/custom.sock" in done.stdout
+        assert f"removed {runtime_dir}/events.sock" in done.stdout
+        assert s.shm_segments() == [] and os.listdir(runtime_dir) == []
+    finally:
+        s.cleanup()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
 # --- what is not provably dead, or not ours, stays ------------------------------------
 
 NOBODY = 65534

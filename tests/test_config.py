@@ -310,6 +310,8 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
         ({"KVSIDECAR_EVICT_RATIO": "2"}, ["evict_ratio: 2.0 is out of range"]),
         ({"KVSIDECAR_SSD_CAPACITY_PER_DIR": "12XB"}, ["'12XB' is not a size"]),
         ({"KVSIDECAR_HIT_WINDOW": ""}, ["hit_window: '' is not an integer"]),
+        ({"KVSIDECAR_HIT_WINDOW": "\u0664"}, ["hit_window: '\u0664' is not an integer"]),
+        ({"KVSIDECAR_EVICT_RATIO": "\u0660.5"}, ["evict_ratio: '\u0660.5' is not a number"]),
         ({"KVSIDECAR_WRITE_POLICY": "none"}, ["write_policy: 'none' is not a valid choice"]),
     ],
 )
@@ -380,7 +382,15 @@ def test_parse_size(text: str, n_bytes: int) -> None:
     assert parse_size(text) == n_bytes
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "1e9", "16 GiBs", "1.2.3MB", "1 Kx"])
+# Past "1 Kx": ASCII only, not Arabic-Indic or fullwidth digits, the Kelvin
+# sign for a "K" or a no-break space.
+@pytest.mark.parametrize(
+    "text",
+    [
+        *("", "GiB", "-1GiB", "1e9", "16 GiBs", "1.2.3MB", "1 Kx"),
+        *("\u0661\u0666GiB", "\uff11MiB", "1\u212aB", "1\u00a0MiB"),
+    ],
+)
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="is not a size"):
         parse_size(text)
@@ -501,3 +511,14 @@ def test_bad_namespace_limits_are_refused_naming_the_entry(entry, error):
     with pytest.raises(ConfigError, match=f"namespace_limits: .*{error}"):
         load_config(env={}, overrides={"namespace_limits": [entry]})
     assert load_config(env={}, overrides={"namespace_limits": ["tenant=a cpu=1048576TiB"]})
+
+
+@pytest.mark.parametrize("suffix", ["yml", "json"])
+def test_an_integer_past_a_floats_range_in_a_file_is_a_config_error(
+    tmp_path: Path, suffix: str
+) -> None:
+    """A float key given a 400-digit integer in a file: an error naming the
+    key, not an OverflowError traceback."""
+    text = f"evict_ratio: 1{'0' * 400}\n" if suffix == "yml" else f'{{"evict_ratio": 1{"0" * 400}}}'
+    with pytest.raises(ConfigError, match="evict_ratio"):
+        load_config(write(tmp_path, f"big.{suffix}", text), env={})

@@ -52,3 +52,18 @@ def test_bad_flags_are_refused_before_any_model_or_sidecar_starts(capsys, flags)
     captured = capsys.readouterr()
     assert "--chunk-tokens must be 0 or a multiple of 16" in captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cpu-capacity", "abc"], "kvsidecar demo: --cpu-capacity: cpu_capacity: 'abc' is not"),
+        (["--cpu-capacity", "1KiB"], "kvsidecar demo: --cpu-capacity: cpu_capacity: 1024 is out"),
+        (["--model", "/nonexistent"], "kvsidecar demo: --model: /nonexistent holds no config.json"),
+    ],
+)
+def test_a_bad_capacity_or_model_is_one_line_before_any_sidecar_starts(capsys, flags, message):
+    assert demo.main([*flags, "--turns", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message) and captured.err.count("\n") == 1
+    assert captured.out == ""

@@ -92,6 +92,32 @@ def test_probes_and_unknown_paths():
         s.cleanup()
 
 
+def test_an_ipv6_metrics_host_is_bracketed_in_the_start_up_line():
+    port = free_port()
+    s = Sidecar("--metrics-port", str(port), "--set", "metrics_host=::1").start()
+    try:
+        assert f"metrics on http://[::1]:{port}/metrics" in s.banner
+        with urllib.request.urlopen(f"http://[::1]:{port}/healthz", timeout=10) as reply:
+            assert reply.read() == b"ok\n"
+        assert s.stop() == 0
+    finally:
+        s.cleanup()
+
+
+def test_a_metrics_host_that_cannot_be_bound_is_named_in_one_line():
+    port = free_port()
+    s = Sidecar("--metrics-port", str(port), "--set", "metrics_host=256.1.1.1")
+    try:
+        with pytest.raises(RuntimeError) as info:
+            s.start()
+    finally:
+        s.cleanup()
+    assert s.proc is not None and s.proc.returncode == 1
+    lines = str(info.value).split(": ", 1)[1].splitlines()
+    assert len(lines) == 1, lines
+    assert f"cannot start: metrics_host=256.1.1.1 metrics_port={port}: [Errno" in lines[0]
+
+
 def test_counters_and_histograms_count_the_traffic():
     port = free_port()
     s = Sidecar("--metrics-port", str(port)).start()

@@ -111,6 +111,9 @@ def test_clear_model_removes_that_model_in_every_tier_and_needs_the_token(
             listed = kvsidecar(s, "namespaces")
             assert listed.returncode == 0 and "other@r1" in listed.stdout, listed
             assert kvsidecar(s, "clear").returncode == 2  # says what to clear, or --all
+            both = kvsidecar(s, "clear", "--all", "--model", "other")  # which did it mean?
+            assert both.returncode == 2 and "--all is every namespace" in both.stderr
+            assert blocks(s, "other", "cpu") == 6
             assert kvsidecar(s, "clear", "--all", "--tier", "cpu").returncode == 0
             assert blocks(s, "other", "cpu") == 0 and blocks(s, "other", "ssd") == 6
     finally:

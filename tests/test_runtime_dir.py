@@ -152,7 +152,7 @@ def test_a_failed_start_removes_the_directories_it_created_and_only_those(tmp_pa
         busy = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         created = tmp_path / "new" / "run"
         out = serve_fails(created, "--endpoint", busy)
-        assert out.returncode == 1 and "cannot start" in out.stderr, out.stderr
+        assert out.returncode == 1 and "served by another live process" in out.stderr, out.stderr
         assert os.listdir(tmp_path) == []
         existing = tmp_path / "existing"
         existing.mkdir(mode=0o700)

@@ -23,7 +23,8 @@ from contract import events as wire
 from contract import protocol as p
 from engine_shim import SidecarUnavailable
 from engine_shim.channel import Channel
-from sidecar.config import ConfigError, load_config
+from kvsidecar import cli
+from sidecar.config import ConfigError, load_client_config, load_config
 
 REMOTE = [
     "tcp://0.0.0.0:5555",
@@ -58,6 +59,21 @@ def test_a_resync_endpoint_off_loopback_is_refused():
                 "events_resync_endpoint": "tcp://0.0.0.0:5556",
             },
         )
+
+
+@pytest.mark.parametrize("address", REMOTE)
+def test_the_cli_connects_to_an_endpoint_off_loopback_it_binds_nothing(address, capsys):
+    """`kvsidecar status/stats/namespaces/clear` connect, as an engine does
+    (with its CURVE client keys from the environment): the bind rules (the
+    server's keys, allow_remote_endpoints) are not asked of them."""
+    from kvsidecar.cli import main
+
+    assert load_client_config(env={}, overrides={"endpoint": address}).endpoint == address
+    with pytest.raises(ConfigError, match="bad"):
+        load_client_config(env={}, overrides={"endpoint": "tcp://127.0.0.1:bad"})
+    if address == "tcp://10.1.2.3:5555":  # nobody answers there: exit 1, not a config error
+        assert main(["status", "--endpoint", address, "--timeout", "0.2"]) == 1
+        assert "configuration error" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("address", LOOPBACK)
@@ -96,6 +112,33 @@ def keygen(directory: Path, name: str) -> Path:
     secret = directory / f"{name}.key_secret"
     assert os.stat(secret).st_mode & 0o077 == 0
     return secret
+
+
+@pytest.mark.parametrize("name", ["", "sub/x", ".hidden"])
+def test_keygen_refuses_a_name_that_is_not_a_file_name_stem(tmp_path, capsys, name):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["keygen", str(tmp_path / "keys"), "--name", name])
+    assert exit_.value.code == 2
+    assert f"argument --name: {name!r} is not a file name stem" in capsys.readouterr().err
+    assert not (tmp_path / "keys").exists()
+
+
+def test_keygen_into_a_file_or_over_a_key_pair_is_one_line_and_writes_nothing(tmp_path, capsys):
+    file, keys = tmp_path / "file", tmp_path / "keys"
+    file.write_text("not a directory")
+    assert cli.main(["keygen", str(file)]) == 1
+    assert cli.main(["keygen", str(file / "sub")]) == 1
+    assert cli.main(["keygen", str(keys)]) == 0
+    public = (keys / "kvsidecar.key").read_bytes()
+    assert cli.main(["keygen", str(keys)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvsidecar: {file} is not a directory: nothing written",
+        f"kvsidecar: cannot write keys into {file}/sub: [Errno 20] Not a directory: '{file}/sub'",
+        f"kvsidecar: {keys}/kvsidecar.key or {keys}/kvsidecar.key_secret exists already: "
+        "not replaced",
+    ]
+    assert file.read_text() == "not a directory"
+    assert (keys / "kvsidecar.key").read_bytes() == public
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cachesim.trace import expand_ids, infinite_hit_ratio, infinite_hits, load_mooncake
+from kvsidecar import cli
 
 ROWS = [
     {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [0, 1, 2]},
@@ -71,6 +72,17 @@ def test_limit_reads_only_the_first_requests(trace_path):
     trace = load_mooncake(trace_path, tokens_per_block=256, limit=2)
     assert trace.num_requests == 2
     assert trace.num_lookups == 6 * 2
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "1.5", "\u0662"])
+@pytest.mark.parametrize("command", [["analyze"], ["bench", "replay", "--trace"]])
+def test_a_limit_below_one_is_refused_as_an_argument(trace_path, capsys, command, limit):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command, str(trace_path), "--limit", limit])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert f"error: argument --limit: expected a positive integer: {limit!r}" in captured.err
+    assert captured.out == ""
 
 
 def test_bad_inputs_are_reported(tmp_path, trace_path):

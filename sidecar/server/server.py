@@ -42,6 +42,7 @@ from sidecar.runtime import (
     ensure_runtime_dir,
     instance_paths,
     raise_open_files_limit,
+    refuse_if_endpoint_served,
     refuse_if_served,
     remove_created,
     share_socket_file,
@@ -209,15 +210,14 @@ class Server:
             lock = InstanceLock(self.paths)  # what makes the rest ours to create
             undo.callback(lock.release)
             # ... unless a live sidecar lost its lock file: before removing what
-            # a dead one left, nothing may listen on the instance's sockets.
+            # a dead one left, nothing may listen on the instance's socket or
+            # on our endpoint (a tcp:// one included).
             refuse_if_served(
                 self.paths.socket_path,
                 f"it is instance {self.paths.instance!r}'s socket, though its lock was free "
                 "(was the lock file removed?): stop that process first",
             )
-            if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
-                path = self.endpoint.removeprefix("ipc://")
-                refuse_if_served(path, "stop it or pick another endpoint")
+            refuse_if_endpoint_served(self.endpoint, "stop it or pick another endpoint")
             token = AdminToken(self.paths.admin_token_path)
             undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
@@ -278,13 +278,12 @@ class Server:
         if self.config.metrics_port is not None:
             from sidecar.metrics.http_server import serve_metrics
 
+            host, port = self.config.metrics_host, self.config.metrics_port
             try:
-                metrics = serve_metrics(
-                    self.config.metrics_host,
-                    self.config.metrics_port,
-                    lambda: self.snapshot,
-                    lambda: self.ready,
-                )
+                metrics = serve_metrics(host, port, lambda: self.snapshot, lambda: self.ready)
+            except OSError as err:  # a name that does not resolve, not this host's, a port in use
+                self.close()
+                raise OSError(f"metrics_host={host} metrics_port={port}: {err}") from err
             except BaseException:
                 self.close()
                 raise
