@@ -226,12 +226,38 @@ class InstanceLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd: int | None = fd
 
+    def keep(self) -> bool:
+        """Whether the lock file is still ours, making it again if it was
+        removed (a /tmp cleaner): while it is missing, a second start of the
+        instance takes a new one and, finding no live socket of its own to
+        stop it (a custom endpoint), removes this sidecar's segments as a
+        dead one's. False if another process locked a new file first."""
+        if self._fd is None or _same_file(self._fd, self.path):
+            return True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        if not _same_file(fd, self.path):  # replaced again meanwhile: next time
+            os.close(fd)
+            return True
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(self._fd)
+        self._fd = fd
+        log.warning("the lock file %s was removed: made again", self.path)
+        return True
+
     def release(self) -> None:
-        """Unlink the lock file and drop the lock (idempotent)."""
+        """Unlink the lock file, if it is still ours, and drop the lock
+        (idempotent)."""
         if self._fd is None:
             return
         try:
-            self.path.unlink(missing_ok=True)
+            if _same_file(self._fd, self.path):
+                self.path.unlink(missing_ok=True)
         finally:
             os.close(self._fd)  # closing the fd drops the flock
             self._fd = None

@@ -212,6 +212,19 @@ class Sidecar:
             UNCLEANED.remove(self)
 
 
+@contextlib.contextmanager
+def frozen(s: Sidecar) -> Iterator[None]:
+    """The sidecar stopped (SIGSTOP) for the block's length: its sockets
+    still accept connections (the kernel's backlog), but its loop runs
+    nothing, so it does not make a removed lock file again meanwhile."""
+    assert s.proc is not None
+    s.proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        s.proc.send_signal(signal.SIGCONT)
+
+
 def read_line(pipe: IO[str], deadline: float) -> str | None:
     """The next line `pipe` (a child's text pipe, not read through its
     buffer yet) gives before `deadline`; None at its end or the deadline.

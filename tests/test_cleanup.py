@@ -148,17 +148,44 @@ def test_a_live_sidecar_on_a_custom_endpoint_without_its_lock_file_keeps_everyth
     live = Sidecar("--endpoint", endpoint, runtime_dir=runtime_dir).start()
     try:
         before = leftovers(live)
-        os.unlink(Path(runtime_dir) / f"{live.instance}.lock")
-        done = cleanup(runtime_dir, "--instance", live.instance, "--endpoint", endpoint)
-        assert done.returncode == 1 and "nothing removed" in done.stderr, done.stderr
         twin = Sidecar("--endpoint", endpoint, instance=live.instance, runtime_dir=runtime_dir)
-        with pytest.raises(RuntimeError, match="served by another live process"):
-            twin.start()
+        with sp.frozen(live):  # it would make its lock file again within a second
+            os.unlink(Path(runtime_dir) / f"{live.instance}.lock")
+            done = cleanup(runtime_dir, "--instance", live.instance, "--endpoint", endpoint)
+            assert done.returncode == 1 and "nothing removed" in done.stderr, done.stderr
+            assert "served by another live process" in done.stderr
+            with pytest.raises(RuntimeError, match="served by another live process"):
+                twin.start()
         segments, files = leftovers(live)
         assert segments == before[0]
         assert f"{live.instance}.admin" in files
         assert sp.stats_of(live)["pid"] == live.proc.pid  # type: ignore[union-attr]
         assert live.stop() == 0
+    finally:
+        live.cleanup()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def test_a_live_sidecar_makes_its_removed_lock_file_again() -> None:
+    """Nothing else tells a start on another endpoint, or a cleanup not
+    told of the live one's endpoint, that the instance is live: within a
+    second the sidecar has its lock file again, and both are refused."""
+    runtime_dir = sp.tmp_dir()
+    endpoint = f"ipc://{runtime_dir}/custom.sock"
+    live = Sidecar("--endpoint", endpoint, runtime_dir=runtime_dir).start()
+    lock = Path(runtime_dir) / f"{live.instance}.lock"
+    try:
+        before = leftovers(live)
+        lock.unlink()
+        sp.wait_for(lambda: lock.exists() and lock.read_text().strip() == str(live.proc.pid))  # type: ignore[union-attr]
+        done = cleanup(runtime_dir, "--instance", live.instance)  # not told of its endpoint
+        assert done.returncode == 1 and "already running" in done.stderr, done.stderr
+        twin = Sidecar(instance=live.instance, runtime_dir=runtime_dir)  # the default endpoint
+        with pytest.raises(RuntimeError, match="already running"):
+            twin.start()
+        assert leftovers(live) == before
+        assert live.stop() == 0
+        assert not lock.exists()
     finally:
         live.cleanup()
         shutil.rmtree(runtime_dir, ignore_errors=True)
@@ -190,16 +217,17 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid 
 def test_cleanup_leaves_a_live_sidecar_whose_lock_file_was_removed(sidecar: Sidecar) -> None:
     """A /tmp cleaner may remove the lock file under a live sidecar: the lock
     proves nothing then, but its socket still answers."""
-    os.unlink(Path(sidecar.runtime_dir, f"{sidecar.instance}.lock"))
-    before = leftovers(sidecar)
-    done = cleanup(sidecar.runtime_dir, "--instance", sidecar.instance)
-    assert done.returncode == 1, done.stdout
-    assert "a live process listens on" in done.stderr and "nothing removed" in done.stderr
-    every = cleanup(sidecar.runtime_dir, "--all")
-    assert every.returncode == 0, every.stderr
-    assert f"the socket of instance {sidecar.instance!r}" in every.stderr
-    assert f"instance {sidecar.instance!r}" not in every.stdout
-    assert leftovers(sidecar) == before
+    with sp.frozen(sidecar):  # it would make its lock file again within a second
+        os.unlink(Path(sidecar.runtime_dir, f"{sidecar.instance}.lock"))
+        before = leftovers(sidecar)
+        done = cleanup(sidecar.runtime_dir, "--instance", sidecar.instance)
+        assert done.returncode == 1, done.stdout
+        assert "a live process listens on" in done.stderr and "nothing removed" in done.stderr
+        every = cleanup(sidecar.runtime_dir, "--all")
+        assert every.returncode == 0, every.stderr
+        assert f"the socket of instance {sidecar.instance!r}" in every.stderr
+        assert f"instance {sidecar.instance!r}" not in every.stdout
+        assert leftovers(sidecar) == before
     assert sp.stats_of(sidecar)["pid"] == sidecar.proc.pid  # type: ignore[union-attr]
 
 

@@ -125,9 +125,9 @@ class GrantMachine(RuleBasedStateMachine):
     commits = 0
     """Saves that went through a grant, over all examples."""
     racer_loads = racer_commits = 0
+    """The racer's loads checked and saves through a grant, over all examples."""
     releases = 0
     """Whole grants given back (`release`), over all examples."""
-    """The racer's loads checked and saves through a grant, over all examples."""
 
     def __init__(self) -> None:
         super().__init__()

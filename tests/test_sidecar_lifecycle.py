@@ -66,13 +66,16 @@ def test_a_live_sidecar_whose_lock_file_was_removed_loses_nothing_to_a_second(si
         assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
         segments = sorted(n for n in os.listdir("/dev/shm") if sidecar.shm_prefix in n)
         files = sorted(os.listdir(sidecar.runtime_dir))
-        os.unlink(Path(sidecar.runtime_dir) / f"{sidecar.instance}.lock")
         twin = Sidecar(instance=sidecar.instance, runtime_dir=sidecar.runtime_dir)
-        with pytest.raises(RuntimeError, match=r"served by another live process.*lock file"):
-            twin.start()
-        assert sorted(n for n in os.listdir("/dev/shm") if sidecar.shm_prefix in n) == segments
-        kept = [name for name in files if name.endswith((".sock", ".admin"))]
-        assert sorted(os.listdir(sidecar.runtime_dir)) == kept
+        with sp.frozen(sidecar):  # it would make its lock file again within a second
+            os.unlink(Path(sidecar.runtime_dir) / f"{sidecar.instance}.lock")
+            with pytest.raises(RuntimeError, match=r"served by another live process.*lock file"):
+                twin.start()
+            assert sorted(n for n in os.listdir("/dev/shm") if sidecar.shm_prefix in n) == segments
+            kept = [name for name in files if name.endswith((".sock", ".admin"))]
+            assert sorted(os.listdir(sidecar.runtime_dir)) == kept
+        lock = Path(sidecar.runtime_dir) / f"{sidecar.instance}.lock"
+        wait_for(lock.exists)  # made again by the live sidecar
         other = connect(sidecar.endpoint, make_kv(4))  # maps the live segments
         try:
             assert other.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK

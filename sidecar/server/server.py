@@ -217,7 +217,10 @@ class Server:
                 f"it is instance {self.paths.instance!r}'s socket, though its lock was free "
                 "(was the lock file removed?): stop that process first",
             )
-            refuse_if_endpoint_served(self.endpoint, "stop it or pick another endpoint")
+            refuse_if_endpoint_served(
+                self.endpoint,
+                f"stop it, or pick another endpoint if it is no sidecar of {self.paths.instance!r}",
+            )
             token = AdminToken(self.paths.admin_token_path)
             undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
@@ -273,7 +276,7 @@ class Server:
                 )
                 for endpoint in filter(None, bound):
                     share_socket_file(endpoint, self.gid)
-            self._parts = _Parts(pool, transport, handlers, publisher, undo.pop_all())
+            self._parts = _Parts(pool, transport, handlers, publisher, undo.pop_all(), lock)
         self.snapshot = self.stats()
         if self.config.metrics_port is not None:
             from sidecar.metrics.http_server import serve_metrics
@@ -347,18 +350,30 @@ class Server:
                 log.warning("parent process %d exited: draining", self.parent_pid)
                 self._stop()
             handlers.engines.expire(self.config.lease_seconds, now)
+            if not parts.lock.keep():
+                log.error(
+                    "another process locked %s (its lock file was removed and made again): "
+                    "a second sidecar of this instance may be starting",
+                    parts.lock.path,
+                )
             handlers.expire()  # blocks past their namespace's TTL (none set: nothing)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
         # Requests an `auto` policy learns from, between requests, paced.
         realms = list(handlers.geometries)
         waiting = parts.transport.request_waiting
-        if waiting():  # requests first: the work waits a round
-            wait: float | None = 0.0
-        else:  # and it stops for one that arrives meanwhile
-            wait = self._pacer.run(
-                lambda end: any([r.cache.cpu.observe_pending(end, waiting) for r in realms])
-            )
+
+        def observe(end: float) -> bool:  # whether any is left
+            left = False
+            for realm in realms:
+                if waiting():  # the next realm's step too would keep it waiting
+                    return True
+                left = realm.cache.cpu.observe_pending(end, waiting) or left
+            return left
+
+        # Requests first: the work waits a round, and stops for one that
+        # arrives meanwhile.
+        wait = 0.0 if waiting() else self._pacer.run(observe)
         self._observe_wait_ms = POLL_MS if wait is None else math.ceil(wait * 1000)
         self._loop_mark = now  # this round's periodic work counts in the next round's lapse
 
@@ -429,6 +444,7 @@ class _Parts(NamedTuple):
     publisher: EventPublisher | None
     """None unless `events_endpoint` is set."""
     resources: contextlib.ExitStack
+    lock: InstanceLock
 
 
 def _remove_pool(pool: ShmPool) -> None:
