@@ -225,30 +225,47 @@ class InstanceLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd: int | None = fd
+        self._unkept = False
+        """Whether `keep` failed to make the removed lock file again (said once)."""
 
-    def keep(self) -> bool:
-        """Whether the lock file is still ours, making it again if it was
-        removed (a /tmp cleaner): while it is missing, a second start of the
-        instance takes a new one and, finding no live socket of its own to
-        stop it (a custom endpoint), removes this sidecar's segments as a
-        dead one's. False if another process locked a new file first."""
+    def keep(self) -> None:
+        """Make the lock file again if it was removed (a /tmp cleaner):
+        while it is missing, a second start of the instance takes a new one
+        and, finding no live socket of its own to stop it (a custom
+        endpoint), removes this sidecar's segments as a dead one's. Never
+        raises: what it cannot do (its directory went too, another process
+        locked a new file first) it logs, once until it succeeds."""
         if self._fd is None or _same_file(self._fd, self.path):
-            return True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            return
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            self._cannot_keep(f"cannot make it again: {err}")
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _same_file(fd, self.path):  # replaced again meanwhile: next time
+                os.close(fd)
+                return
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
         except BlockingIOError:
             os.close(fd)
-            return False
-        if not _same_file(fd, self.path):  # replaced again meanwhile: next time
+            self._cannot_keep("another process locked it: a second sidecar of it may be starting")
+            return
+        except OSError as err:
             os.close(fd)
-            return True
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            self._cannot_keep(f"cannot write it: {err}")
+            return
         os.close(self._fd)
         self._fd = fd
+        self._unkept = False
         log.warning("the lock file %s was removed: made again", self.path)
-        return True
+
+    def _cannot_keep(self, why: str) -> None:
+        if not self._unkept:
+            log.error("the lock file %s was removed and %s", self.path, why)
+        self._unkept = True
 
     def release(self) -> None:
         """Unlink the lock file, if it is still ours, and drop the lock

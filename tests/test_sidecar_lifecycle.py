@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -84,6 +85,39 @@ def test_a_live_sidecar_whose_lock_file_was_removed_loses_nothing_to_a_second(si
         assert client.lookup(tokens(2)) == 2 * sp.TOKENS_PER_BLOCK
     finally:
         client.close()
+
+
+def test_a_held_lock_makes_its_removed_file_again_and_never_raises(tmp_path, caplog):
+    paths = runtime.InstancePaths(tmp_path / "run", f"t{os.getpid()}-keep")
+    paths.runtime_dir.mkdir()
+    lock = runtime.InstanceLock(paths)
+    try:
+        paths.lock_path.unlink()
+        lock.keep()
+        assert paths.lock_path.read_text().strip() == str(os.getpid())
+        with pytest.raises(runtime.InstanceRunning):
+            runtime.InstanceLock(paths)
+        # Another process took the name while the file was gone: said once, and
+        # its file is not ours to remove.
+        paths.lock_path.unlink()
+        other = runtime.InstanceLock(paths)
+        with caplog.at_level("ERROR", logger="kvsidecar"):
+            lock.keep()
+            lock.keep()
+        assert [r.getMessage() for r in caplog.records].count(
+            f"the lock file {paths.lock_path} was removed and another process locked it: "
+            "a second sidecar of it may be starting"
+        ) == 1
+        lock.release()
+        assert paths.lock_path.exists()
+        other.release()
+        # The directory went too: nothing raised.
+        lock = runtime.InstanceLock(paths)
+        shutil.rmtree(paths.runtime_dir)
+        lock.keep()
+        assert not paths.runtime_dir.exists()
+    finally:
+        lock.release()
 
 
 def test_a_lock_file_released_between_open_and_flock_is_not_taken_as_ours(tmp_path, monkeypatch):

@@ -350,12 +350,7 @@ class Server:
                 log.warning("parent process %d exited: draining", self.parent_pid)
                 self._stop()
             handlers.engines.expire(self.config.lease_seconds, now)
-            if not parts.lock.keep():
-                log.error(
-                    "another process locked %s (its lock file was removed and made again): "
-                    "a second sidecar of this instance may be starting",
-                    parts.lock.path,
-                )
+            parts.lock.keep()
             handlers.expire()  # blocks past their namespace's TTL (none set: nothing)
             self.snapshot = self.stats()
             self._next_lease_check = now + min(1.0, self.config.lease_seconds / 4)
