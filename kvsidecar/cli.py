@@ -341,8 +341,9 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 def _configured_endpoints(config: Config) -> tuple[str, ...]:
     """The endpoints besides the default socket a sidecar of `config` binds."""
-    listed = (config.endpoint, config.events_endpoint, config.events_resync_endpoint)
-    return tuple(e for e in listed if e)
+    from sidecar.config import ENDPOINT_KEYS
+
+    return tuple(e for e in (getattr(config, key) for key in ENDPOINT_KEYS) if e)
 
 
 def _print_removed(removed: Removed) -> None:

@@ -78,7 +78,9 @@ def clean_instance(
         )
     if not os.path.lexists(paths.runtime_dir):
         segments, freed = _remove_segments(paths, shm_dir)
-        return Removed(paths.instance, segments, _remove_endpoint_sockets(endpoints), freed)
+        return Removed(
+            paths.instance, segments, _remove_endpoint_sockets(endpoints, paths.instance), freed
+        )
     had_lock = paths.lock_path.exists()
     created = ensure_runtime_dir(paths.runtime_dir)
     files: list[Path] = []
@@ -86,7 +88,7 @@ def clean_instance(
     try:
         lock = InstanceLock(paths)
         try:
-            socket_owner = _dead_socket_owner(paths)
+            socket_owner = _dead_socket_owner(paths.socket_path, paths.instance)
             segments, freed = _remove_segments(paths, shm_dir)
             if socket_owner == os.getuid() and _remove_socket(paths.socket_path):
                 files.append(paths.socket_path)
@@ -94,7 +96,7 @@ def clean_instance(
                 kept.append(f"{paths.socket_path}: the socket of uid {socket_owner}, not ours")
             if _remove_file(paths.admin_token_path):
                 files.append(paths.admin_token_path)
-            files += _remove_endpoint_sockets(endpoints)
+            files += _remove_endpoint_sockets(endpoints, paths.instance)
         finally:
             lock.release()
     finally:
@@ -112,12 +114,12 @@ def _remove_segments(paths: InstancePaths, shm_dir: str | None) -> tuple[tuple[s
     return segments, sum(sizes.get(name, 0) for name in segments)
 
 
-def _dead_socket_owner(paths: InstancePaths) -> int | None:
-    """The uid owning the instance's socket, a socket nothing listens on;
-    None if there is no socket there. Raises InstanceRunning if a process
-    listens on it: the lock file may have been removed under a live
-    sidecar (a /tmp cleaner), or another instance serves that path."""
-    path = paths.socket_path
+def _dead_socket_owner(path: Path, instance: str) -> int | None:
+    """The uid owning the socket at `path` (of instance `instance`), a
+    socket nothing listens on; None if there is no socket there. Raises
+    InstanceRunning if a process listens on it: the lock file may have been
+    removed under a live sidecar (a /tmp cleaner), or another instance
+    serves that path."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -131,7 +133,7 @@ def _dead_socket_owner(paths: InstancePaths) -> int | None:
         return None
     answer = "it accepted a connection" if err is None else err.strerror
     raise InstanceRunning(
-        f"a live process listens on {path}, the socket of instance {paths.instance!r} "
+        f"a live process listens on {path}, the socket of instance {instance!r} "
         f"({answer}); stop it first"
     )
 
@@ -186,23 +188,16 @@ def _segment_sizes(prefix: str, shm_dir: str | None) -> dict[str, int]:
     return sizes
 
 
-def _remove_endpoint_sockets(endpoints: tuple[str, ...]) -> tuple[Path, ...]:
+def _remove_endpoint_sockets(endpoints: tuple[str, ...], instance: str) -> tuple[Path, ...]:
     """The ipc sockets of `endpoints` that are this user's and refuse
     connections (their process is gone), removed; their paths."""
     removed = []
     for endpoint in endpoints:
-        path = endpoint.removeprefix("ipc://")
-        if not endpoint.startswith("ipc://") or not path or path.startswith("@"):
+        path = Path(endpoint.removeprefix("ipc://"))
+        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
             continue
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
-            continue
-        err = probe_socket(path)
-        if err is not None and err.errno == errno.ECONNREFUSED and _remove_socket(Path(path)):
-            removed.append(Path(path))
+        if _dead_socket_owner(path, instance) == os.getuid() and _remove_socket(path):
+            removed.append(path)
     return tuple(removed)
 
 

@@ -107,8 +107,6 @@ class Selector:
         self._next = 0
         self.rate = 1.0
         self._shadows: list[RadixIndex] = []
-        self._capacity = 0
-        """The shadows' capacity: rate x the tier's."""
         self._tier_capacity = -1
         self._threshold = _HASH_RANGE
         self._decay = 0.5 ** (1.0 / HALF_LIFE_REQUESTS)
@@ -191,9 +189,8 @@ class Selector:
 
     def _step(self, keys: BlockKeys, i: int, shadow_capacity: int) -> None:
         """The chain on shadow `i`: its decayed score and its hits."""
-        self._capacity = shadow_capacity
-        scores = self.scores
-        scores[i] = scores[i] * self._decay + self._access(self._shadows[i], keys)
+        hits = self._access(self._shadows[i], keys, shadow_capacity)
+        self.scores[i] = self.scores[i] * self._decay + hits
 
     def _end(self, keys: BlockKeys) -> None:
         """Every shadow has seen the chain: counted, and now and then a decision."""
@@ -211,19 +208,20 @@ class Selector:
 
         self._shadows = [RadixIndex(make_policy(n), clock) for n in self.names]
 
-    def _access(self, shadow: RadixIndex, keys: BlockKeys) -> int:
-        """One request on one shadow: its hit blocks."""
+    def _access(self, shadow: RadixIndex, keys: BlockKeys, capacity: int) -> int:
+        """One request on one shadow of `capacity` blocks (rate x the
+        tier's): its hit blocks."""
         m = shadow.match(keys, touch=True)
         hits = m.num_blocks
-        new = min(keys.size - hits, self._capacity)
+        new = min(keys.size - hits, capacity)
         if new <= 0:
             return hits
         if m.node is not None:
             shadow.lock(m.node)  # the prefix being extended stays
-        over = shadow.num_blocks + new - self._capacity
+        over = shadow.num_blocks + new - capacity
         if over > 0:
             shadow.evict(over)
-        new = min(new, self._capacity - shadow.num_blocks)
+        new = min(new, capacity - shadow.num_blocks)
         if new > 0:
             if self._zeros.size < new:
                 self._zeros = SlotIds(np.zeros(2 * new, dtype=SLOT_DTYPE))

@@ -217,10 +217,12 @@ class Server:
                 f"it is instance {self.paths.instance!r}'s socket, though its lock was free "
                 "(was the lock file removed?): stop that process first",
             )
-            refuse_if_endpoint_served(
-                self.endpoint,
-                f"stop it, or pick another endpoint if it is no sidecar of {self.paths.instance!r}",
-            )
+            if self.endpoint != self.paths.default_endpoint:  # else just tried
+                refuse_if_endpoint_served(
+                    self.endpoint,
+                    "stop it, or pick another endpoint if it is no sidecar of "
+                    f"{self.paths.instance!r}",
+                )
             token = AdminToken(self.paths.admin_token_path)
             undo.callback(token.remove)
             stale = remove_stale_segments(self.paths.shm_prefix, self.config.shm_dir)
