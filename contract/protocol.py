@@ -125,6 +125,11 @@ class Delete(_SessionRequest, tag="delete"):
 
 class Load(_SessionRequest, tag="load"):
     skip: int = 0
+    end: int = 0
+    """Copy keys[skip:end] only (0: to the last key): one part of a load
+    asked for in parts. Blocks past `end` that must be staged from a lower
+    tier are staged all the same, made ready every `end - skip` blocks, so
+    that the next part (asked with skip=end) is answered once its own are."""
 
 
 class Save(_SessionRequest, tag="save"):

@@ -171,6 +171,18 @@ class Channel:
             self._accept(frames)
         return self.wait_reply(rid)
 
+    def abandon(self, rid: int) -> None:
+        """Stop waiting for request `rid`: its reply, here already or to come,
+        is dropped as a late one (a plan in it is given back). Nothing to do
+        once its reply was taken."""
+        if self._awaited.pop(rid, None) is None:
+            return
+        frames = self._early.pop(rid, None)
+        if frames is None:
+            self.late[rid] = time.monotonic() + LATE_SECONDS
+        else:
+            self._accept(frames)
+
     def drain(self) -> None:
         """Read, without waiting, the replies already here to requests given
         up on (a late plan is handed to `on_stray_plan`, which cancels it)."""

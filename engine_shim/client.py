@@ -45,6 +45,7 @@ from engine_shim.channel import SidecarError, SidecarUnavailable
 from engine_shim.hotpath import token_array
 from engine_shim.keys import checked_keys, keys_and_blocks
 from engine_shim.link import SidecarLink, plan_ops
+from engine_shim.parts import load_in_parts, worth_parts
 from engine_shim.registration import Registration, check_geometry
 from engine_shim.transfer import LayeredTransfer, PlanOps, TransferHandle
 from shm import hotindex
@@ -280,6 +281,12 @@ class KVClient:
             found = link.hot.load(link.copier, link.layout, keys, blocks, skip, self.timeout)
             if found is not None:
                 return link.handle(None, skip_tokens + found * tpb, None)
+            # A CPU miss with lower tiers below: staged by the sidecar, in parts.
+            layout = link.layout
+            if layout.tp_size == 1 and worth_parts(len(keys) - skip, layout.block_bytes):
+                handle = load_in_parts(link, keys, blocks, skip, tpb)
+                if handle is not None:
+                    return handle
         request = link.req(p.Load, skip=skip_tokens // tpb)
         reply, arrays = link.call(request, [p.keys_frame(keys), p.ids_frame(blocks)])
         plan = plan_ops(reply, arrays, "load")

@@ -209,13 +209,7 @@ class SidecarLink:
 
     def call(self, request: Any, arrays: Sequence[bytes] = ()) -> tuple[Any, list[bytes]]:
         """A request on this session; re-registers once if the sidecar forgot us."""
-        self.registration()
-        if self.copier is None or self.pool_is_stale():
-            # The last Register got no reply in time (the sidecar may know the
-            # session all the same, but the pool is not mapped here yet), or
-            # the heartbeat met a restarted sidecar: map its pool now, and
-            # unmap the old one, whose RAM this mapping alone keeps.
-            self.register_again()
+        self.ready()
         try:
             return self.channel.call(request, arrays)
         except SidecarError as err:
@@ -223,6 +217,17 @@ class SidecarLink:
                 raise
         self.register_again()
         return self.channel.call(request, arrays)
+
+    def ready(self) -> None:
+        """Before a request on this session: RuntimeError unless registered;
+        the sidecar's pool mapped, registering again if need be."""
+        self.registration()
+        if self.copier is None or self.pool_is_stale():
+            # The last Register got no reply in time (the sidecar may know the
+            # session all the same, but the pool is not mapped here yet), or
+            # the heartbeat met a restarted sidecar: map its pool now, and
+            # unmap the old one, whose RAM this mapping alone keeps.
+            self.register_again()
 
     def close(self) -> None:
         """Unregister (best effort), stop heartbeats, unmap the shm. Idempotent."""
@@ -326,6 +331,7 @@ class SidecarLink:
         ack: int | None,
         copies: Sequence[Copy] = (),
         count: Callable[[Any], int] | None = None,
+        parts: Sequence[TransferHandle] = (),
     ) -> TransferHandle:
         return TransferHandle(
             plan,
@@ -335,6 +341,7 @@ class SidecarLink:
             report=self._report,
             wait_reply=self.channel.wait_reply,
             count=count,
+            parts=parts,
         )
 
     def _report(self, plan: PlanOps, copies: Sequence[Copy]) -> int:

@@ -140,12 +140,15 @@ class TransferHandle:
         report: Callable[[PlanOps, Sequence[Copy]], int],
         wait_reply: Callable[[int, float | None], tuple[Any, list[bytes]]],
         count: Callable[[Any], int] | None = None,
+        parts: Sequence[TransferHandle] = (),
     ) -> None:
         """`ack`: the id of the sidecar's reply to the plan's report, once
         sent; `wait_reply(ack, timeout)` waits for it. `copies`: queued
         copies not reported yet, which `report(plan, copies)` waits for and
         tells the sidecar of, returning the id of its reply. `count(reply)`:
-        `num_tokens` as that reply says (None: as given)."""
+        `num_tokens` as that reply says (None: as given). `parts`: the
+        handles of a load asked for in parts (then `plan` is None), which
+        this one waits for."""
         self.plan = plan
         self.num_tokens = num_tokens
         """Load: tokens now in the engine's KV cache. Save: tokens now cached."""
@@ -154,15 +157,18 @@ class TransferHandle:
         self._report = report
         self._wait_reply = wait_reply
         self._count = count
+        self._parts = list(parts)
 
     @property
     def done(self) -> bool:
-        return self._ack is None and not self._copies
+        return self._ack is None and not self._copies and all(p.done for p in self._parts)
 
     def wait_layer(self, layer: int, stream: Any = None) -> None:
         """Make `stream` (default: the current CUDA stream) wait until model
         layer `layer` of a load has landed; returns at once. Copies into CPU
         tensors have landed already."""
+        for part in self._parts:
+            part.wait_layer(layer, stream)
         for copy in self._copies:
             copy.wait_layer(layer, stream)
 
@@ -170,7 +176,18 @@ class TransferHandle:
         """Block until the copies have landed and the sidecar confirmed;
         returns `num_tokens`. Raises SidecarUnavailable after `timeout`
         (default: the client's), or the copy's error (reported to the sidecar
-        as a failed op)."""
+        as a failed op). A load in parts waits for every part, then raises
+        the first part's error if one failed."""
+        if self._parts:
+            parts, self._parts = self._parts, []
+            error: Exception | None = None
+            for part in parts:
+                try:
+                    part.wait(timeout)
+                except Exception as err:  # the others' slots are still held: go on
+                    error = error or err
+            if error is not None:
+                raise error
         if self._copies:
             copies, self._copies = self._copies, []
             assert self.plan is not None

@@ -14,6 +14,7 @@ import pytest
 from redis_servers import RedisServer, ensure_redis
 from sidecar_proc import TMP_PREFIX, Sidecar, connect
 
+from engine_shim import parts
 from sidecar.tiers.remote.redis import RedisConnector
 
 # ---- leaks: what a test process leaves in /tmp and /dev/shm ---------------------------
@@ -157,3 +158,15 @@ def connector(server: RedisServer) -> Iterator[RedisConnector]:
     c = RedisConnector(server.url, timeout=2.0)
     yield c
     c.close()
+
+
+@pytest.fixture(params=["whole", "in_parts"])
+def asked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How this process asks for a load whose CPU prefix ends before it does:
+    as one load (parts only past 4 MiB, more than a test loads), or in parts
+    of one block each (`engine_shim.parts`)."""
+    if request.param == "in_parts":
+        monkeypatch.setattr(parts, "PART_BYTES", 1)
+    else:
+        monkeypatch.setattr(parts, "PART_BYTES", 1 << 40)
+    return str(request.param)

@@ -107,15 +107,62 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         length=st.integers(1, 12),
         branch=st.integers(0, 3),
         skip=st.integers(0, 12),
+        part=st.integers(0, 4),
     )
-    def get(self, family, length, branch, skip):
+    def get(self, family, length, branch, skip, part):
         ids = self._sequence(family, length, branch)
         skip = min(skip, ids.size)
         keys = keys_from_ints(ids)
         expected = self._ready_prefix("cpu", ids)
-        plan = self.engine.get(keys, np.arange(ids.size), skip=skip)
+        # part > 0: a load in parts of `part` blocks (staged blocks made ready part by part).
+        ready_at = range(skip + part, ids.size, part) if part else ()
+        plan = self.engine.get(keys, np.arange(ids.size), skip=skip, ready_at=ready_at)
         assert plan.hit_blocks.cpu == max(0, expected - skip)
         self._track(plan, ids)
+
+    @rule(
+        family=st.integers(0, 3),
+        length=st.integers(1, 12),
+        branch=st.integers(0, 3),
+        part=st.integers(1, 4),
+    )
+    def stage_in_parts(self, family, length, branch, part):
+        """The sidecar's staging pass for the first part of a load in parts:
+        every lower-tier block past the CPU prefix, made ready part by part."""
+        ids = self._sequence(family, length, branch)
+        keys = keys_from_ints(ids)
+        ready_at = range(part, ids.size, part)
+        plan = self.engine.get(keys, np.arange(ids.size), ids.size, hit=False, ready_at=ready_at)
+        self._track(plan, ids)
+
+    @precondition(lambda self: "ssd" in self.tiers)
+    @rule(family=st.integers(0, 3), length=st.integers(1, 12), branch=st.integers(0, 3))
+    def found_on_ssd(self, family, length, branch):
+        """Blocks a restart recovered from SSD: ready there, in no other tier
+        (so GETs stage them, in parts or whole)."""
+        ids = self._sequence(family, length, branch)
+        keys, ssd = keys_from_ints(ids), self.tiers["ssd"]
+        m = ssd.match(keys)
+        if m.num_present > m.num_blocks:
+            return  # blocks past it in flight there
+        ssd.lock(m.node) if m.node is not None else None
+        try:
+            slots = ssd.allocate(ids.size - m.num_blocks)
+        finally:
+            if m.node is not None:
+                ssd.unlock(m.node)
+        self._track_background()
+        end = m.num_blocks + slots.size
+        if slots.size:
+            ssd.insert(keys[:end], slots, ready=True)
+            self.content["ssd"][slots] = ids[m.num_blocks : end]
+
+    @rule(blocks=st.integers(1, 8))
+    def evict_cpu(self, blocks):
+        """Pressure from elsewhere: CPU blocks leave (under write_back, written
+        down first), so later GETs stage them from below."""
+        self.tiers["cpu"].evict(blocks)
+        self._track_background()
 
     def _sequence(self, family: int, length: int, branch: int) -> np.ndarray:
         # Families share leading tokens; branches diverge after half the length.
@@ -128,6 +175,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     def _track(self, plan, ids: np.ndarray) -> None:
         if plan.graph.ops:
             self.plans[plan.plan_id] = {"plan": plan, "ids": ids, "done": set()}
+        self._track_background()
+
+    def _track_background(self) -> None:
         for bg in self.engine.drain_background():
             if bg.graph.ops:
                 self.plans[bg.plan_id] = {"plan": bg, "ids": None, "done": set()}

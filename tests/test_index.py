@@ -230,6 +230,34 @@ def test_set_ready_twice_conflicts(policy):
         index.set_ready(ready)
 
 
+def test_set_ready_front_serves_the_front_of_a_pending_node(policy):
+    index = make_index(policy, record_events=True)
+    index.insert(RUN[:1], SLOTS[:1], ready=True)
+    pending = index.insert(RUN, SLOTS[1:]).node
+    index.lock(pending)
+    index.set_ready_front(pending, 3)  # blocks 1 of 1..4 landed
+    m = index.match(RUN)
+    assert (m.num_blocks, m.num_present, m.pending) == (2, 5, pending)
+    assert len(pending) == 3 and not pending.ready
+    index.set_ready_front(pending, 3)  # nothing more landed: nothing to do
+    assert index.match(RUN).num_blocks == 2
+    with pytest.raises(ValueError):
+        index.set_ready_front(pending, 0)
+    assert index.ready_blocks(RUN.tobytes()) == 2
+    index.set_ready_front(pending, 1)
+    assert index.match(RUN).num_blocks == 4
+    index.set_ready(pending)
+    assert index.match(RUN).slots.tolist() == SLOTS.tolist()
+    assert index.fronts_readied == 2
+    stored = [e for e in index.drain_events() if isinstance(e, BlockStored)]
+    assert [len(e.keys) for e in stored] == [1, 1, 2, 1]  # each part once, in order
+    index.unlock(pending)
+    with pytest.raises(IndexConflict):
+        index.set_ready_front(pending, 1)  # ready already
+    assert index.evict(5).num_blocks == 5  # the policy knows every part
+    assert shape(index) == []
+
+
 def test_discard(policy):
     index = make_index(policy)
     ready = index.insert(RUN[:2], SLOTS[:2], ready=True).node

@@ -17,6 +17,7 @@ from helpers import (
     walk,
 )
 
+from sidecar.control.admission import DoubleGetRule
 from sidecar.control.graph import OpKind
 from sidecar.control.index import IndexConflict
 from sidecar.control.plan import PlanError, PlanKind, TierCounts
@@ -170,6 +171,77 @@ def test_staged_node_is_unready_until_its_loads_complete():
     third = g.get(REQUEST, GPU)
     assert op_rows(third) == [(H2D, slots("cpu", 0, 6), gpus(0, 6), ())]
     finish(g, third)
+
+
+def test_a_staging_cut_in_parts_makes_each_part_ready_once_it_and_those_before_landed():
+    g = make_global()
+    populate(g, {"cpu": 1, "ssd": 5, "remote": 8})
+    stage = g.get(REQUEST, GPU, skip=8, hit=False, ready_at=[3, 6])  # a load's 1st part: [0, 3)
+    # One load op a part and tier: SSD [1, 3) [3, 5); remote [5, 6) [6, 8).
+    assert op_rows(stage) == [
+        (DISK2H, slots("ssd", 1, 3), slots("cpu", 1, 3), ()),
+        (DISK2H, slots("ssd", 3, 5), slots("cpu", 3, 5), ()),
+        (REMOTE2H, slots("remote", 5, 6), slots("cpu", 5, 6), ()),
+        (REMOTE2H, slots("remote", 6, 8), slots("cpu", 6, 8), ()),
+    ]
+    pid = stage.plan_id
+    g.complete(pid, 1)  # the second part's SSD blocks land first: nothing ready yet
+    assert g.lookup(REQUEST).cpu == 1
+    g.complete(pid, 0)
+    assert g.lookup(REQUEST).cpu == 3  # the first part
+    g.complete(pid, 3)  # the third part, before the rest of the second
+    assert g.lookup(REQUEST).cpu == 3
+    g.complete(pid, 2)
+    assert g.lookup(REQUEST).cpu == 8
+    assert g.num_active_plans == 0
+    plan = g.get(REQUEST, GPU)
+    assert op_rows(plan) == [(H2D, slots("cpu", 0, 8), gpus(0, 8), ())]
+    finish(g, plan)
+    assert_clean(g)
+
+
+def test_a_staging_in_parts_that_fails_keeps_the_parts_that_landed():
+    g = make_global()
+    populate(g, {"cpu": 1, "ssd": 8})
+    free = g.cpu.mempool.num_free
+    stage = g.get(REQUEST, GPU, skip=8, hit=False, ready_at=[3, 5, 7])
+    for op_id in (0, 1):
+        g.complete(stage.plan_id, op_id)
+    assert g.lookup(REQUEST).cpu == 5
+    g.fail(stage.plan_id, 2)  # [5, 7) fails: [7, 8) never lands either
+    assert g.lookup(REQUEST).cpu == 5
+    assert g.cpu.mempool.num_free == free - 4  # the 3 blocks past the parts went back
+    assert_clean(g)
+
+
+def test_a_staging_under_way_is_waited_for_even_where_the_double_get_rule_says_no():
+    g = make_global(names=("remote",), remote_rule=DoubleGetRule(4, 0.0))
+    populate(g, {"remote": 8})
+    stage = g.get(REQUEST, GPU, skip=8, hit=False, ready_at=[5])
+    assert g.filling_from_below(REQUEST) and g.lookup(REQUEST).cpu == 0
+    g.complete(stage.plan_id, 0)  # the first part: blocks 0-4
+    # 3 blocks missing from the CPU tier: too few to ask the remote store for...
+    assert g.lookup(REQUEST) == TierCounts(5, 0, 0)
+    # ...but they are on their way already: a load of them waits.
+    assert g.filling_from_below(REQUEST) and not g.filling_from_below(REQUEST[:5])
+    g.complete(stage.plan_id, 1)
+    assert not g.filling_from_below(REQUEST) and g.lookup(REQUEST).cpu == 8
+    # A save filling blocks no lower tier holds is not waited for.
+    other = chain(4, start=50, high=7)
+    save = g.put(other, gpu(4))
+    assert not g.filling_from_below(other)
+    finish(g, save)
+    assert_clean(g)
+
+
+def test_cuts_outside_the_staged_blocks_change_nothing():
+    g = make_global()
+    populate(g, {"cpu": 2, "ssd": 4})
+    plan = g.get(REQUEST, GPU, skip=8, hit=False, ready_at=[1, 2, 4, 9])
+    assert op_rows(plan) == [(DISK2H, slots("ssd", 2, 4), slots("cpu", 2, 4), ())]
+    finish(g, plan)
+    assert g.lookup(REQUEST).cpu == 4
+    assert_clean(g)
 
 
 def test_unknown_plan_and_op_ids():

@@ -111,7 +111,9 @@ def save_on_one_load_on_the_other(hosts: Hosts) -> None:
 
 
 @pytest.mark.parametrize("streams", ["1", "3"])
-def test_blocks_saved_through_one_host_load_byte_exact_through_another(tmp_path, server, streams):
+def test_blocks_saved_through_one_host_load_byte_exact_through_another(
+    tmp_path, server, streams, asked
+):
     hosts = Hosts(tmp_path, server.url, "--set", f"remote_write_streams={streams}")
     try:
         save_on_one_load_on_the_other(hosts)
@@ -173,7 +175,7 @@ FAST_RETRY = (
 )
 
 
-def test_a_server_killed_mid_load_gives_misses_then_hits_after_its_restart(tmp_path, server):
+def test_a_server_killed_mid_load_gives_misses_then_hits_after_its_restart(tmp_path, server, asked):
     hosts = Hosts(tmp_path, server.url, *FAST_RETRY)
     try:
         src = kv(2)

@@ -230,3 +230,26 @@ def test_a_client_of_a_sidecar_that_never_came_waits_once():
             assert wait <= time.monotonic() - start < wait + 1.5
     finally:
         channel.close()
+
+
+def test_a_request_abandoned_before_or_after_its_reply_came_has_its_plan_given_back(
+    sidecar, open_client
+):
+    client = open_client(sidecar.endpoint, make_kv(13), hot_path=False)  # loads are plans
+    assert client.save(tokens(2), np.arange(2)).wait() == 2 * sp.TOKENS_PER_BLOCK
+    link, channel = client._link, client._link.channel
+    frames = [p.keys_frame(client.block_keys(tokens(2))), p.ids_frame(np.arange(2))]
+    first = channel.send(link.req(p.Load), frames)
+    second = channel.send(link.req(p.Load), frames)
+    reply, _ = channel.wait_reply(second)  # the first one's reply is read, and kept, on the way
+    assert reply.hit_blocks == 2 and first in channel._early
+    channel.abandon(first)  # its plan is given back now
+    channel.abandon(second)  # answered and read: nothing more comes for it
+    third = channel.send(link.req(p.Load), frames)
+    channel.abandon(third)  # its reply is given back when a later call reads it
+    wait_for(lambda: client.lookup(tokens(2)) >= 0 and stats_of(sidecar)["plans_in_flight"] == 1)
+    # The second's plan is the caller's: it was taken, so it must be given back by hand.
+    link.give_back(reply.plan_id)
+    wait_for(lambda: client.lookup(tokens(2)) >= 0 and stats_of(sidecar)["plans_in_flight"] == 0)
+    assert not channel.late and not channel._awaited and not channel._early
+    assert client.delete(tokens(1)) == 2  # block 0 and the one below it: no lock left

@@ -16,7 +16,7 @@ import torch
 from sidecar_proc import MODEL, Sidecar, mounted_tmpfs, tmp_dir, tokens, wait_for
 
 from contract import protocol as p
-from engine_shim import KVClient
+from engine_shim import KVClient, parts
 from engine_shim.channel import Channel
 from sidecar.metrics.prometheus import StatsCollector
 
@@ -118,7 +118,7 @@ def blocks_of(cache: list[torch.Tensor], ids: np.ndarray) -> list[bytes]:
     return [layer[torch.as_tensor(ids)].numpy().tobytes() for layer in cache]
 
 
-def test_a_cpu_miss_loads_byte_exact_from_ssd(instance):
+def test_a_cpu_miss_loads_byte_exact_from_ssd(instance, asked):
     s = instance.start()
     src = kv(1)
     with client(s.endpoint, src) as c:
@@ -289,7 +289,7 @@ def test_write_through_selective_counts_one_hit_per_engine_load(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
+def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how, asked):
     s = instance.start()
     src = kv(3)
     with client(s.endpoint, src) as c:
@@ -305,6 +305,55 @@ def test_a_restarted_sidecar_serves_what_the_ssd_holds(instance, how):
         assert ssd_stats(c)["cached_blocks"] == 6
         assert c.load(tokens(6), np.arange(30, 36)).wait() == 6 * BLOCK_TOKENS
         assert blocks_of(dst, np.arange(30, 36)) == blocks_of(src, np.arange(6))
+    assert s.stop() == 0
+
+
+def saved_on_ssd_alone(instance: Instance, n: int, seed: int) -> tuple[Sidecar, list[torch.Tensor]]:
+    """Blocks 0..n-1 of kv(seed) saved, on SSD, and the sidecar restarted:
+    its CPU tier empty, the SSD's blocks recovered. (The sidecar, the KV.)"""
+    s = instance.start()
+    src = kv(seed)
+    with client(s.endpoint, src) as c:
+        c.save(tokens(n), np.arange(n)).wait()
+        wait_for(lambda: on_ssd(c, n))
+    assert s.stop() == 0
+    return instance.start(), src
+
+
+def test_a_load_in_parts_is_asked_and_answered_part_by_part(instance, monkeypatch):
+    monkeypatch.setattr(parts, "PART_BYTES", 2 * 128 * 1024)  # 2 blocks a part
+    s, src = saved_on_ssd_alone(instance, 7, seed=7)
+    dst = kv(None)
+    with client(s.endpoint, dst) as c:
+        assert c.load(tokens(7), np.arange(30, 37)).wait() == 7 * BLOCK_TOKENS
+        assert blocks_of(dst, np.arange(30, 37)) == blocks_of(src, np.arange(7))
+        stats = c.stats()
+        assert stats["transfers"]["loads"] == 4  # [0, 2) [2, 4) [4, 6) [6, 7)
+        assert stats["transfers"]["loaded_blocks"] == 7
+        assert stats["plans_in_flight"] == 0 and stats["tiers"]["cpu"]["used_blocks"] == 7
+        # CPU hits now: served whole, from the hot index (one load, counted once told).
+        assert c.load(tokens(7), np.arange(40, 47)).wait() == 7 * BLOCK_TOKENS
+        assert c.stats()["transfers"]["loads"] == 5
+        assert blocks_of(dst, np.arange(40, 47)) == blocks_of(src, np.arange(7))
+    assert s.stop() == 0
+
+
+def test_a_part_answered_short_ends_the_load_and_the_parts_asked_after_it_are_given_up(
+    instance, monkeypatch
+):
+    monkeypatch.setattr(parts, "PART_BYTES", 1)  # a block a part, two asked ahead
+    s, src = saved_on_ssd_alone(instance, 3, seed=8)
+    dst = kv(None)
+    with client(s.endpoint, dst) as c:
+        # Blocks 0-2 on SSD, 3-6 nowhere: part 4 comes back empty, part 5 was asked.
+        assert c.load(tokens(7), np.arange(30, 37)).wait() == 3 * BLOCK_TOKENS
+        assert blocks_of(dst, np.arange(30, 33)) == blocks_of(src, np.arange(3))
+        assert c.stats()["transfers"]["loads"] == 5
+        channel = c._link.channel
+        wait_for(lambda: c.lookup(tokens(7)) >= 0 and not channel.late)  # part 5's reply read
+        assert not channel._awaited and not channel._early
+        assert c.stats()["plans_in_flight"] == 0
+        assert c.delete(tokens(1)) == 6  # from both tiers: nothing of the load left locked
     assert s.stop() == 0
 
 
@@ -396,7 +445,7 @@ def test_deleted_blocks_stay_deleted_after_a_restart(instance):
     assert s.stop() == 0
 
 
-def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
+def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance, asked):
     s = instance.start()
     src = kv(4)
     with client(s.endpoint, src) as c:
@@ -425,7 +474,7 @@ def test_a_corrupted_block_misses_and_its_prefix_still_loads(instance):
     assert s.stop() == 0
 
 
-def test_an_unreadable_block_is_dropped_once_and_its_prefix_still_loads(instance):
+def test_an_unreadable_block_is_dropped_once_and_its_prefix_still_loads(instance, asked):
     """The data file cut short under a running sidecar: reading the blocks
     past its end fails (EIO, as a bad sector does). They are dropped, and
     counted, the first time, so later loads neither fail nor read them

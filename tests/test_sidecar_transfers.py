@@ -145,6 +145,22 @@ def test_refusals_are_structured_and_change_nothing(sidecar, open_client):
             [keys_frame, p.ids_frame(np.arange(2))],
             "bad_value",
         ),
+        # a part of a load in parts: past the keys, or ending before its skip
+        (
+            p.Load(v=1, id=0, session=a.session, end=3),
+            [keys_frame, p.ids_frame(np.arange(2))],
+            "bad_value",
+        ),
+        (
+            p.Load(v=1, id=0, session=a.session, skip=2, end=1),
+            [keys_frame, p.ids_frame(np.arange(2))],
+            "bad_value",
+        ),
+        (
+            p.Load(v=1, id=0, session=a.session, end=-1),
+            [keys_frame, p.ids_frame(np.arange(2))],
+            "bad_value",
+        ),
         (p.Save(v=1, id=0, session=a.session), [keys_frame, b"short"], "bad_message"),
         # one engine block under two keys (a save), or copied into twice (a load)
         (

@@ -195,6 +195,9 @@ class CacheEngine:
     def set_ready(self, node: RadixNode) -> None:
         self.index.set_ready(node)
 
+    def set_ready_front(self, node: RadixNode, keep: int) -> None:
+        self.index.set_ready_front(node, keep)
+
     def discard(self, node: RadixNode) -> None:
         """Drop an unready node whose data never landed, and free its slots
         (held ones once released: Mempool.hold)."""

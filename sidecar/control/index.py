@@ -114,6 +114,8 @@ class RadixIndex:
         self.root = RadixNode(b"", _EMPTY_SLOTS, None, True, clock(), 0)
         self.num_blocks = 0
         self.num_nodes = 0
+        self.fronts_readied = 0
+        """Fronts of unready nodes made ready (`set_ready_front`) so far."""
         self._record_events = record_events
         self._events: list[KVEvent] = []
         self.on_ready: Callable[[bytes, SlotIds], None] | None = None
@@ -351,6 +353,21 @@ class RadixIndex:
             raise IndexConflict("node is already ready")
         node.ready = True
         self._became_ready(node)
+
+    def set_ready_front(self, node: RadixNode, keep: int) -> None:
+        """The data of all but the last `keep` blocks of an unready node has
+        landed: those blocks become visible to matches, cut off as a ready
+        node above it (the rest stay unready in `node`). Nothing to do once
+        at most `keep` blocks are left unready."""
+        if node.ready:
+            raise IndexConflict("node is already ready")
+        if keep <= 0:
+            raise ValueError(f"keep must be > 0 (0: set_ready), got {keep}")
+        if len(node) > keep:
+            upper = self._split(node, len(node) - keep)
+            upper.ready = True
+            self._became_ready(upper)
+            self.fronts_readied += 1
 
     def _became_ready(self, node: RadixNode) -> None:
         if self.on_ready is not None:

@@ -61,11 +61,14 @@ class Plan:
 
 @dataclass
 class ReadyWait:
-    """`node` of `engine` becomes ready once every op in `ops` is done."""
+    """`node` of `engine` becomes ready once every op in `ops` is done; all
+    of it but its last `keep` blocks, if `keep` (a staging made ready part
+    by part: `RadixIndex.set_ready_front`)."""
 
     engine: CacheEngine
     node: RadixNode
     ops: set[int]
+    keep: int = 0
 
 
 @dataclass
@@ -92,7 +95,10 @@ class RunningPlan:
             if op_id in wait.ops:
                 wait.ops.discard(op_id)
                 if not wait.ops:
-                    wait.engine.set_ready(wait.node)
+                    if wait.keep:
+                        wait.engine.set_ready_front(wait.node, wait.keep)
+                    else:
+                        wait.engine.set_ready(wait.node)
 
     def release(self) -> None:
         """Unlock, drop what never landed, free kept slots. Ends the plan."""

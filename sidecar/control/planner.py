@@ -34,6 +34,8 @@ block is never visible and no slot leaks.
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -118,6 +120,17 @@ class GlobalCacheEngine(PlanTable):
             remote = 0
         return TierCounts(cpu, lower.get("ssd", 0), remote)
 
+    def filling_from_below(self, keys: BlockKeys) -> bool:
+        """Whether blocks past the CPU tier's ready prefix of `keys` are in
+        flight into it and a lower tier holds them: a staging under way
+        (another load's, or an earlier part's of a load in parts), which a
+        load of them waits for. The double-get rule is not asked: it decided
+        when that staging began."""
+        cpu = self.cpu.match(keys)
+        if cpu.num_present <= cpu.num_blocks:
+            return False
+        return any(tier.match(keys).num_blocks > cpu.num_blocks for _, tier in self._online())
+
     def remote_probe_start(self, keys: BlockKeys) -> int | None:
         """Where a probe of the remote store for `keys` should start (the
         remote index's own prefix), or None when there is nothing to ask:
@@ -173,6 +186,7 @@ class GlobalCacheEngine(PlanTable):
         stage: bool = True,
         hit: bool = True,
         ns: int = 0,
+        ready_at: Sequence[int] = (),
     ) -> Plan:
         """Plan loading keys[skip:matched] into gpu_blocks[skip:matched].
 
@@ -183,7 +197,10 @@ class GlobalCacheEngine(PlanTable):
         CPU tier without copying anything to the GPU. With `hit=False` (such
         a staging pass ahead of the GET itself) the CPU prefix is not touched
         and no selective write-down is planned: one engine load is one hit.
-        Blocks staged or written down join namespace `ns`.
+        Blocks staged or written down join namespace `ns`. Staged blocks
+        become ready together, or, cut at the block counts `ready_at`, each
+        part once it and every part before it have landed (a load asked for
+        in parts: each is answered as soon as its blocks are ready).
         """
         n = _check_request(keys, gpu_blocks)
         if not 0 <= skip <= n:
@@ -198,7 +215,8 @@ class GlobalCacheEngine(PlanTable):
             graph.add(OpKind.H2D, cpu_m.slots[skip:c], gpu_blocks[skip:c])
         counts = {"cpu": max(0, c - skip)}
         if stage and cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
-            counts.update(self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip, ns))
+            staged = self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip, ns, ready_at)
+            counts.update(staged)
         selective = self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE
         if hit and selective and cpu_m.node is not None:
             hot = self._hot_prefix(cpu_m.node, c)
@@ -215,9 +233,12 @@ class GlobalCacheEngine(PlanTable):
         cpu_m: MatchResult,
         skip: int,
         ns: int,
+        ready_at: Sequence[int],
     ) -> dict[str, int]:
         """Fragments 2 and 3: lower-tier blocks past the CPU prefix, staged
-        through one new CPU node that becomes ready when every load landed."""
+        through one new CPU node that becomes ready when every load landed;
+        cut at `ready_at`, its front becomes ready part by part (one load op
+        a part and tier, each part's wait on its own and earlier parts' ops)."""
         c = cpu_m.num_blocks
         frags: list[tuple[str, MatchResult, int, int]] = []
         end = c
@@ -242,22 +263,27 @@ class GlobalCacheEngine(PlanTable):
         assert node is not None
         run.inserted.append((self.cpu, node))
         run.lock(self.cpu, node)
-        wait = ReadyWait(self.cpu, node, set())
-        run.waits.append(wait)
+        cuts = [b for b in sorted(set(ready_at)) if c < b < end]
+        waits = [ReadyWait(self.cpu, node, set(), end - b) for b in cuts]
+        wait = ReadyWait(self.cpu, node, set())  # the whole node
+        run.waits += [*waits, wait]
         counts: dict[str, int] = {}
         for name, m, start, stop in frags:
             stop = min(stop, end)
             if start >= stop:
                 break
-            tier = self.lower[name]
-            tier.index.touch(m.node)
-            dst = slots[start - c : stop - c]
-            load = graph.add(_LOAD_OP[name], m.slots[start:stop], dst)
-            wait.ops.add(load)
-            lo = max(start, skip)
-            if lo < stop:
-                graph.add(OpKind.H2D, slots[lo - c : stop - c], gpu_blocks[lo:stop], (load,))
-            counts[name] = max(0, stop - lo)
+            self.lower[name].index.touch(m.node)
+            counts[name] = max(0, stop - max(start, skip))
+            bounds = [start, *(b for b in cuts if start < b < stop), stop]
+            for lo, hi in itertools.pairwise(bounds):
+                load = graph.add(_LOAD_OP[name], m.slots[lo:hi], slots[lo - c : hi - c])
+                for cut, part in zip(cuts, waits, strict=True):
+                    if hi <= cut:
+                        part.ops.add(load)
+                wait.ops.add(load)
+                first = max(lo, skip)
+                if first < hi:
+                    graph.add(OpKind.H2D, slots[first - c : hi - c], gpu_blocks[first:hi], (load,))
         return counts
 
     def _hot_prefix(self, node: RadixNode, matched: int) -> int:

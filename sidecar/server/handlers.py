@@ -23,7 +23,7 @@ import numpy as np
 
 from contract import protocol as p
 from contract import replies as r
-from contract.ids import GpuBlockIds
+from contract.ids import BlockKeys, GpuBlockIds
 from contract.protocol import ErrorCode, ProtocolError
 from shm.copy import has_repeats
 from shm.layout import BlockLayout
@@ -324,10 +324,16 @@ class Handlers:
     ) -> Answer | None:
         """A GET. Blocks past the CPU prefix that the SSD or the remote store
         holds are first staged into the CPU tier by the worker pools; the
-        reply waits for that, so the engine only ever runs CPU->GPU copies."""
+        reply waits for that, so the engine only ever runs CPU->GPU copies.
+        A part of a load asked for in parts (`req.end`) stages the whole
+        load's blocks, made ready part by part, and is answered once its own
+        are ready; the later parts find them staged or being staged."""
         self._not_stopping()
         session = self._session(req)
         keys, gpu = self._keys_and_blocks(session, arrays, req.skip)
+        end = req.end or len(keys)
+        if not req.skip <= end <= len(keys):
+            raise ProtocolError(ErrorCode.BAD_VALUE, f"end must be 0 or in [skip, {len(keys)}]")
         realm, ns = self._realm(session), session.group.ns_id
         cache = realm.cache
         resume = functools.partial(self._load, req, arrays, 0, True)
@@ -335,28 +341,41 @@ class Handlers:
             return None
         dataplane = realm.dataplane
         if dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
-            stage = cache.get(keys, gpu, len(keys), hit=False, ns=ns)  # lower tiers -> CPU
+            step = end - req.skip
+            ready_at = range(end, len(keys), step) if end < len(keys) and step else ()
+            # Lower tiers -> CPU:
+            stage = cache.get(keys, gpu, len(keys), hit=False, ns=ns, ready_at=ready_at)
             # Its evictions may have started write-backs (write_back policy):
             # running now, they are plans in flight whose end frees CPU slots.
             self._adopt_background()
             waiting = WaitingLoad(self._identity, req, arrays, attempt + 1)
             if not stage.finished_on_return:
-                self.waiting.defer(stage.plan_id, waiting)
                 dataplane.adopt(stage)
+                if end == len(keys):
+                    self.waiting.defer(stage.plan_id, waiting)
+                else:  # answered once its own part is ready, the staging ended or not
+                    self.waiting.park(waiting, self._progress())
                 return None
-            counts = cache.lookup(keys)
-            if max(counts.ssd, counts.remote) > counts.cpu and dataplane.plans:
+            if dataplane.plans and cache.filling_from_below(BlockKeys(keys[:end])):
+                # Blocks a staging is filling right now (another load's of the
+                # same prefix, or this load's earlier part's) are waited for
+                # without using up a try: that plan's progress brings it back.
+                self.waiting.park(waiting._replace(attempt=attempt), self._progress())
+                return None
+            counts = cache.lookup(keys)  # the double-get rule: for the whole load
+            if min(max(counts.ssd, counts.remote), end) > counts.cpu and dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
                 # flight or by engines' open plans. Try again when a plan ends.
-                # Blocks that another plan is filling right now (another load
-                # staging the same prefix) are waited for without using up a
-                # try: their plan's end brings this load back.
-                cpu = cache.cpu.match(keys)
-                if cpu.num_present > cpu.num_blocks:
-                    waiting = waiting._replace(attempt=attempt)
-                self.waiting.park(waiting, self.engines.num_ended)
+                self.waiting.park(waiting, self._progress())
                 return None
-        plan = cache.get(keys, gpu, req.skip, stage=False, ns=ns)
+        plan = cache.get(
+            BlockKeys(keys[:end]),
+            GpuBlockIds(gpu[:end]),
+            req.skip,
+            stage=False,
+            ns=ns,
+            hit=end == len(keys),  # a load in parts is one hit, with its last part
+        )
         ops, op_arrays = self._engine_ops(session, plan)
         h = plan.hit_blocks
         self.transfers["loads"] += 1
@@ -454,15 +473,21 @@ class Handlers:
     def _plan_ended(self, plan_id: int, ok: bool) -> None:
         """A plan run by the data plane ended: answer a load waiting for it."""
         self.engines.end(plan_id, cancel=False)
-        self._retry_loads(self.waiting.take(plan_id, self.engines.num_ended))
+        self._retry_loads(self.waiting.take(plan_id, self._progress()))
 
     def retry_parked(self) -> None:
         """Try the parked loads again if a plan has ended since they were
         parked: an engine's save completed or was given up, a load released
         its locks, so a CPU slot may be free. (Plans run by the data plane
         retry them as they end, in `_plan_ended`.)"""
-        if self.waiting.due(self.engines.num_ended):
-            self._retry_loads(self.waiting.take(None, self.engines.num_ended))
+        if self.waiting.parked and self.waiting.due(progress := self._progress()):
+            self._retry_loads(self.waiting.take(None, progress))
+
+    def _progress(self) -> int:
+        """A count that grows when a plan ends, or a staging makes the front
+        of its blocks ready: then loads parked may get further."""
+        readied = sum(realm.cache.cpu.index.fronts_readied for realm in self.geometries)
+        return self.engines.num_ended + readied
 
     def _retry_loads(self, retry: list[WaitingLoad]) -> None:
         for identity, req, arrays, attempt in retry:

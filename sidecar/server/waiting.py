@@ -4,7 +4,9 @@ A load whose blocks past the CPU prefix sit on SSD or in the remote store is
 answered after a staging plan copied them into the CPU tier (`deferred`,
 by that plan's id). One that found no CPU slot free (they were held by
 writes in flight or by engines' open plans) is `parked` until some plan
-ends, then tried again.
+ends, then tried again; so is a part of a load asked for in parts, whose
+blocks a staging is still filling: it is tried again as soon as blocks
+become ready (a staging made ready part by part), or a plan ends.
 """
 
 from __future__ import annotations
@@ -29,25 +31,26 @@ class WaitingLoads:
         """Staging plan id -> the load waiting for it."""
         self.parked: list[WaitingLoad] = []
         self.parked_at = 0
-        """`Engines.num_ended` when the parked loads were last tried."""
+        """The handlers' progress count (plans ended, staged parts made
+        ready) when the parked loads were last tried."""
 
     def defer(self, plan_id: int, load: WaitingLoad) -> None:
         self.deferred[plan_id] = load
 
-    def park(self, load: WaitingLoad, num_ended: int) -> None:
+    def park(self, load: WaitingLoad, progress: int) -> None:
         self.parked.append(load)
-        self.parked_at = num_ended
+        self.parked_at = progress
 
-    def due(self, num_ended: int) -> bool:
-        """Parked loads wait, and a plan ended since they were last tried."""
-        return bool(self.parked) and num_ended != self.parked_at
+    def due(self, progress: int) -> bool:
+        """Parked loads wait, and there was progress since they were last tried."""
+        return bool(self.parked) and progress != self.parked_at
 
-    def take(self, plan_id: int | None, num_ended: int) -> list[WaitingLoad]:
+    def take(self, plan_id: int | None, progress: int) -> list[WaitingLoad]:
         """The parked loads and the one deferred for `plan_id` (if any), to be
         tried again now."""
         ready = self.deferred.pop(plan_id, None) if plan_id is not None else None
         retry, self.parked = [*self.parked, *([ready] if ready is not None else [])], []
-        self.parked_at = num_ended
+        self.parked_at = progress
         return retry
 
     def take_all(self) -> list[WaitingLoad]:
