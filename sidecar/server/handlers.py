@@ -341,6 +341,15 @@ class Handlers:
             return None
         dataplane = realm.dataplane
         if dataplane is not None and attempt < MAX_STAGING_ATTEMPTS:
+            if dataplane.plans and cache.filling_from_below(BlockKeys(keys[:end])):
+                # Blocks a staging is filling right now (another load's of the
+                # same prefix, or this load's earlier part's) are waited for
+                # without using up a try: that plan's progress brings it back.
+                # (First: a part waits so, and is tried again as each part lands.)
+                self.waiting.park(
+                    WaitingLoad(self._identity, req, arrays, attempt), self._progress()
+                )
+                return None
             step = end - req.skip
             ready_at = range(end, len(keys), step) if end < len(keys) and step else ()
             # Lower tiers -> CPU:
@@ -355,12 +364,6 @@ class Handlers:
                     self.waiting.defer(stage.plan_id, waiting)
                 else:  # answered once its own part is ready, the staging ended or not
                     self.waiting.park(waiting, self._progress())
-                return None
-            if dataplane.plans and cache.filling_from_below(BlockKeys(keys[:end])):
-                # Blocks a staging is filling right now (another load's of the
-                # same prefix, or this load's earlier part's) are waited for
-                # without using up a try: that plan's progress brings it back.
-                self.waiting.park(waiting._replace(attempt=attempt), self._progress())
                 return None
             counts = cache.lookup(keys)  # the double-get rule: for the whole load
             if min(max(counts.ssd, counts.remote), end) > counts.cpu and dataplane.plans:
