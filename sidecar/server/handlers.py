@@ -346,7 +346,7 @@ class Handlers:
                 # same prefix, or this load's earlier part's) are waited for
                 # without using up a try: that plan's progress brings it back.
                 # (First: a part waits so, and is tried again as each part lands.)
-                self.waiting.park(
+                self.waiting.wait_fill(
                     WaitingLoad(self._identity, req, arrays, attempt), self._progress()
                 )
                 return None
@@ -363,13 +363,13 @@ class Handlers:
                 if end == len(keys):
                     self.waiting.defer(stage.plan_id, waiting)
                 else:  # answered once its own part is ready, the staging ended or not
-                    self.waiting.park(waiting, self._progress())
+                    self.waiting.wait_fill(waiting, self._progress())
                 return None
             counts = cache.lookup(keys)  # the double-get rule: for the whole load
             if min(max(counts.ssd, counts.remote), end) > counts.cpu and dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
                 # flight or by engines' open plans. Try again when a plan ends.
-                self.waiting.park(waiting, self._progress())
+                self.waiting.park(waiting, self.engines.num_ended)
                 return None
         plan = cache.get(
             BlockKeys(keys[:end]),
@@ -476,19 +476,23 @@ class Handlers:
     def _plan_ended(self, plan_id: int, ok: bool) -> None:
         """A plan run by the data plane ended: answer a load waiting for it."""
         self.engines.end(plan_id, cancel=False)
-        self._retry_loads(self.waiting.take(plan_id, self._progress()))
+        self._retry_loads(self.waiting.take(plan_id, self.engines.num_ended, self._progress()))
 
     def retry_parked(self) -> None:
         """Try the parked loads again if a plan has ended since they were
         parked: an engine's save completed or was given up, a load released
-        its locks, so a CPU slot may be free. (Plans run by the data plane
-        retry them as they end, in `_plan_ended`.)"""
-        if self.waiting.parked and self.waiting.due(progress := self._progress()):
-            self._retry_loads(self.waiting.take(None, progress))
+        its locks, so a CPU slot may be free; and the loads waiting for a
+        staging's blocks if some became ready since. (Plans run by the data
+        plane retry them as they end, in `_plan_ended`.) A staged part made
+        ready frees no slot, so it does not retry the parked loads: each try
+        of theirs costs one of their MAX_STAGING_ATTEMPTS."""
+        waiting, ended = self.waiting, self.engines.num_ended
+        if waiting.waiting and waiting.due(ended, progress := self._progress()):
+            self._retry_loads(waiting.take(None, ended, progress))
 
     def _progress(self) -> int:
         """A count that grows when a plan ends, or a staging makes the front
-        of its blocks ready: then loads parked may get further."""
+        of its blocks ready: then loads waiting for a filling may get further."""
         readied = sum(realm.cache.cpu.index.fronts_readied for realm in self.geometries)
         return self.engines.num_ended + readied
 

@@ -4,8 +4,9 @@ A load whose blocks past the CPU prefix sit on SSD or in the remote store is
 answered after a staging plan copied them into the CPU tier (`deferred`,
 by that plan's id). One that found no CPU slot free (they were held by
 writes in flight or by engines' open plans) is `parked` until some plan
-ends, then tried again; so is a part of a load asked for in parts, whose
-blocks a staging is still filling: it is tried again as soon as blocks
+ends, then tried again. One whose blocks a staging is still filling (a
+part of a load asked for in parts, or a load of a prefix another load is
+staging) waits for that `filling`: it is tried again as soon as blocks
 become ready (a staging made ready part by part), or a plan ends.
 """
 
@@ -30,32 +31,56 @@ class WaitingLoads:
         self.deferred: dict[int, WaitingLoad] = {}
         """Staging plan id -> the load waiting for it."""
         self.parked: list[WaitingLoad] = []
+        """Loads that found no CPU slot free: tried again when a plan ends."""
         self.parked_at = 0
+        """`Engines.num_ended` when the parked loads were last tried."""
+        self.filling: list[WaitingLoad] = []
+        """Loads whose blocks a staging is filling: tried again as its parts
+        become ready, or a plan ends (it costs them no try)."""
+        self.filling_at = 0
         """The handlers' progress count (plans ended, staged parts made
-        ready) when the parked loads were last tried."""
+        ready) when the filling loads were last tried."""
 
     def defer(self, plan_id: int, load: WaitingLoad) -> None:
         self.deferred[plan_id] = load
 
-    def park(self, load: WaitingLoad, progress: int) -> None:
+    def park(self, load: WaitingLoad, num_ended: int) -> None:
         self.parked.append(load)
-        self.parked_at = progress
+        self.parked_at = num_ended
 
-    def due(self, progress: int) -> bool:
-        """Parked loads wait, and there was progress since they were last tried."""
-        return bool(self.parked) and progress != self.parked_at
+    def wait_fill(self, load: WaitingLoad, progress: int) -> None:
+        self.filling.append(load)
+        self.filling_at = progress
 
-    def take(self, plan_id: int | None, progress: int) -> list[WaitingLoad]:
-        """The parked loads and the one deferred for `plan_id` (if any), to be
-        tried again now."""
+    @property
+    def waiting(self) -> bool:
+        """Loads are parked or wait for a filling."""
+        return bool(self.parked or self.filling)
+
+    def due(self, num_ended: int, progress: int) -> bool:
+        """Loads wait whose trigger came since they were last tried."""
+        return bool(self.parked and num_ended != self.parked_at) or bool(
+            self.filling and progress != self.filling_at
+        )
+
+    def take(self, plan_id: int | None, num_ended: int, progress: int) -> list[WaitingLoad]:
+        """The loads to try again now: the one deferred for `plan_id` (if
+        any; a plan's end also retries every other), the parked ones if a
+        plan ended since, the filling ones if there was progress since."""
+        retry = []
+        if plan_id is not None or num_ended != self.parked_at:
+            retry += self.parked
+            self.parked, self.parked_at = [], num_ended
+        if plan_id is not None or progress != self.filling_at:
+            retry += self.filling
+            self.filling, self.filling_at = [], progress
         ready = self.deferred.pop(plan_id, None) if plan_id is not None else None
-        retry, self.parked = [*self.parked, *([ready] if ready is not None else [])], []
-        self.parked_at = progress
-        return retry
+        return [*retry, *([ready] if ready is not None else [])]
 
     def take_all(self) -> list[WaitingLoad]:
         """Every waiting load (shutting down: each gets an error reply)."""
-        every = [*self.deferred.values(), *self.parked]
+        every = [*self.deferred.values(), *self.parked, *self.filling]
         self.deferred.clear()
         self.parked.clear()
+        self.filling.clear()
         return every
