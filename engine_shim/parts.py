@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 
 import numpy as np
 
@@ -59,7 +60,9 @@ def load_in_parts(
     handle waits for every part's copies and acknowledgement. None if the
     sidecar did not know the session (nothing was loaded: ask it as one load,
     which registers again). Raises as one load would if the first part fails;
-    a later part that fails ends the load short, at the parts before it."""
+    a later part that fails ends the load short, at the parts before it.
+    The whole load waits at most the client's timeout, as one request would:
+    a part not answered by then ends it short too."""
     assert link.layout is not None
     ends = part_ends(skip, len(keys), link.layout.block_bytes)
     channel = link.channel
@@ -72,6 +75,7 @@ def load_in_parts(
         asked.append((rid, begin, end))
 
     link.ready()
+    deadline = time.monotonic() + link.timeout
     frames = [p.keys_frame(keys), p.ids_frame(blocks)]
     parts: list[TransferHandle] = []
     loaded = skip
@@ -81,8 +85,8 @@ def load_in_parts(
         following = len(asked)
         while asked:
             rid, begin, end = asked.popleft()
-            try:
-                reply, arrays = channel.wait_reply(rid)
+            try:  # one timeout for the whole load, as for one request
+                reply, arrays = channel.wait_reply(rid, max(deadline - time.monotonic(), 1e-3))
             except (SidecarError, SidecarUnavailable) as err:
                 if parts:
                     break  # the load ends at the parts answered

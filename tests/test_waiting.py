@@ -31,3 +31,11 @@ def test_a_staging_plan_ending_retries_every_waiting_load_and_its_own():
     w.wait_fill(load(4), progress=1)
     assert sorted(x.request.id for x in w.take(7, 1, 1)) == [1, 3, 4]
     assert [x.request.id for x in w.take_all()] == [2]
+
+
+def test_a_load_joining_the_filling_waiters_hides_no_part_made_ready_before_it():
+    w = WaitingLoads()
+    w.wait_fill(load(1), progress=3)
+    w.wait_fill(load(2), progress=4)  # a part became ready in the same round, before it parked
+    assert w.due(0, 4)
+    assert [x.request.id for x in w.take(None, 0, 4)] == [1, 2]

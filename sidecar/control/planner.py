@@ -127,7 +127,7 @@ class GlobalCacheEngine(PlanTable):
         load of them waits for. The double-get rule is not asked: it decided
         when that staging began."""
         cpu = self.cpu.match(keys)
-        if cpu.num_present <= cpu.num_blocks:
+        if cpu.pending is None:  # nothing in flight (a tree past its TTL is present, not filling)
             return False
         return any(tier.match(keys).num_blocks > cpu.num_blocks for _, tier in self._online())
 

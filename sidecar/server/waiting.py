@@ -49,8 +49,9 @@ class WaitingLoads:
         self.parked_at = num_ended
 
     def wait_fill(self, load: WaitingLoad, progress: int) -> None:
+        if not self.filling:  # else a part made ready this round would go unseen
+            self.filling_at = progress
         self.filling.append(load)
-        self.filling_at = progress
 
     @property
     def waiting(self) -> bool:
