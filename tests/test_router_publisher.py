@@ -16,7 +16,7 @@ from contract import events as wire
 from router.keys import split_keys, worker
 from router.router import Router
 from router.subscriber import Source, Subscriptions
-from tests.helpers import wait_subscribed, wait_until
+from tests.helpers import DEADLINE, wait_subscribed, wait_until
 from tests.sidecar_proc import Sidecar, connect, make_kv, tokens
 
 WORKER = worker(3)
@@ -77,6 +77,29 @@ def _save(endpoint: str, n_blocks: int, start: int = 0) -> list:
         client.close()
 
 
+def _save_published(ctx: zmq.Context, pub: str, endpoint: str, n_blocks: int) -> list:
+    """Save `n_blocks` and return once their batch was published: seen by a
+    SUB of our own. The sidecar publishes after the save's reply, so a SUB
+    connecting right after `_save` may still receive it (a loaded machine)."""
+    probe = ctx.socket(zmq.SUB)
+    probe.setsockopt(zmq.LINGER, 0)
+    probe.setsockopt(zmq.SUBSCRIBE, b"")
+    probe.connect(pub)
+    try:
+
+        def next_batch() -> wire.EventBatch:
+            assert probe.poll(int(DEADLINE * 1000)), "nothing published"
+            return wire.decode_batch(probe.recv_multipart()[1])
+
+        next_batch()  # a heartbeat or a batch: the probe is connected
+        keys = _save(endpoint, n_blocks)
+        while not next_batch().events:
+            pass
+        return keys
+    finally:
+        probe.close(0)
+
+
 @pytest.mark.parametrize("index", ["radix", "flat"])
 def test_router_sees_blocks_an_engine_saved(sidecar: Sidecar, index: str) -> None:
     pub, resync = sidecar.events  # type: ignore[attr-defined]
@@ -101,8 +124,8 @@ def test_a_gap_resyncs_or_clears_without_a_resync_endpoint(
     sidecar: Sidecar, with_resync: bool
 ) -> None:
     pub, resync = sidecar.events  # type: ignore[attr-defined]
-    first = _save(sidecar.endpoint, 3)  # published before the router subscribed
     ctx = zmq.Context()
+    first = _save_published(ctx, pub, sidecar.endpoint, 3)  # before the router subscribed
     router = Router("radix" if with_resync else "flat")
     subs = Subscriptions(ctx, router, [Source(pub, resync if with_resync else None)])
     try:
