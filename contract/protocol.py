@@ -10,7 +10,11 @@ Replies are typed too: `contract.replies`.
 
 Headers are msgpack, decoded with msgspec into one typed struct per op (the
 `op` field is the tag), so a missing field or a wrong type is a decode error
-that names the field. Arrays (block keys, slot ids, engine block ids) travel
+that names the field. A request's fields left at their defaults are not
+sent: a field added within a protocol version (with a default) reaches an
+older sidecar, which refuses unknown fields, only where it is set, and a
+client sets it only if the sidecar's register reply names it (`FEATURES`).
+Arrays (block keys, slot ids, engine block ids) travel
 as raw little-endian frames, never element by element: a 2,048-key request
 costs microseconds to encode instead of ~100 µs as a msgpack list.
 
@@ -32,6 +36,13 @@ import zmq
 from contract.ids import KEY_BYTES, KEY_DTYPE, BlockKeys, key_bytes
 
 PROTOCOL_VERSION = 1
+LOAD_END = "load_end"
+"""A feature: `Load.end`, loads asked for in parts (engine_shim/parts.py)."""
+FEATURES = (LOAD_END,)
+"""What this sidecar takes beyond the first version-1 sidecars, named in
+its RegisterReply (replies.RegisterReply.features). Requests and replies
+of one protocol version only gain fields with defaults; a reply's unknown
+fields are ignored, a request's refused."""
 MAX_BLOCKS_PER_REQUEST = 1 << 20
 ID_DTYPE = np.dtype("<i8")
 
@@ -72,7 +83,7 @@ class ProtocolError(Exception):
 # ---- request headers ------------------------------------------------------------
 
 
-class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True, omit_defaults=True):
     v: int
     id: int
 
@@ -81,7 +92,7 @@ class _SessionRequest(_Request):
     session: str
 
 
-class KVLayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
+class KVLayoutMsg(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """What one TP rank's paged KV cache looks like, and which model made it."""
 
     model_name: str

@@ -48,6 +48,11 @@ class RegisterReply(Ok, kw_only=True):
     hot_index: str = ""
     """The shm segment of this geometry's hot index (shm/hotindex.py): map it
     read-only to look up and load CPU hits without asking ("": none)."""
+    features: list[str] = []
+    """Request fields this sidecar takes that an older one of the same
+    protocol version refuses (`protocol.FEATURES`): a client uses one only
+    if named here, so an engine updated before its host's sidecar keeps
+    working."""
 
 
 class LookupReply(Ok, kw_only=True):

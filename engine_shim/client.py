@@ -283,7 +283,11 @@ class KVClient:
                 return link.handle(None, skip_tokens + found * tpb, None)
             # A CPU miss with lower tiers below: staged by the sidecar, in parts.
             layout = link.layout
-            if layout.tp_size == 1 and worth_parts(len(keys) - skip, layout.block_bytes):
+            if (
+                layout.tp_size == 1
+                and p.LOAD_END in link.features
+                and worth_parts(len(keys) - skip, layout.block_bytes)
+            ):
                 handle = load_in_parts(link, keys, blocks, skip, tpb)
                 if handle is not None:
                     return handle

@@ -68,6 +68,8 @@ class SidecarLink:
         """Between the registered tensors and the mapped pool: closed with either."""
         self.layout: BlockLayout | None = None
         self.lease_seconds = 0.0
+        self.features: frozenset[str] = frozenset()
+        """What the sidecar takes beyond the base protocol (RegisterReply)."""
         self.hot = HotLane(
             self.channel,
             session,
@@ -141,6 +143,7 @@ class SidecarLink:
             self._open_copier(reply)
         self.hot.map(reply.hot_index, reply.boot_id)
         self.lease_seconds = reply.lease_seconds
+        self.features = frozenset(reply.features)
         self.hot.heard()
         if self.heartbeat is None:
             self.heartbeat = Heartbeat(

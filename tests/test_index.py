@@ -294,6 +294,28 @@ def test_lock_counts_along_the_path(policy):
     assert index.evict(5).num_blocks == 4
 
 
+def test_became_evictable_counts_what_a_load_short_of_slots_waits_for(policy):
+    """Made ready, unlocked, or left a leaf: each counts once; a lock, an
+    unlock that leaves a node locked or above a pending one, counts none."""
+    index = make_index(policy)
+    head = index.insert(RUN[:2], SLOTS[:2], ready=True).node
+    assert index.became_evictable == 1  # made ready, a leaf
+    tail = index.insert(RUN, SLOTS[2:]).node  # pending below: head is no candidate now
+    index.lock(head)
+    index.lock(head)
+    index.unlock(head)
+    index.unlock(head)  # unlocked, but above a pending node
+    assert index.became_evictable == 1
+    index.discard(tail)  # head is a leaf again (the slots may stay held: an orphan)
+    assert index.became_evictable == 2
+    tail = index.insert(RUN, SLOTS[2:]).node
+    index.lock(tail)
+    index.set_ready(tail)  # ready but locked
+    assert index.became_evictable == 2
+    index.unlock(tail)
+    assert index.became_evictable == 3
+
+
 def test_split_of_a_locked_node_keeps_its_locks(policy):
     index = make_index(policy)
     node = index.insert(RUN, SLOTS, ready=True).node

@@ -170,3 +170,23 @@ def test_bad_holds_and_releases_raise_and_change_nothing():
     with pytest.raises(MempoolError, match="out of range"):
         pool.hold(np.array([9]))
     assert pool.num_held == 1 and pool.num_used == 2
+
+
+def test_vacated_counts_every_slot_that_became_free():
+    """What loads waiting for a free slot watch: frees, releases of held
+    slots freed meanwhile, and granted ranges; allocations never lower it."""
+    pool = Mempool(6)
+    assert pool.vacated == 0
+    a = pool.allocate(4)
+    pool.free(a[:1])
+    assert pool.vacated == 1
+    pool.hold(a[1:3])
+    pool.free(a[1:3])  # held: not free until released
+    assert pool.vacated == 1
+    pool.release(a[1:3])
+    assert pool.vacated == 3
+    pool.allocate(5)
+    assert pool.vacated == 3
+    shared = Mempool(8, owned=False)
+    shared.grant(0, 4)
+    assert shared.vacated == 4

@@ -13,7 +13,7 @@ import torch
 from redis_servers import RedisClusterOf3, RedisServer
 from sidecar_proc import MODEL, Sidecar, stats_of, tokens, wait_for
 
-from engine_shim import KVClient
+from engine_shim import KVClient, parts
 from shm.layout import BlockLayout
 from shm.pool import ShmPool
 from sidecar.control.graph import OpKind, TransferOp
@@ -117,6 +117,32 @@ def test_blocks_saved_through_one_host_load_byte_exact_through_another(
     hosts = Hosts(tmp_path, server.url, "--set", f"remote_write_streams={streams}")
     try:
         save_on_one_load_on_the_other(hosts)
+    finally:
+        hosts.cleanup()
+
+
+def test_a_load_in_parts_probes_the_store_once(tmp_path, server, monkeypatch):
+    """Its parts come two at a time, each with every key: the second, asked
+    while the first's probe is out, joins that probe instead of sending its
+    own (so do lookups of one prompt from several engines)."""
+    monkeypatch.setattr(parts, "PART_BYTES", 1)  # a block a part
+    hosts = Hosts(tmp_path, server.url)
+    try:
+        a, b = hosts.start(), hosts.start()
+        src = kv(2)
+        with client(a, src) as c:
+            assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
+            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+        dst = kv(None)
+        with client(b, dst) as c:
+            assert c.load(tokens(N), np.arange(10, 10 + N)).wait() == N * BLOCK_TOKENS
+            assert blocks_of(dst, np.arange(10, 10 + N)) == blocks_of(src, np.arange(N))
+            stats = c.stats()
+            assert stats["transfers"]["loads"] == N
+            assert stats["tiers"]["remote"]["probes"] == 1
+            assert stats["tiers"]["remote"]["probed_blocks"] == N
+        for s in (a, b):
+            assert s.stop() == 0
     finally:
         hosts.cleanup()
 

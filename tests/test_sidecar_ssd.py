@@ -338,6 +338,22 @@ def test_a_load_in_parts_is_asked_and_answered_part_by_part(instance, monkeypatc
     assert s.stop() == 0
 
 
+def test_a_sidecar_not_naming_load_end_is_asked_for_whole_loads(instance, monkeypatch):
+    """An engine updated before its host's sidecar: a sidecar whose register
+    reply does not name `load_end` (one from before loads in parts, which
+    refuses the field) is asked for one load, not for parts."""
+    monkeypatch.setattr(parts, "PART_BYTES", 1)
+    s, src = saved_on_ssd_alone(instance, 4, seed=9)
+    dst = kv(None)
+    with client(s.endpoint, dst) as c:
+        assert p.LOAD_END in c._link.features  # this sidecar takes it
+        monkeypatch.setattr(c._link, "features", frozenset())
+        assert c.load(tokens(4), np.arange(30, 34)).wait() == 4 * BLOCK_TOKENS
+        assert blocks_of(dst, np.arange(30, 34)) == blocks_of(src, np.arange(4))
+        assert c.stats()["transfers"]["loads"] == 1
+    assert s.stop() == 0
+
+
 def test_a_part_answered_short_ends_the_load_and_the_parts_asked_after_it_are_given_up(
     instance, monkeypatch
 ):
@@ -593,3 +609,47 @@ def test_a_vanished_directory_costs_its_blocks_and_nothing_else(instance):
         wait_for(lambda: on_ssd(c, 3))
     assert s.stop() == 0
     assert os.path.isdir(instance.ssd_dir)
+
+
+def test_a_parked_load_is_not_tried_again_by_plans_whose_end_frees_no_slot(instance):
+    """A load short of CPU slots is tried again when a slot may have come
+    free (one freed, a block become evictable), not whenever a plan ends:
+    each try costs one of its staging attempts, and another engine's loads
+    (each part of a load in parts is one) end plans that free nothing."""
+    s = instance.start()
+    src = kv(12)
+    a_tokens, b_tokens = tokens(2, start=10_000), tokens(8)
+    with client(s.endpoint, src) as c, client(s.endpoint, kv(13)) as w:
+        c.save(a_tokens, np.arange(10, 12)).wait()
+        c.save(b_tokens[: 4 * BLOCK_TOKENS], np.arange(4)).wait()
+        wait_for(lambda: on_ssd(c, 6))
+        channel = Channel(s.endpoint, 5.0)
+        try:
+            # W's open save of B's blocks 4-7 holds the other 4 CPU slots
+            # (A's were evicted for them): B's blocks 0-3 sit above blocks
+            # not ready, so nothing in the tier can be evicted.
+            save = p.Save(v=1, id=0, session=w.session, skip=4)
+            b_frames = [p.keys_frame(w.block_keys(b_tokens)), p.ids_frame(np.arange(8))]
+            held = channel.call(save, b_frames)[0]
+            assert held.stored_blocks == 4
+            assert c.lookup_tiers(a_tokens).cpu == 0
+            load_a = p.Load(v=1, id=0, session=c.session)
+            a_frames = [p.keys_frame(c.block_keys(a_tokens)), p.ids_frame(np.arange(20, 22))]
+            rid = channel.send(load_a, a_frames)
+            channel.call(p.Stats(v=1, id=0))  # handled in order: A's load parked
+            for _ in range(2 * 4):  # more plans than A has tries
+                load_b = p.Load(v=1, id=0, session=c.session)
+                b_head = [p.keys_frame(c.block_keys(b_tokens[: 4 * BLOCK_TOKENS]))]
+                reply = channel.call(load_b, [*b_head, p.ids_frame(np.arange(30, 34))])[0]
+                assert reply.hit_blocks == 4
+                channel.call(p.Cancel(v=1, id=0, session=c.session, plan_id=reply.plan_id))
+            channel.call(p.Stats(v=1, id=0))
+            assert rid not in channel._early, "A was answered while no slot was free"
+            channel.call(p.Cancel(v=1, id=0, session=w.session, plan_id=held.plan_id))
+            reply, _ = channel.wait_reply(rid, 5.0)  # W's 4 slots freed: A is staged
+            assert reply.hit_blocks == 2, reply
+            channel.call(p.Cancel(v=1, id=0, session=c.session, plan_id=reply.plan_id))
+        finally:
+            channel.close()
+        wait_for(lambda: c.stats()["plans_in_flight"] == 0)
+    assert s.stop() == 0

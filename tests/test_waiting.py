@@ -12,13 +12,13 @@ def load(rid: int) -> WaitingLoad:
 
 def test_a_part_made_ready_retries_the_loads_waiting_for_a_filling_not_those_short_of_slots():
     w = WaitingLoads()
-    w.park(load(1), num_ended=5)  # no CPU slot free: each try costs one of its attempts
+    w.park(load(1), room=5)  # no CPU slot free: each try costs one of its attempts
     w.wait_fill(load(2), progress=9)  # blocks a staging is filling
     assert w.waiting and not w.due(5, 9)
     assert w.due(5, 10)  # a staged part became ready: frees no slot
     assert [x.request.id for x in w.take(None, 5, 10)] == [2]
     assert w.parked and not w.filling and not w.due(5, 10)
-    assert w.due(6, 10)  # a plan ended: slots may be free
+    assert w.due(6, 10)  # a slot was freed or a block became evictable
     assert [x.request.id for x in w.take(None, 6, 10)] == [1]
     assert not w.waiting
 
@@ -27,7 +27,7 @@ def test_a_staging_plan_ending_retries_every_waiting_load_and_its_own():
     w = WaitingLoads()
     w.defer(7, load(1))
     w.defer(8, load(2))
-    w.park(load(3), num_ended=1)
+    w.park(load(3), room=1)
     w.wait_fill(load(4), progress=1)
     assert sorted(x.request.id for x in w.take(7, 1, 1)) == [1, 3, 4]
     assert [x.request.id for x in w.take_all()] == [2]

@@ -116,6 +116,11 @@ class RadixIndex:
         self.num_nodes = 0
         self.fronts_readied = 0
         """Fronts of unready nodes made ready (`set_ready_front`) so far."""
+        self.became_evictable = 0
+        """Nodes that became eviction candidates (made ready, unlocked, or
+        left a leaf by a removal: a discarded save whose slots stay held),
+        so far: with the mempool's `vacated`, what tells loads waiting for a
+        CPU slot to try again."""
         self._record_events = record_events
         self._events: list[KVEvent] = []
         self.on_ready: Callable[[bytes, SlotIds], None] | None = None
@@ -378,6 +383,7 @@ class RadixIndex:
             self._events.append(BlockStored(node.keys, parent_key))
         if node.evictable:
             self._spaces[node.ns].policy.add(node)
+            self.became_evictable += 1
 
     def discard(self, node: RadixNode) -> SlotIds:
         """Drop an unready, unlocked node (its data never landed); returns its slots."""
@@ -400,6 +406,7 @@ class RadixIndex:
         policy.on_remove(node)
         if parent.evictable:  # the root never is; any other parent shares the namespace
             policy.add(parent)
+            self.became_evictable += 1
 
     # ---- locks ----------------------------------------------------------------
 
@@ -421,6 +428,7 @@ class RadixIndex:
             cur = cur.parent
         if node.evictable:
             self._spaces[node.ns].policy.add(node)
+            self.became_evictable += 1
 
     # ---- eviction -------------------------------------------------------------
 

@@ -56,6 +56,9 @@ class Mempool:
         self._held = np.zeros(num_slots, dtype=np.bool_)
         self._freed_held = np.zeros(num_slots, dtype=np.bool_)  # freed while held
         self._num_held = 0
+        self.vacated = 0
+        """Slots that became free, ever (granted ones included): a count that
+        only grows, which loads waiting for a free slot watch."""
         self.on_vacate: Callable[[np.ndarray], None] | None = None
         """Called with slots as they stop holding their blocks (`free`,
         `retire`), before they can be handed out again: the sidecar bumps
@@ -113,6 +116,7 @@ class Mempool:
         self._is_free[slots] = True
         self._stack[self._top : self._top + slots.size] = slots[::-1]
         self._top += slots.size
+        self.vacated += slots.size
 
     def hold(self, slots: np.ndarray) -> None:
         """Keep these used slots from being allocated again until `release`:
@@ -189,6 +193,7 @@ class Mempool:
         self._stack[self._top : self._top + n] = np.arange(hi - 1, lo - 1, -1)
         self._top += n
         self.num_slots += n
+        self.vacated += n
 
     def retire_free(self, lo: int, hi: int) -> int:
         """Give up the free slots among lo..hi-1 (owned, not held); returns how

@@ -248,6 +248,7 @@ class Handlers:
             num_slots=self.geometries.slots_of(layout),
             lease_seconds=self.config.lease_seconds,
             hot_index=self.geometries.hot.name_of(layout),
+            features=list(p.FEATURES),
         )
         return Answer(reply)
 
@@ -369,7 +370,7 @@ class Handlers:
             if min(max(counts.ssd, counts.remote), end) > counts.cpu and dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
                 # flight or by engines' open plans. Try again when a plan ends.
-                self.waiting.park(waiting, self.engines.num_ended)
+                self.waiting.park(waiting, self._room())
                 return None
         plan = cache.get(
             BlockKeys(keys[:end]),
@@ -476,19 +477,29 @@ class Handlers:
     def _plan_ended(self, plan_id: int, ok: bool) -> None:
         """A plan run by the data plane ended: answer a load waiting for it."""
         self.engines.end(plan_id, cancel=False)
-        self._retry_loads(self.waiting.take(plan_id, self.engines.num_ended, self._progress()))
+        self._retry_loads(self.waiting.take(plan_id, self._room(), self._progress()))
 
     def retry_parked(self) -> None:
-        """Try the parked loads again if a plan has ended since they were
-        parked: an engine's save completed or was given up, a load released
-        its locks, so a CPU slot may be free; and the loads waiting for a
-        staging's blocks if some became ready since. (Plans run by the data
-        plane retry them as they end, in `_plan_ended`.) A staged part made
-        ready frees no slot, so it does not retry the parked loads: each try
-        of theirs costs one of their MAX_STAGING_ATTEMPTS."""
-        waiting, ended = self.waiting, self.engines.num_ended
-        if waiting.waiting and waiting.due(ended, progress := self._progress()):
-            self._retry_loads(waiting.take(None, ended, progress))
+        """Try the parked loads again if a CPU slot may have come free since
+        they were parked (`_room`: an engine's save given up freed its
+        slots, a load's end left its blocks evictable); and the loads
+        waiting for a staging's blocks if some became ready since. (Plans
+        run by the data plane retry them as they end, in `_plan_ended`.)
+        A plan whose end frees nothing (a load whose blocks sit above blocks
+        still in flight, a staged part made ready) does not retry the parked
+        loads: each try of theirs costs one of their MAX_STAGING_ATTEMPTS."""
+        waiting, room = self.waiting, self._room()
+        if waiting.waiting and waiting.due(room, progress := self._progress()):
+            self._retry_loads(waiting.take(None, room, progress))
+
+    def _room(self) -> int:
+        """A count that grows when a CPU slot may have come free: one was
+        freed (an eviction's too: over-counting costs a try, never a
+        wake-up), or a block became evictable."""
+        return sum(
+            realm.cache.cpu.mempool.vacated + realm.cache.cpu.index.became_evictable
+            for realm in self.geometries
+        )
 
     def _progress(self) -> int:
         """A count that grows when a plan ends, or a staging makes the front

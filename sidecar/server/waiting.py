@@ -3,8 +3,12 @@
 A load whose blocks past the CPU prefix sit on SSD or in the remote store is
 answered after a staging plan copied them into the CPU tier (`deferred`,
 by that plan's id). One that found no CPU slot free (they were held by
-writes in flight or by engines' open plans) is `parked` until some plan
-ends, then tried again. One whose blocks a staging is still filling (a
+writes in flight or by engines' open plans) is `parked` until a slot may
+have come free (one was freed, or a block became evictable: the handlers'
+`room` count grew) or a plan of the data plane ended, then tried again:
+each try costs it one of its staging attempts, so plans whose end frees
+nothing (another engine's loads, each part of a load in parts) must not
+bring it back. One whose blocks a staging is still filling (a
 part of a load asked for in parts, or a load of a prefix another load is
 staging) waits for that `filling`: it is tried again as soon as blocks
 become ready (a staging made ready part by part), or a plan ends.
@@ -31,9 +35,10 @@ class WaitingLoads:
         self.deferred: dict[int, WaitingLoad] = {}
         """Staging plan id -> the load waiting for it."""
         self.parked: list[WaitingLoad] = []
-        """Loads that found no CPU slot free: tried again when a plan ends."""
+        """Loads that found no CPU slot free: tried again when one may be."""
         self.parked_at = 0
-        """`Engines.num_ended` when the parked loads were last tried."""
+        """The handlers' room count (slots freed, blocks made evictable) when
+        the parked loads were last tried."""
         self.filling: list[WaitingLoad] = []
         """Loads whose blocks a staging is filling: tried again as its parts
         become ready, or a plan ends (it costs them no try)."""
@@ -44,9 +49,9 @@ class WaitingLoads:
     def defer(self, plan_id: int, load: WaitingLoad) -> None:
         self.deferred[plan_id] = load
 
-    def park(self, load: WaitingLoad, num_ended: int) -> None:
+    def park(self, load: WaitingLoad, room: int) -> None:
         self.parked.append(load)
-        self.parked_at = num_ended
+        self.parked_at = room
 
     def wait_fill(self, load: WaitingLoad, progress: int) -> None:
         if not self.filling:  # else a part made ready this round would go unseen
@@ -58,20 +63,21 @@ class WaitingLoads:
         """Loads are parked or wait for a filling."""
         return bool(self.parked or self.filling)
 
-    def due(self, num_ended: int, progress: int) -> bool:
+    def due(self, room: int, progress: int) -> bool:
         """Loads wait whose trigger came since they were last tried."""
-        return bool(self.parked and num_ended != self.parked_at) or bool(
+        return bool(self.parked and room != self.parked_at) or bool(
             self.filling and progress != self.filling_at
         )
 
-    def take(self, plan_id: int | None, num_ended: int, progress: int) -> list[WaitingLoad]:
+    def take(self, plan_id: int | None, room: int, progress: int) -> list[WaitingLoad]:
         """The loads to try again now: the one deferred for `plan_id` (if
-        any; a plan's end also retries every other), the parked ones if a
-        plan ended since, the filling ones if there was progress since."""
+        any; the end of a data-plane plan also retries every other), the
+        parked ones if there may be room since, the filling ones if there
+        was progress since."""
         retry = []
-        if plan_id is not None or num_ended != self.parked_at:
+        if plan_id is not None or room != self.parked_at:
             retry += self.parked
-            self.parked, self.parked_at = [], num_ended
+            self.parked, self.parked_at = [], room
         if plan_id is not None or progress != self.filling_at:
             retry += self.filling
             self.filling, self.filling_at = [], progress

@@ -39,6 +39,16 @@ class Probe(NamedTuple):
     probe_id: int
 
 
+class _Probe(NamedTuple):
+    """A probe out: what it asks, and who waits for its answer."""
+
+    keys: BlockKeys
+    start: int
+    ns: int
+    asked: tuple[int, bytes]
+    then: list[Callable[[], None]]
+
+
 class Ping(NamedTuple):
     pass
 
@@ -92,7 +102,9 @@ class RemoteTier:
         behind bulk transfers."""
         self.backoff = backoff
         self._clock = clock
-        self._probes: dict[int, tuple[BlockKeys, int, Callable[[], None], int]] = {}
+        self._probes: dict[int, _Probe] = {}
+        self._asking: dict[tuple[int, bytes], int] = {}
+        """(namespace, the keys asked about) -> the probe out asking it."""
         self._next_probe = 0
         self._pinging = False
         self.online = True
@@ -104,10 +116,18 @@ class RemoteTier:
     def probe(self, keys: BlockKeys, start: int, then: Callable[[], None], ns: int = 0) -> None:
         """Ask the store which of keys[start:] hold a value of ours; add the run found to
         the remote index (as blocks of namespace `ns`), then call `then` (on
-        the loop's thread, whatever the outcome)."""
+        the loop's thread, whatever the outcome). A probe of the same keys
+        already out is joined, not sent again: the parts of a load asked
+        for in parts, lookups of one prompt from several engines."""
+        asked = (ns, keys[start:].tobytes())
+        out = self._asking.get(asked)
+        if out is not None:
+            self._probes[out].then.append(then)
+            return
         probe_id = self._next_probe
         self._next_probe += 1
-        self._probes[probe_id] = (keys, start, then, ns)
+        self._probes[probe_id] = _Probe(keys, start, ns, asked, [then])
+        self._asking[asked] = probe_id
         wanted = [k.tobytes() for k in keys[start:]]
         self.control_pool.submit(Probe(probe_id), lambda: self.store.present(wanted))
         self.counters["probes"] += 1
@@ -117,20 +137,26 @@ class RemoteTier:
         return len(self._probes)
 
     def _probed(self, done: Done) -> None:
-        keys, start, then, ns = self._probes.pop(done.token.probe_id)
+        probe = self._probes.pop(done.token.probe_id)
+        del self._asking[probe.asked]
+        keys, start, ns = probe.keys, probe.start, probe.ns
         if done.error is None:
             found = next((i for i, hit in enumerate(done.result) if not hit), len(done.result))
             self.counters["probed_blocks"] += len(done.result)
             self.counters["found_blocks"] += self.cache.learn_remote(keys, start + found, ns)
         else:
             self._failed(done.error)
-        then()
+        for then in probe.then:
+            then()
 
     def abandon_probes(self) -> None:
         """Shutdown: answer every request waiting on a probe now."""
-        for probe_id in list(self._probes):
-            _, _, then, _ = self._probes.pop(probe_id)
-            then()
+        probes = list(self._probes.values())
+        self._probes.clear()
+        self._asking.clear()
+        for probe in probes:
+            for then in probe.then:
+                then()
 
     # ---- health ------------------------------------------------------------------
 
