@@ -16,6 +16,8 @@ limit by limit.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +39,13 @@ class NamespaceName:
     def describe(self) -> str:
         tenant = f" tenant {self.tenant!r}" if self.tenant else ""
         return f"{self.model}@{self.revision}{tenant}"
+
+    def tag(self) -> bytes:
+        """8 bytes naming this namespace in the SSD journal's records (a
+        BLAKE2b of the three fields): what lets a restarted sidecar give
+        recovered blocks back to their namespace."""
+        named = json.dumps([self.model, self.revision, self.tenant]).encode()
+        return hashlib.blake2b(named, digest_size=8, person=b"kvsidecar-ns").digest()
 
 
 @dataclass(frozen=True)

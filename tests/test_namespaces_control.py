@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sidecar.control import policies
 from sidecar.control.events import BlockRemoved
+from sidecar.control.index import IndexConflict
 from sidecar.control.node import RadixNode
 from sidecar.control.planner import GlobalCacheEngine
 from sidecar.control.policies import POLICY_NAMES, LazyHeap
@@ -75,6 +76,31 @@ def test_a_namespaced_insert_claims_a_recovered_tree():
     index.insert(ns_keys(4, 5), np.arange(4, 6), ready=True, ns=4)
     assert index.namespace_blocks() == {4: 6} == recount(index)
     assert index.evict(6, ns=4).num_blocks == 6 and index.num_blocks == 0
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_a_recovered_tree_claimed_at_a_register_is_aged_from_its_write(policy):
+    """`claim`: a namespace-0 tree moves whole to the namespace its journal
+    named, its TTL counting from the write (`age` seconds ago); anything
+    else is refused and nothing changes."""
+    clock = FakeClock(100.0)
+    index = make_index(policy, clock)
+    top = index.insert(ns_keys(3, 3), np.arange(3), ready=True).node
+    index.insert(ns_keys(3, 5), np.arange(3, 5), ready=True)
+    mine = index.insert(ns_keys(4, 2), np.arange(5, 7), ready=True, ns=4).node
+    assert top is not None and mine is not None
+    for bad_top, bad_ns in ((top, 0), (mine, 3), (top.children[ns_keys(3, 4)[3].tobytes()], 3)):
+        with pytest.raises(IndexConflict):
+            index.claim(bad_top, bad_ns, 5.0)
+    assert index.namespace_blocks() == {0: 5, 4: 2}
+    index.set_ttl(3, 10.0)
+    assert index.claim(top, 3, 8.0) == 5  # written 8 s ago
+    assert index.namespace_blocks() == {3: 5, 4: 2} == recount(index)
+    assert index.match(ns_keys(3, 5)).num_blocks == 5
+    clock.set(102.5)  # 10.5 s after the write: expired, though claimed 2.5 s ago
+    assert index.match(ns_keys(3, 5)).num_blocks == 0
+    assert index.expire().size == 5 and index.namespace_blocks() == {4: 2}
+    assert index.evict(2, ns=4).num_blocks == 2  # the policies kept count
 
 
 def test_counts_follow_partial_eviction_discard_and_remove():

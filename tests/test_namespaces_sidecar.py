@@ -5,6 +5,7 @@ namespace's TTL, and `kvsidecar namespaces`."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -172,3 +173,55 @@ def test_a_namespace_ttl_holds_in_the_remote_store(redis_bin) -> None:
     finally:
         s.stop()
         redis.cleanup()
+
+
+def test_ssd_blocks_keep_their_namespace_and_age_across_a_restart(tmp_path) -> None:
+    """The journal records each block's namespace (a tag of its name) and
+    when it was written: after a restart an engine's register claims its
+    namespace's recovered blocks, whose quota and `clear` then apply, and
+    whose TTL counts from the write, not from the restart. (Before, they
+    belonged to no namespace until a request extended them: the TTL counted
+    from the restart, and no quota or `clear --model` applied.)"""
+    ssd = ["--set", f"ssd_dirs={tmp_path / 'ssd'}", "--set", "ssd_capacity_per_dir=4MiB"]
+    first = Sidecar(*ssd, "--set", "write_policy=write_through").start()
+    x = {"model_name": "x", "tenant": "t"}
+    try:
+        with (
+            connect(first.endpoint, make_kv(1)) as a,
+            connect(first.endpoint, make_kv(2), **x) as b,
+        ):
+            a.save(tokens(4), np.arange(4)).wait()
+            b.save(tokens(6), np.arange(6)).wait()
+            written = time.time()
+            wait_for(
+                lambda: (
+                    blocks(first, "tiny", "ssd") == 4
+                    and blocks(first, "x", "ssd", "t") == 6
+                    and stats_of(first)["plans_in_flight"] == 0
+                )
+            )
+        assert first.stop() == 0
+    finally:
+        first.cleanup()
+    # tiny's blocks are past a 1 s TTL now, x's well within an hour's.
+    wait_for(lambda: time.time() > written + 1.5)
+    limits = "namespace_limits=model=tiny ttl=1,model=x ttl=3600 ssd=16KiB"  # x: 4 blocks
+    s = Sidecar(*ssd, "--set", limits, instance=first.instance).start()
+    try:
+        with connect(s.endpoint, make_kv(None), **x) as b:
+            # The geometry's SSD tier opened (10 blocks recovered), and x's
+            # claimed at the register, before any request of theirs: held
+            # to its quota (its last 2 blocks evicted), young enough.
+            assert blocks(s, "x", "ssd", "t") == 4
+            assert blocks(s, "(unknown)", "ssd") == 4
+            assert b.lookup(tokens(6)) == 4 * sp.TOKENS_PER_BLOCK
+            with connect(s.endpoint, make_kv(None)) as a:
+                assert a.lookup(tokens(4)) == 0  # written more than its TTL ago
+                wait_for(lambda: blocks(s, "tiny", "ssd") == 0)  # and dropped
+            done = kvsidecar(s, "clear", "--model", "x")
+            assert done.returncode == 0 and "ssd 4" in done.stdout, done
+            assert b.lookup(tokens(6)) == 0
+        assert stats_of(s)["tiers"]["ssd"]["cached_blocks"] == 0
+        assert s.stop() == 0
+    finally:
+        s.cleanup()

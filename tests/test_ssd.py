@@ -7,6 +7,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,15 @@ from helpers import chain, make_engine
 
 from sidecar.tiers.ssd import store as store_module
 from sidecar.tiers.ssd.space import recover
-from sidecar.tiers.ssd.store import Record, SsdError, SsdStore, WriteBlock, checksum
+from sidecar.tiers.ssd.store import (
+    NO_TAG,
+    RECORD,
+    Record,
+    SsdError,
+    SsdStore,
+    WriteBlock,
+    checksum,
+)
 
 SLOT = 8192
 
@@ -264,6 +273,50 @@ def test_bad_arguments_are_refused(tmp_path):
 
 def rec(slot: int, k: int, parent: int, first: bool = False) -> Record:
     return Record(slot, key(k), key(parent), first, 0)
+
+
+def test_a_record_keeps_its_namespace_tag_and_write_time_and_old_records_read_as_none(
+    tmp_path,
+):
+    s = store(tmp_path)
+    tag = b"ns-tag-8"
+    before = time.time_ns() // 1_000_000
+    s.write(0, block(0), key(1), key(0), True, tag)
+    s.write(3, block(3), key(2), key(1), False)
+    after = time.time_ns() // 1_000_000
+    s.close()
+    again = store(tmp_path)
+    first, second = sorted(again.records(), key=lambda r: r.slot)
+    assert first.ns_tag == tag and before <= first.written_ms <= after
+    assert second.ns_tag == NO_TAG and before <= second.written_ms <= after
+    again.close()
+    # A journal written before tags were recorded: its last 16 bytes are zero.
+    (journal,) = (tmp_path / "d0").glob("*.journal")  # slot 0's: the first record
+    with open(journal, "r+b") as f:
+        raw = f.read(RECORD.size)
+        f.seek(0)
+        f.write(raw[:48] + bytes(16))
+    old = store(tmp_path)
+    first = min(old.records(), key=lambda r: r.slot)
+    assert (first.slot, first.key, first.ns_tag, first.written_ms) == (0, key(1), NO_TAG, 0)
+    old.close()
+
+
+def test_recover_names_the_trees_whose_top_records_a_namespace():
+    engine = make_engine("ssd", 16)
+    keys = chain(3)
+    raw = [keys[i].tobytes() for i in range(3)]
+    other = chain(5)[4].tobytes()
+    records = [
+        Record(5, raw[0], b"\0" * 16, True, 0, b"tagged-1", 1_000),
+        Record(6, raw[1], raw[0], False, 0, b"tagged-1", 2_000),
+        Record(7, raw[2], raw[1], False, 0, b"tagged-1", 3_000),
+        Record(9, other, b"\0" * 16, True, 0),  # written before tags: none
+    ]
+    trees: dict[bytes, tuple[bytes, int]] = {}
+    placed, orphans = recover(engine, records, trees)
+    assert (placed, orphans) == (4, [])
+    assert trees == {raw[0]: (b"tagged-1", 1_000)}  # as old as its top
 
 
 def test_recover_rebuilds_chains_and_returns_orphans():

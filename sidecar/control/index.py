@@ -295,6 +295,22 @@ class RadixIndex:
         self._spaces[ns] = space
         return space
 
+    def claim(self, top: RadixNode, ns: int, age: float) -> int:
+        """Move the namespace-0 tree `top` (a child of the root) to namespace
+        `ns`, its blocks `age` seconds old: a tree recovered from disk whose
+        namespace and write time the journal recorded, claimed as that
+        namespace registers. Its TTL then counts from that write. Returns its
+        blocks. Raises IndexConflict, changing nothing, if `top` is no such
+        tree."""
+        if top.parent is not self.root or top.ns != 0 or ns == 0:
+            raise IndexConflict(f"only a namespace-0 tree can be claimed for a namespace: {top}")
+        born = self._clock() - max(0.0, age)
+        tree = self._subtree(top)
+        for node in tree:  # born is read by TTLs alone
+            node.born = born
+        self._claim(top, ns)
+        return sum(len(node) for node in tree)
+
     def _claim(self, node: RadixNode, ns: int) -> None:
         """Move the namespace-0 tree holding `node` to namespace `ns`:
         O(tree), once per recovered tree a namespaced request extends."""

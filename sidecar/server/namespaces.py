@@ -3,8 +3,10 @@ their configured limits, and what each uses of every tier.
 
 The control plane tags every block with its namespace's number
 (`sidecar.control`, "Namespaces" in docs/control-plane.md); number 0 is
-blocks whose namespace is not known (recovered from SSD after a restart,
-until a request of their namespace touches them). Quotas are configured in
+blocks whose namespace is not known: recovered from SSD after a restart,
+until an engine of their namespace registers (the journal records a tag of
+each block's namespace) or a request of theirs extends them; a journal
+written before the tags were recorded names none. Quotas are configured in
 bytes and applied in blocks of each geometry's slot size (of its block
 size in the remote tier), per tier and per
 geometry (a namespace in two geometries may hold its quota in each: not a
@@ -56,10 +58,18 @@ class Namespaces:
         return any(limits.ttl is not None for limits in self.limits.values())
 
     def apply(self, realm: TieredCache, ns: int) -> None:
-        """Set namespace `ns`'s quotas and TTL on a geometry's tiers."""
-        limits = self.limits.get(ns)
-        if limits is None:
+        """Set namespace `ns`'s quotas and TTL on a geometry's tiers, after
+        giving it the blocks its SSD tier recovered as the namespace's (the
+        journal records a tag of each block's namespace name): a quota then
+        evicts what is over it, and a TTL counts from their writes."""
+        name = self.names.get(ns)
+        if name is None or not ns:
             return
+        if realm.ssd is not None:
+            tag = name.tag()
+            realm.ssd.ns_tags[ns] = tag
+            realm.claim_recovered(ns, tag)
+        limits = self.limits[ns]
         tiers = {"cpu": realm.cache.cpu, **realm.cache.lower}
         for tier, nbytes in limits.quota_bytes.items():
             if tier in tiers:

@@ -11,6 +11,7 @@ None here, and stays so for the sidecar's life.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,28 @@ class TieredCache:
         if self.dataplane is not None:
             for plan in self.cache.drain_background():
                 self.dataplane.adopt(plan)
+
+    def claim_recovered(self, ns: int, tag: bytes) -> int:
+        """Give namespace `ns` (tagged `tag`) the trees the SSD tier recovered
+        as its own at start, aged from when they were written (their TTL
+        counts from then); returns their blocks. The trees a request of
+        theirs extended meanwhile have been claimed already."""
+        store = self.ssd
+        if store is None or not store.recovered:
+            return 0
+        index = self.cache.lower["ssd"].index
+        now_ms = time.time_ns() // 1_000_000
+        claimed = 0
+        for top in list(index.root.children.values()):
+            first = top.key_bytes[:16]
+            found = store.recovered.get(first)
+            if found is None or found[0] != tag:
+                continue
+            del store.recovered[first]
+            if top.ns == 0:
+                written_ms = found[1]
+                claimed += index.claim(top, ns, (now_ms - written_ms) / 1000 if written_ms else 0.0)
+        return claimed
 
     def cancel(self, plan_id: int) -> None:
         """Roll a plan back (at once, or when its ops on I/O threads return)."""

@@ -25,7 +25,7 @@ from sidecar.control.node import RadixNode
 from sidecar.metrics.latency import SharedLatencyHistogram, timed
 from sidecar.tiers.dataplane import BadBlocks, Job, drop_blocks, staged_keys
 from sidecar.tiers.io_pool import IoPool
-from sidecar.tiers.ssd.store import ReadBlock, SsdStore, WriteBlock
+from sidecar.tiers.ssd.store import NO_TAG, ReadBlock, SsdStore, WriteBlock
 
 log = logging.getLogger("kvsidecar")
 
@@ -50,9 +50,11 @@ class SsdOps:
         if op.kind is OpKind.H2DISK:
             keys, parents, first = chain_of(node)
             sources = self.shm.slot_views(op.src, stride)
+            tag = self.store.ns_tags.get(node.ns, NO_TAG)
 
             def block(i: int) -> WriteBlock:
-                return WriteBlock(int(op.dst[i]), sources[i], keys[i], parents[i], first and i == 0)
+                dst = int(op.dst[i])
+                return WriteBlock(dst, sources[i], keys[i], parents[i], first and i == 0, tag)
 
             def write(lo: int, hi: int) -> None:
                 self.store.write_run([block(i) for i in range(lo, hi)])

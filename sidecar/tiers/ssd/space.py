@@ -39,7 +39,15 @@ from sidecar.config import Config
 from sidecar.control.arena import ExtentArena
 from sidecar.control.cache_engine import CacheEngine
 from sidecar.tiers.engines import tier_engine
-from sidecar.tiers.ssd.store import ALIGN, RECORD_BYTES, Record, SsdError, SsdStore, read_header
+from sidecar.tiers.ssd.store import (
+    ALIGN,
+    NO_TAG,
+    RECORD_BYTES,
+    Record,
+    SsdError,
+    SsdStore,
+    read_header,
+)
 
 log = logging.getLogger("kvsidecar")
 
@@ -161,7 +169,7 @@ class SsdSpace:
             else:
                 store.drop(record.slot)
                 lost += 1
-        recovered, orphans = recover(engine, kept)
+        recovered, orphans = recover(engine, kept, store.recovered)
         for slot in orphans:
             store.drop(slot)
         log.info(
@@ -267,12 +275,18 @@ def _room(path: Path, want: int, prefix: str) -> int:
     return max(0, min(want, room))
 
 
-def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]:
-    """Insert every chain the records describe into the engine's index, ready.
+def recover(
+    engine: CacheEngine, records: list[Record], trees: dict[bytes, tuple[bytes, int]] | None = None
+) -> tuple[int, list[int]]:
+    """Insert every chain the records describe into the engine's index, ready
+    (in namespace 0: the namespaces are not known yet).
 
     A record whose parent key is not itself recorded (and that does not start
     a sequence) is an orphan: unreachable by any prefix match, so its slot is
-    returned to be cleared. Returns (blocks recovered, orphan slots).
+    returned to be cleared. Returns (blocks recovered, orphan slots). Each
+    tree whose top records its namespace goes into `trees`, by its first key:
+    (the namespace's tag, when the top was written), for a namespace to
+    claim when it registers (`SsdStore.recovered`).
     """
     by_key: dict[bytes, Record] = {}
     for r in records:  # a key recorded twice (a crash between writes): keep one
@@ -284,6 +298,10 @@ def recover(engine: CacheEngine, records: list[Record]) -> tuple[int, list[int]]
             roots.append(r)
         elif r.parent in by_key:
             children[r.parent].append(r)
+    if trees is not None:
+        for r in roots:
+            if r.ns_tag != NO_TAG:
+                trees[r.key] = (r.ns_tag, r.written_ms)
     runs: list[tuple[bytes, np.ndarray]] = []  # parents before children
     stack: list[tuple[bytes, Record]] = [(b"", r) for r in roots]
     while stack:

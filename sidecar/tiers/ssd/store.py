@@ -23,7 +23,9 @@ as valid with wrong bytes.
 
 Recovery: a sidecar started again on the same directories reads the
 journals back (`records`) and rebuilds the SSD index from the chains of
-(key, parent key) they describe. Each directory's header (`<tag>.json`)
+(key, parent key) they describe; each record's namespace tag and write time
+give the trees back to their namespaces as those register
+(`TieredCache.claim_recovered`). Each directory's header (`<tag>.json`)
 keeps its slot count: a restart asking for the same capacity keeps it (and
 every block) whatever the free space says now; another capacity refits the
 files and keeps the blocks in slots below the new count. Files written with
@@ -55,6 +57,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +75,13 @@ except ImportError:  # not built: one transfer at a time, as before
 
 log = logging.getLogger("kvsidecar")
 
-RECORD = struct.Struct("<4sIQ16s16s16s")  # magic, flags, checksum, key, parent, reserved
+RECORD = struct.Struct("<4sIQ16s16s8sQ")
+"""magic, flags, checksum, key, parent key, namespace tag, written (Unix ms).
+The last two were 16 reserved zero bytes before: such a record belongs to
+no namespace and has no age."""
 RECORD_BYTES = RECORD.size  # 64
+NO_TAG = bytes(8)
+"""The namespace tag of a block whose namespace is not known."""
 MAGIC = b"KVS1"
 META_VERSION = 3
 """Of each directory's header (`<tag>.json`): version 2 added `asked_slots`,
@@ -120,6 +128,10 @@ class Record:
     parent: bytes
     first: bool
     checksum: int
+    ns_tag: bytes = NO_TAG
+    """The tag of the block's namespace (`NamespaceName.tag`)."""
+    written_ms: int = 0
+    """When the block was written, in Unix milliseconds (0: not known)."""
 
 
 class _Dir:
@@ -265,6 +277,13 @@ class SsdStore:
         self.checksums = np.zeros(self.num_slots, dtype=np.uint64)
         self.keys = np.zeros((self.num_slots, 16), dtype=np.uint8)
         self.direct = all(d.direct for d in self._dirs)
+        self.ns_tags: dict[int, bytes] = {}
+        """Namespace number -> its tag, recorded with each block written for
+        it (set by the sidecar as namespaces register; read by I/O threads)."""
+        self.recovered: dict[bytes, tuple[bytes, int]] = {}
+        """The first key of each tree recovered from the journals whose
+        namespace is recorded -> (its tag, when its top was written, Unix
+        ms): what a namespace registering after a restart claims."""
 
     def _where(self, slot: int) -> tuple[_Dir, int]:
         if not 0 <= slot < self.num_slots:
@@ -274,9 +293,17 @@ class SsdStore:
 
     # ---- data ---------------------------------------------------------------
 
-    def write(self, slot: int, block: memoryview, key: bytes, parent: bytes, first: bool) -> None:
+    def write(
+        self,
+        slot: int,
+        block: memoryview,
+        key: bytes,
+        parent: bytes,
+        first: bool,
+        ns_tag: bytes = NO_TAG,
+    ) -> None:
         """Store one block (a page-aligned view of slot_bytes) under `key`."""
-        self.write_run([WriteBlock(slot, block, key, parent, first)])
+        self.write_run([WriteBlock(slot, block, key, parent, first, ns_tag)])
 
     def write_run(self, blocks: Sequence[WriteBlock]) -> None:
         """Store each block (a page-aligned view of slot_bytes) in its slot.
@@ -323,9 +350,10 @@ class SsdStore:
                 _pwrite_all(d.fd, b.block, offset)
         else:
             digests = self._hash_in_flight(queue, group, places)
+        now_ms = time.time_ns() // 1_000_000
         for b, (d, _), digest in zip(group, places, digests, strict=True):
             flags = VALID | (FIRST if b.first else 0)
-            record = RECORD.pack(MAGIC, flags, digest, b.key, b.parent, b"")
+            record = RECORD.pack(MAGIC, flags, digest, b.key, b.parent, b.ns_tag, now_ms)
             self._write_record(d, b.slot, record)
             self.checksums[b.slot] = digest
             self.keys[b.slot] = np.frombuffer(b.key, dtype=np.uint8)
@@ -473,13 +501,15 @@ class SsdStore:
             assert d.journal_map is not None, "the store is closed"
             raw = d.journal_map[: self.slots_per_dir * RECORD_BYTES]
             for j in range(len(raw) // RECORD_BYTES):
-                magic, flags, digest, key, parent, _ = RECORD.unpack_from(raw, j * RECORD_BYTES)
+                magic, flags, digest, key, parent, tag, written = RECORD.unpack_from(
+                    raw, j * RECORD_BYTES
+                )
                 if magic != MAGIC or not flags & VALID:
                     continue
                 slot = j * n + i
                 self.checksums[slot] = digest
                 self.keys[slot] = np.frombuffer(key, dtype=np.uint8)
-                out.append(Record(slot, key, parent, bool(flags & FIRST), digest))
+                out.append(Record(slot, key, parent, bool(flags & FIRST), digest, tag, written))
         return out
 
     def close(self) -> None:
@@ -575,6 +605,8 @@ class WriteBlock(NamedTuple):
     parent: bytes
     first: bool
     """The block starts its sequence (its parent is the namespace root)."""
+    ns_tag: bytes = NO_TAG
+    """Its namespace's tag, recorded for a restart (`Record.ns_tag`)."""
 
 
 class ReadBlock(NamedTuple):
