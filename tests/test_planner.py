@@ -234,6 +234,27 @@ def test_a_staging_under_way_is_waited_for_even_where_the_double_get_rule_says_n
     assert_clean(g)
 
 
+def test_a_part_copies_its_own_blocks_and_keeps_the_staged_blocks_after_it():
+    """A part of a load in parts (`end`) copies and counts keys[skip:end],
+    but locks the whole CPU prefix: a save evicting for room while the part
+    is open cannot take the staged blocks of the parts not yet asked."""
+    g = make_global()
+    populate(g, {"cpu": 8})
+    part = g.get(REQUEST, GPU, 2, stage=False, hit=False, end=5)
+    assert op_rows(part) == [(H2D, slots("cpu", 2, 5), gpus(2, 5), ())]
+    assert part.hit_blocks == TierCounts(3, 0, 0)
+    g.cpu.evict(8)
+    assert g.lookup(REQUEST).cpu == 8  # all 8 locked, blocks 5-7 included
+    finish(g, part)
+    g.cpu.evict(8)
+    assert g.lookup(REQUEST).cpu == 0
+    with pytest.raises(ValueError):
+        g.get(REQUEST, GPU, 2, stage=False, end=1)  # before skip
+    with pytest.raises(ValueError):
+        g.get(REQUEST, GPU, 2, end=5)  # a part never stages
+    assert_clean(g)
+
+
 def test_cuts_outside_the_staged_blocks_change_nothing():
     g = make_global()
     populate(g, {"cpu": 2, "ssd": 4})

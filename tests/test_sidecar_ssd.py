@@ -653,3 +653,50 @@ def test_a_parked_load_is_not_tried_again_by_plans_whose_end_frees_no_slot(insta
             channel.close()
         wait_for(lambda: c.stats()["plans_in_flight"] == 0)
     assert s.stop() == 0
+
+
+def test_a_load_in_parts_keeps_its_staged_blocks_from_a_load_short_of_slots(instance):
+    """B's 7 blocks, staged into the 8-slot CPU tier, are asked for a block
+    a part. Each part's plan locks every staged block, not only its own: A's
+    load (2 blocks, 1 slot free), arriving between B's parts, cannot evict
+    the blocks of B's parts not yet asked for (before, it took B's last
+    block, whose part came back empty). A gets what the free slot holds."""
+    s = instance.start()
+    src = kv(12)
+    a_tokens, b_tokens = tokens(2, start=10_000), tokens(7)
+    with client(s.endpoint, src) as c:
+        c.save(b_tokens, np.arange(7)).wait()
+        wait_for(lambda: on_ssd(c, 7))  # written: the next save may evict them
+        c.save(a_tokens, np.arange(10, 12)).wait()
+        wait_for(lambda: on_ssd(c, 9))
+    assert s.stop() == 0
+    s = instance.start()  # the CPU tier empty, the SSD's 9 blocks recovered
+    with client(s.endpoint, kv(None)) as b, client(s.endpoint, kv(None)) as a:
+        channel = Channel(s.endpoint, 5.0)
+        try:
+            b_frames = [p.keys_frame(b.block_keys(b_tokens)), p.ids_frame(np.arange(7))]
+
+            def part(k: int) -> int:
+                """B's part k (block k), answered; its plan left open."""
+                load = p.Load(v=1, id=0, session=b.session, skip=k, end=k + 1)
+                reply = channel.call(load, b_frames)[0]
+                assert reply.hit_blocks == 1, (k, reply)  # its block was kept for it
+                return int(reply.plan_id)
+
+            open_plan = part(0)  # stages all 7 of B's blocks
+            wait_for(lambda: b.lookup_tiers(b_tokens).cpu == 7 * BLOCK_TOKENS)  # staging done
+            load_a = p.Load(v=1, id=0, session=a.session)
+            a_frames = [p.keys_frame(a.block_keys(a_tokens)), p.ids_frame(np.arange(20, 22))]
+            for k in range(1, 7):
+                nxt = part(k)  # asked before the part before it ends, as parts.py does
+                channel.call(p.Cancel(v=1, id=0, session=b.session, plan_id=open_plan))
+                open_plan = nxt
+                if k == 1:
+                    rid = channel.send(load_a, a_frames)
+            channel.call(p.Cancel(v=1, id=0, session=b.session, plan_id=open_plan))
+            reply, _ = channel.wait_reply(rid, 5.0)
+            assert reply.hit_blocks >= 1, reply  # 2 if it was tried after B's last part
+            channel.call(p.Cancel(v=1, id=0, session=a.session, plan_id=reply.plan_id))
+        finally:
+            channel.close()
+    assert s.stop() == 0

@@ -187,6 +187,7 @@ class GlobalCacheEngine(PlanTable):
         hit: bool = True,
         ns: int = 0,
         ready_at: Sequence[int] = (),
+        end: int | None = None,
     ) -> Plan:
         """Plan loading keys[skip:matched] into gpu_blocks[skip:matched].
 
@@ -200,20 +201,27 @@ class GlobalCacheEngine(PlanTable):
         Blocks staged or written down join namespace `ns`. Staged blocks
         become ready together, or, cut at the block counts `ready_at`, each
         part once it and every part before it have landed (a load asked for
-        in parts: each is answered as soon as its blocks are ready).
+        in parts: each is answered as soon as its blocks are ready). With
+        `end` (and `stage=False`: one part of a load in parts), only
+        keys[skip:end] are copied and counted, but the CPU prefix is matched
+        and locked whole, so the staged blocks of the parts after it stay
+        in the tier until those are asked for.
         """
         n = _check_request(keys, gpu_blocks)
         if not 0 <= skip <= n:
             raise ValueError(f"skip must be in [0, {n}], got {skip}")
+        if end is not None and (stage or not skip <= end <= n):
+            raise ValueError(f"end must be in [{skip}, {n}] and stage False, got {end}")
         if self._ttls:
             self.expire()
         run, graph = self._start(PlanKind.GET)
         cpu_m = self.cpu.match(keys, touch=hit)
         c = cpu_m.num_blocks
         run.lock(self.cpu, cpu_m.node)
-        if skip < c:
-            graph.add(OpKind.H2D, cpu_m.slots[skip:c], gpu_blocks[skip:c])
-        counts = {"cpu": max(0, c - skip)}
+        copied = c if end is None else min(c, end)
+        if skip < copied:
+            graph.add(OpKind.H2D, cpu_m.slots[skip:copied], gpu_blocks[skip:copied])
+        counts = {"cpu": max(0, copied - skip)}
         if stage and cpu_m.num_present == c:  # nothing after the CPU prefix is in flight
             staged = self._stage_from_lower(run, graph, keys, gpu_blocks, cpu_m, skip, ns, ready_at)
             counts.update(staged)

@@ -373,12 +373,13 @@ class Handlers:
                 self.waiting.park(waiting, self._room())
                 return None
         plan = cache.get(
-            BlockKeys(keys[:end]),
-            GpuBlockIds(gpu[:end]),
+            keys,
+            gpu,
             req.skip,
             stage=False,
             ns=ns,
             hit=end == len(keys),  # a load in parts is one hit, with its last part
+            end=end,  # copies its own part; locks the staged blocks of the parts after it
         )
         ops, op_arrays = self._engine_ops(session, plan)
         h = plan.hit_blocks

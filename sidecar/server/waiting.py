@@ -70,19 +70,21 @@ class WaitingLoads:
         )
 
     def take(self, plan_id: int | None, room: int, progress: int) -> list[WaitingLoad]:
-        """The loads to try again now: the one deferred for `plan_id` (if
-        any; the end of a data-plane plan also retries every other), the
-        parked ones if there may be room since, the filling ones if there
-        was progress since."""
-        retry = []
-        if plan_id is not None or room != self.parked_at:
-            retry += self.parked
-            self.parked, self.parked_at = [], room
+        """The loads to try again now, in this order: the one deferred for
+        `plan_id` (if any; the end of a data-plane plan also retries every
+        other), the filling ones if there was progress since, the parked
+        ones if there may be room since. Loads whose blocks were just
+        staged go first, so that they lock them before a parked load's
+        staging may evict them."""
+        ready = self.deferred.pop(plan_id, None) if plan_id is not None else None
+        retry = [] if ready is None else [ready]
         if plan_id is not None or progress != self.filling_at:
             retry += self.filling
             self.filling, self.filling_at = [], progress
-        ready = self.deferred.pop(plan_id, None) if plan_id is not None else None
-        return [*retry, *([ready] if ready is not None else [])]
+        if plan_id is not None or room != self.parked_at:
+            retry += self.parked
+            self.parked, self.parked_at = [], room
+        return retry
 
     def take_all(self) -> list[WaitingLoad]:
         """Every waiting load (shutting down: each gets an error reply)."""
