@@ -655,6 +655,42 @@ def test_a_parked_load_is_not_tried_again_by_plans_whose_end_frees_no_slot(insta
     assert s.stop() == 0
 
 
+def test_a_load_parked_behind_a_save_rolled_back_for_an_orphan_is_answered(tmp_path):
+    """W's save holds every CPU slot; A's load parks. W goes silent and its
+    lease runs out: the save is rolled back (no end reported to the loads
+    waiting) and its slots stay held for the orphan, so nothing is freed and
+    nothing made evictable. A is answered then (with what the tier holds),
+    not only when the orphan is released 10 leases later (found by review:
+    A waited 22 s, past any client's timeout)."""
+    inst = Instance(str(tmp_path / "ssd"), "--set", "lease_seconds=2")
+    try:
+        s = inst.start()
+        a_tokens, b_tokens = tokens(2, start=10_000), tokens(8)
+        with client(s.endpoint, kv(12)) as c, client(s.endpoint, kv(13)) as w:
+            c.save(a_tokens, np.arange(10, 12)).wait()
+            wait_for(lambda: on_ssd(c, 2))
+            assert w._link.heartbeat is not None
+            w._link.heartbeat.stop()  # W's process lives on, but goes silent
+            channel = Channel(s.endpoint, 60.0)
+            try:
+                save = p.Save(v=1, id=0, session=w.session)
+                frames = [p.keys_frame(w.block_keys(b_tokens)), p.ids_frame(np.arange(8))]
+                assert channel.call(save, frames)[0].stored_blocks == 8  # every CPU slot
+                load_a = p.Load(v=1, id=0, session=c.session)
+                a_frames = [p.keys_frame(c.block_keys(a_tokens)), p.ids_frame(np.arange(20, 22))]
+                rid = channel.send(load_a, a_frames)
+                channel.call(p.Stats(v=1, id=0))
+                assert rid not in channel._early, "A's load was answered at once"
+                reply, _ = channel.wait_reply(rid, 60.0)
+                assert reply.hit_blocks == 0  # the slots are still the orphan's
+                assert c.stats()["orphaned_plans"] == 1, "answered only once the orphan went"
+            finally:
+                channel.close()
+        assert s.stop() == 0
+    finally:
+        inst.cleanup()
+
+
 def test_a_load_in_parts_keeps_its_staged_blocks_from_a_load_short_of_slots(instance):
     """B's 7 blocks, staged into the 8-slot CPU tier, are asked for a block
     a part. Each part's plan locks every staged block, not only its own: A's

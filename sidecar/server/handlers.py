@@ -369,7 +369,8 @@ class Handlers:
             counts = cache.lookup(keys)  # the double-get rule: for the whole load
             if min(max(counts.ssd, counts.remote), end) > counts.cpu and dataplane.plans:
                 # No CPU slot free now: they are held by writes to SSD in
-                # flight or by engines' open plans. Try again when a plan ends.
+                # flight or by engines' open plans. Try again when a slot may
+                # have come free (retry_parked) or a data-plane plan ends.
                 self.waiting.park(waiting, self._room())
                 return None
         plan = cache.get(
@@ -478,7 +479,7 @@ class Handlers:
     def _plan_ended(self, plan_id: int, ok: bool) -> None:
         """A plan run by the data plane ended: answer a load waiting for it."""
         self.engines.end(plan_id, cancel=False)
-        self._retry_loads(self.waiting.take(plan_id, self._room(), self._progress()))
+        self._retry_waiting(plan_id)
 
     def retry_parked(self) -> None:
         """Try the parked loads again if a CPU slot may have come free since
@@ -489,9 +490,64 @@ class Handlers:
         A plan whose end frees nothing (a load whose blocks sit above blocks
         still in flight, a staged part made ready) does not retry the parked
         loads: each try of theirs costs one of their MAX_STAGING_ATTEMPTS."""
-        waiting, room = self.waiting, self._room()
-        if waiting.waiting and waiting.due(room, progress := self._progress()):
-            self._retry_loads(waiting.take(None, room, progress))
+        waiting = self.waiting
+        if waiting.waiting and waiting.due(self._room(), self._progress(), self._idle()):
+            self._retry_waiting(None)
+
+    def _retry_waiting(self, plan_id: int | None) -> None:
+        """Try the waiting loads whose trigger came (`plan_id`: a data-plane
+        plan ended), in this order: the staging's own load, the loads waiting
+        for a filling whose blocks are all ready now (they only lock and
+        copy), the other filling loads (which may stage), and last the parked
+        ones, only if some CPU slot could be had now (`_room_now`): their
+        tries are few, and the loads before them may have just locked
+        whatever a plan's end left evictable."""
+        waiting = self.waiting
+        self._retry_loads(self._ready_first(waiting.take_unparked(plan_id, self._progress())))
+        if not waiting.parked:
+            return
+        # A load parks only while a data-plane plan is in flight; one rolled
+        # back (an engine gave up its save) reports no end and may free
+        # nothing (its slots held for an orphan): with none left, try them.
+        idle = self._idle()
+        if idle or self._room_now():
+            self._retry_loads(waiting.take_parked(plan_id is not None, self._room(), idle))
+
+    def _idle(self) -> bool:
+        """No data-plane plan is in flight (in any geometry)."""
+        return not any(
+            realm.dataplane is not None and realm.dataplane.plans for realm in self.geometries
+        )
+
+    def _room_now(self) -> bool:
+        """Whether a staging could get a CPU slot now: a free or evictable
+        slot in some geometry, or slots of the arena no geometry owns."""
+        for realm in self.geometries:
+            cpu = realm.cache.cpu
+            if cpu.mempool.num_free or cpu.index.next_victim_age() is not None:
+                return True
+        arena = self.geometries.arena
+        return any(arena.unowned_slots(realm.layout.slot_stride) for realm in self.geometries)
+
+    def _ready_first(self, loads: list[WaitingLoad]) -> list[WaitingLoad]:
+        """`loads` with those whose asked blocks are all ready in the CPU
+        tier first (order kept otherwise)."""
+        if len(loads) < 2:
+            return loads
+        ready: list[WaitingLoad] = []
+        rest: list[WaitingLoad] = []
+        for load in loads:
+            (ready if self._all_ready(load) else rest).append(load)
+        return ready + rest
+
+    def _all_ready(self, load: WaitingLoad) -> bool:
+        session = self.engines.sessions.get(load.request.session)  # its lease not renewed
+        if session is None:
+            return True  # answered at once: an error
+        keys = p.parse_keys(load.arrays[0])  # parsed once already: well formed
+        end = load.request.end or len(keys)
+        cpu = self._realm(session).cache.cpu
+        return bool(cpu.match(BlockKeys(keys[:end])).num_blocks >= end)
 
     def _room(self) -> int:
         """A count that grows when a CPU slot may have come free: one was

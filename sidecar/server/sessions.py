@@ -213,8 +213,9 @@ class Engines:
         self.num_expired = 0
         self.num_ended = 0
         """Plans ended so far (completed, failed, cancelled or dropped) and
-        orphans made or released: each may have unlocked or freed CPU slots
-        (parked loads are tried again when it changes)."""
+        orphans made or released: loads waiting for a filling are tried again
+        when it changes (parked ones watch the slots freed and the blocks
+        made evictable instead: handlers.Handlers._room)."""
 
     def session(self, session_id: str) -> Session:
         """The live session (its lease renewed), or ProtocolError NOT_REGISTERED."""
@@ -351,7 +352,7 @@ class Engines:
         session.abandoned_grant = abandoned_grant
         if session.granted:
             self._drop_grant(session, may_write=False)
-            self.num_ended += 1  # CPU slots freed: parked loads are tried again
+            self.num_ended += 1
 
     def _drop_grant(self, session: Session, may_write: bool) -> None:
         """A departed rank's granted slots go back: at once if it cannot be

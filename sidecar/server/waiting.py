@@ -5,7 +5,8 @@ answered after a staging plan copied them into the CPU tier (`deferred`,
 by that plan's id). One that found no CPU slot free (they were held by
 writes in flight or by engines' open plans) is `parked` until a slot may
 have come free (one was freed, or a block became evictable: the handlers'
-`room` count grew) or a plan of the data plane ended, then tried again:
+`room` count grew), a plan of the data plane ended, or none is left in
+flight (one rolled back reports no end), then tried again:
 each try costs it one of its staging attempts, so plans whose end frees
 nothing (another engine's loads, each part of a load in parts) must not
 bring it back. One whose blocks a staging is still filling (a
@@ -63,27 +64,34 @@ class WaitingLoads:
         """Loads are parked or wait for a filling."""
         return bool(self.parked or self.filling)
 
-    def due(self, room: int, progress: int) -> bool:
-        """Loads wait whose trigger came since they were last tried."""
-        return bool(self.parked and room != self.parked_at) or bool(
+    def due(self, room: int, progress: int, idle: bool = False) -> bool:
+        """Loads wait whose trigger came since they were last tried (`idle`:
+        no data-plane plan is in flight, so nothing a parked load waits for
+        is left, e.g. a save rolled back without reporting an end)."""
+        return bool(self.parked and (idle or room != self.parked_at)) or bool(
             self.filling and progress != self.filling_at
         )
 
-    def take(self, plan_id: int | None, room: int, progress: int) -> list[WaitingLoad]:
-        """The loads to try again now, in this order: the one deferred for
-        `plan_id` (if any; the end of a data-plane plan also retries every
-        other), the filling ones if there was progress since, the parked
-        ones if there may be room since. Loads whose blocks were just
-        staged go first, so that they lock them before a parked load's
-        staging may evict them."""
+    def take_unparked(self, plan_id: int | None, progress: int) -> list[WaitingLoad]:
+        """The loads to try again first: the one deferred for `plan_id` (if
+        any), then the filling ones if a data-plane plan ended or there was
+        progress since. Loads whose blocks were just staged go before the
+        parked ones (`take_parked`), so that they lock those blocks before a
+        parked load's staging may evict them."""
         ready = self.deferred.pop(plan_id, None) if plan_id is not None else None
         retry = [] if ready is None else [ready]
         if plan_id is not None or progress != self.filling_at:
             retry += self.filling
             self.filling, self.filling_at = [], progress
-        if plan_id is not None or room != self.parked_at:
-            retry += self.parked
-            self.parked, self.parked_at = [], room
+        return retry
+
+    def take_parked(self, plan_ended: bool, room: int, idle: bool = False) -> list[WaitingLoad]:
+        """The parked loads, if a data-plane plan ended, there may be room
+        since they were last tried, or (`idle`) nothing they wait for is
+        left in flight."""
+        if not (plan_ended or room != self.parked_at or idle):
+            return []
+        retry, self.parked, self.parked_at = self.parked, [], room
         return retry
 
     def take_all(self) -> list[WaitingLoad]:
