@@ -101,10 +101,16 @@ class Channel:
             # A fresh socket may still be connecting: its first send waits for
             # that, up to the timeout. Any later send with no sidecar connected
             # (never up, or gone) fails at once.
+            # (Writable by the poll, a send can still find no peer: a
+            # connection made and dropped at once, as to an address that
+            # refuses it.)
             first, self._first_send = self._first_send, False
             if not first or not self._sock.poll(int(self.timeout * 1000), zmq.POLLOUT):
                 raise SidecarUnavailable(f"no sidecar connected at {self.endpoint}") from None
-            p.send_frames(self._sock, frames, _NOBLOCK)
+            try:
+                p.send_frames(self._sock, frames, _NOBLOCK)
+            except zmq.Again:
+                raise SidecarUnavailable(f"no sidecar connected at {self.endpoint}") from None
         self._first_send = False
         if reply:
             self._awaited[rid] = r.REPLY_OF[type(request)]

@@ -62,3 +62,31 @@ def test_each_wait_keeps_its_own_timeout_when_the_socket_reuses_the_last(tmp_pat
         thread.join(5)
         channel.close()
         router.close(0)
+
+
+def test_a_send_refused_after_the_socket_turned_writable_is_sidecar_unavailable(
+    tmp_path, monkeypatch
+):
+    """A first send waits for the socket to become writable, then sends again.
+    That second send can still find no peer (a connection made and dropped
+    at once, as to an address off loopback in CI): the caller gets
+    SidecarUnavailable, as for any other send, not zmq.Again."""
+    endpoint = f"ipc://{tmp_path}/router"
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    channel = Channel(endpoint, timeout=5.0)
+    sent: list[int] = []
+
+    def no_peer(sock: zmq.Socket, frames: list[bytes], flags: int = 0) -> None:
+        sent.append(len(frames))
+        raise zmq.Again()
+
+    try:
+        monkeypatch.setattr(p, "send_frames", no_peer)
+        with pytest.raises(SidecarUnavailable, match="no sidecar connected"):
+            channel.send(p.Stats(v=V, id=0))
+        assert len(sent) == 2  # tried, waited until writable (connected), tried again
+    finally:
+        channel.close()
+        router.close(0)
