@@ -89,13 +89,20 @@ def server(redis_bin):
     s.cleanup()
 
 
+def saved_to_the_store(s: Sidecar, seed: int) -> list[torch.Tensor]:
+    """Blocks 0..N-1 of kv(seed) saved through `s`, every value written to
+    the remote store; returns that KV."""
+    src = kv(seed)
+    with client(s, src) as c:
+        assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
+        wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+    return src
+
+
 def save_on_one_load_on_the_other(hosts: Hosts) -> None:
     a, b = hosts.start(), hosts.start()
     assert a.shm_prefix != b.shm_prefix
-    src = kv(1)
-    with client(a, src) as c:
-        assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
-        wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+    src = saved_to_the_store(a, 1)
     dst = kv(None)
     with client(b, dst) as c:
         assert c.lookup(tokens(N)) == N * BLOCK_TOKENS  # found by a probe of the store
@@ -129,10 +136,7 @@ def test_a_load_in_parts_probes_the_store_once(tmp_path, server, monkeypatch):
     hosts = Hosts(tmp_path, server.url)
     try:
         a, b = hosts.start(), hosts.start()
-        src = kv(2)
-        with client(a, src) as c:
-            assert c.save(tokens(N), np.arange(N)).wait() == N * BLOCK_TOKENS
-            wait_for(lambda: remote(c)["cached_blocks"] == N and settled(c))
+        src = saved_to_the_store(a, 2)
         dst = kv(None)
         with client(b, dst) as c:
             assert c.load(tokens(N), np.arange(10, 10 + N)).wait() == N * BLOCK_TOKENS

@@ -313,10 +313,10 @@ def test_recover_names_the_trees_whose_top_records_a_namespace():
         Record(7, raw[2], raw[1], False, 0, b"tagged-1", 3_000),
         Record(9, other, b"\0" * 16, True, 0),  # written before tags: none
     ]
-    trees: dict[bytes, tuple[bytes, int]] = {}
+    trees: dict[bytes, dict[bytes, int]] = {}
     placed, orphans = recover(engine, records, trees)
     assert (placed, orphans) == (4, [])
-    assert trees == {raw[0]: (b"tagged-1", 1_000)}  # as old as its top
+    assert trees == {b"tagged-1": {raw[0]: 1_000}}  # as old as its top
 
 
 def test_recover_rebuilds_chains_and_returns_orphans():

@@ -56,3 +56,13 @@ def test_parked_loads_are_due_once_nothing_they_wait_for_is_in_flight():
     assert not w.due(4, 0) and w.due(4, 0, idle=True)
     assert w.take_parked(False, 4) == []
     assert [x.request.id for x in w.take_parked(False, 4, idle=True)] == [1]
+
+
+def test_a_trigger_with_no_slot_to_be_had_is_noted_and_the_next_one_awaited():
+    w = WaitingLoads()
+    w.park(load(1), room=4)
+    assert w.due(5, 0)  # a slot may have come free...
+    w.no_room(5)  # ...but none can be had: not checked again every loop round
+    assert not w.due(5, 0) and w.parked
+    assert w.due(6, 0)
+    assert [x.request.id for x in w.take_parked(False, 6)] == [1]

@@ -491,7 +491,10 @@ class Handlers:
         still in flight, a staged part made ready) does not retry the parked
         loads: each try of theirs costs one of their MAX_STAGING_ATTEMPTS."""
         waiting = self.waiting
-        if waiting.waiting and waiting.due(self._room(), self._progress(), self._idle()):
+        if not waiting.waiting:
+            return
+        idle = bool(waiting.parked) and self._idle()
+        if waiting.due(self._room(), self._progress(), idle):
             self._retry_waiting(None)
 
     def _retry_waiting(self, plan_id: int | None) -> None:
@@ -512,6 +515,8 @@ class Handlers:
         idle = self._idle()
         if idle or self._room_now():
             self._retry_loads(waiting.take_parked(plan_id is not None, self._room(), idle))
+        else:
+            waiting.no_room(self._room())
 
     def _idle(self) -> bool:
         """No data-plane plan is in flight (in any geometry)."""

@@ -85,6 +85,11 @@ class WaitingLoads:
             self.filling, self.filling_at = [], progress
         return retry
 
+    def no_room(self, room: int) -> None:
+        """Their trigger came but no CPU slot can be had now: the parked
+        loads wait for the next (not checked again every loop round)."""
+        self.parked_at = room
+
     def take_parked(self, plan_ended: bool, room: int, idle: bool = False) -> list[WaitingLoad]:
         """The parked loads, if a data-plane plan ended, there may be room
         since they were last tried, or (`idle`) nothing they wait for is

@@ -67,21 +67,16 @@ class TieredCache:
         as its own at start, aged from when they were written (their TTL
         counts from then); returns their blocks. The trees a request of
         theirs extended meanwhile have been claimed already."""
-        store = self.ssd
-        if store is None or not store.recovered:
+        trees = None if self.ssd is None else self.ssd.recovered.pop(tag, None)
+        if not trees:
             return 0
         index = self.cache.lower["ssd"].index
         now_ms = time.time_ns() // 1_000_000
         claimed = 0
-        for top in list(index.root.children.values()):
-            first = top.key_bytes[:16]
-            found = store.recovered.get(first)
-            if found is None or found[0] != tag:
-                continue
-            del store.recovered[first]
-            if top.ns == 0:
-                written_ms = found[1]
-                claimed += index.claim(top, ns, (now_ms - written_ms) / 1000 if written_ms else 0.0)
+        for first, written_ms in trees.items():
+            top = index.root.children.get(first)
+            if top is not None and top.ns == 0:  # not evicted, nor extended meanwhile
+                claimed += index.claim(top, ns, (now_ms - written_ms) / 1000)
         return claimed
 
     def cancel(self, plan_id: int) -> None:

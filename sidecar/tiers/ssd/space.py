@@ -276,7 +276,7 @@ def _room(path: Path, want: int, prefix: str) -> int:
 
 
 def recover(
-    engine: CacheEngine, records: list[Record], trees: dict[bytes, tuple[bytes, int]] | None = None
+    engine: CacheEngine, records: list[Record], trees: dict[bytes, dict[bytes, int]] | None = None
 ) -> tuple[int, list[int]]:
     """Insert every chain the records describe into the engine's index, ready
     (in namespace 0: the namespaces are not known yet).
@@ -284,9 +284,9 @@ def recover(
     A record whose parent key is not itself recorded (and that does not start
     a sequence) is an orphan: unreachable by any prefix match, so its slot is
     returned to be cleared. Returns (blocks recovered, orphan slots). Each
-    tree whose top records its namespace goes into `trees`, by its first key:
-    (the namespace's tag, when the top was written), for a namespace to
-    claim when it registers (`SsdStore.recovered`).
+    tree whose top records its namespace goes into `trees[tag][first key]`
+    (when the top was written), for that namespace to claim when it
+    registers (`SsdStore.recovered`).
     """
     by_key: dict[bytes, Record] = {}
     for r in records:  # a key recorded twice (a crash between writes): keep one
@@ -301,7 +301,7 @@ def recover(
     if trees is not None:
         for r in roots:
             if r.ns_tag != NO_TAG:
-                trees[r.key] = (r.ns_tag, r.written_ms)
+                trees.setdefault(r.ns_tag, {})[r.key] = r.written_ms
     runs: list[tuple[bytes, np.ndarray]] = []  # parents before children
     stack: list[tuple[bytes, Record]] = [(b"", r) for r in roots]
     while stack:

@@ -280,10 +280,10 @@ class SsdStore:
         self.ns_tags: dict[int, bytes] = {}
         """Namespace number -> its tag, recorded with each block written for
         it (set by the sidecar as namespaces register; read by I/O threads)."""
-        self.recovered: dict[bytes, tuple[bytes, int]] = {}
-        """The first key of each tree recovered from the journals whose
-        namespace is recorded -> (its tag, when its top was written, Unix
-        ms): what a namespace registering after a restart claims."""
+        self.recovered: dict[bytes, dict[bytes, int]] = {}
+        """Namespace tag -> the trees recovered from the journals as that
+        namespace's: the first key of each -> when its top was written (Unix
+        ms). What a namespace registering after a restart claims."""
 
     def _where(self, slot: int) -> tuple[_Dir, int]:
         if not 0 <= slot < self.num_slots:
